@@ -1,0 +1,24 @@
+module kvbox.dev/kvbox
+
+go 1.26.8
+
+require (
+	github.com/coreos/go-iptables v0.8.0
+	github.com/digitalocean/go-qemu v0.0.0-20250212194115-ee9b0668d242
+	github.com/mdlayher/vsock v1.4.0
+	github.com/spf13/cobra v1.10.2
+	github.com/vishvananda/netlink v1.3.1
+	golang.org/x/sys v0.50.0
+	golang.org/x/term v0.48.0
+	libvirt.org/go/libvirt v1.11010.0
+)
+
+require (
+	github.com/digitalocean/go-libvirt v0.0.0-20220804181439-8648fbde413e // indirect
+	github.com/inconshreveable/mousetrap v1.1.0 // indirect
+	github.com/mdlayher/socket v0.8.0 // indirect
+	github.com/spf13/pflag v1.0.9 // indirect
+	github.com/vishvananda/netns v0.0.5 // indirect
+	golang.org/x/net v0.62.0 // indirect
+	golang.org/x/sync v0.24.0 // indirect
+)
