@@ -1,0 +1,238 @@
+package qmp
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+)
+
+// Migration capabilities and parameters kvbox changes (qapi/migration.json).
+const (
+	CapIgnoreShared = "x-ignore-shared"
+	CapMappedRAM    = "mapped-ram"
+	CapMultifd      = "multifd"
+
+	ParamAnnounceInitial = "announce-initial"
+	ParamAnnounceMax     = "announce-max"
+	ParamAnnounceRounds  = "announce-rounds"
+	ParamAnnounceStep    = "announce-step"
+	ParamMultifdChannels = "multifd-channels"
+)
+
+type capabilityState struct {
+	Capability string `json:"capability"`
+	State      bool   `json:"state"`
+}
+
+// MigrateSetCapabilities sets the given migration capabilities; the others
+// keep their value. QEMU refuses while a migration runs.
+func (c *Client) MigrateSetCapabilities(ctx context.Context, caps map[string]bool) error {
+	list := make([]capabilityState, 0, len(caps))
+	for _, name := range sortedKeys(caps) {
+		list = append(list, capabilityState{name, caps[name]})
+	}
+	return c.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": list}, nil)
+}
+
+// QueryMigrateCapabilities returns every migration capability QEMU knows
+// with its current state.
+func (c *Client) QueryMigrateCapabilities(ctx context.Context) (map[string]bool, error) {
+	var list []capabilityState
+	if err := c.Execute(ctx, "query-migrate-capabilities", nil, &list); err != nil {
+		return nil, err
+	}
+	caps := make(map[string]bool, len(list))
+	for _, cs := range list {
+		caps[cs.Capability] = cs.State
+	}
+	return caps, nil
+}
+
+// MigrateSetParameters sets migration parameters; QEMU takes them as one flat
+// object ({"announce-rounds": 0, ...}).
+func (c *Client) MigrateSetParameters(ctx context.Context, params map[string]any) error {
+	return c.Execute(ctx, "migrate-set-parameters", params, nil)
+}
+
+// QueryMigrateParameters returns the current migration parameters. Numbers
+// are json.Number so they can be set back without loss.
+func (c *Client) QueryMigrateParameters(ctx context.Context) (map[string]any, error) {
+	params := map[string]any{}
+	if err := c.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
+		return nil, err
+	}
+	return params, nil
+}
+
+// ApplyMigrationSettings records the current value of every capability and
+// parameter named in caps and params, sets the new values, and returns a
+// restore func that sets each recorded value back. Callers must run restore
+// after the snapshot or clone step: a capability such as x-ignore-shared left
+// on makes a later `virsh save` write an image without RAM that `virsh
+// restore` cannot load (DESIGN.md, "Traps found").
+//
+// A parameter QEMU does not report cannot be put back, so it is refused before
+// anything changes. If setting the new values fails, what was already changed
+// is restored before returning the error.
+func (c *Client) ApplyMigrationSettings(ctx context.Context, caps map[string]bool, params map[string]any) (restore func(context.Context) error, err error) {
+	oldCaps := map[string]bool{}
+	oldParams := map[string]any{}
+	if len(caps) > 0 {
+		cur, err := c.QueryMigrateCapabilities(ctx)
+		if err != nil {
+			return nil, err
+		}
+		for name := range caps {
+			v, ok := cur[name]
+			if !ok {
+				return nil, fmt.Errorf("qmp: migration capability %q is unknown to this QEMU", name)
+			}
+			oldCaps[name] = v
+		}
+	}
+	if len(params) > 0 {
+		cur, err := c.QueryMigrateParameters(ctx)
+		if err != nil {
+			return nil, err
+		}
+		for name := range params {
+			v, ok := cur[name]
+			if !ok {
+				return nil, fmt.Errorf("qmp: migration parameter %q is not reported by query-migrate-parameters, it could not be restored", name)
+			}
+			oldParams[name] = v
+		}
+	}
+
+	capsSet, paramsSet := false, false
+	restore = func(ctx context.Context) error {
+		var errs []error
+		if paramsSet && len(oldParams) > 0 {
+			if err := c.MigrateSetParameters(ctx, oldParams); err != nil {
+				errs = append(errs, fmt.Errorf("restore migration parameters: %w", err))
+			}
+		}
+		if capsSet && len(oldCaps) > 0 {
+			if err := c.MigrateSetCapabilities(ctx, oldCaps); err != nil {
+				errs = append(errs, fmt.Errorf("restore migration capabilities: %w", err))
+			}
+		}
+		return errors.Join(errs...)
+	}
+
+	if len(caps) > 0 {
+		capsSet = true
+		if err := c.MigrateSetCapabilities(ctx, caps); err != nil {
+			capsSet = false
+			return nil, err
+		}
+	}
+	if len(params) > 0 {
+		paramsSet = true
+		if err := c.MigrateSetParameters(ctx, params); err != nil {
+			paramsSet = false
+			return nil, errors.Join(err, restore(ctx))
+		}
+	}
+	return restore, nil
+}
+
+// Migrate starts an outgoing migration to uri (kvbox uses "file:PATH").
+// It returns once the migration started; see WaitMigration.
+func (c *Client) Migrate(ctx context.Context, uri string) error {
+	return c.Execute(ctx, "migrate", map[string]any{"uri": uri}, nil)
+}
+
+// MigrateIncoming starts loading state into a QEMU started with
+// `-incoming defer`.
+func (c *Client) MigrateIncoming(ctx context.Context, uri string) error {
+	return c.Execute(ctx, "migrate-incoming", map[string]any{"uri": uri}, nil)
+}
+
+// MigrateCancel cancels the running outgoing migration.
+func (c *Client) MigrateCancel(ctx context.Context) error {
+	return c.Execute(ctx, "migrate_cancel", nil, nil)
+}
+
+// Migration states from qapi/migration.json MigrationStatus.
+const (
+	MigrationNone      = "none"
+	MigrationSetup     = "setup"
+	MigrationActive    = "active"
+	MigrationCompleted = "completed"
+	MigrationFailed    = "failed"
+	MigrationCancelled = "cancelled"
+)
+
+// MigrateStatus is the part of query-migrate kvbox reads. Status is empty
+// when QEMU has seen no migration yet (it then omits the field).
+type MigrateStatus struct {
+	Status    string       `json:"status"`
+	ErrorDesc string       `json:"error-desc,omitempty"`
+	TotalTime *json.Number `json:"total-time,omitempty"` // ms
+	Downtime  *json.Number `json:"downtime,omitempty"`   // ms
+	RAM       *MigrateRAM  `json:"ram,omitempty"`
+}
+
+// MigrateRAM holds the RAM counters of query-migrate.
+type MigrateRAM struct {
+	Transferred json.Number `json:"transferred"`
+	Remaining   json.Number `json:"remaining"`
+	Total       json.Number `json:"total"`
+	Duplicate   json.Number `json:"duplicate"`
+	Normal      json.Number `json:"normal"`
+}
+
+// QueryMigrate returns the state of the current or last migration, outgoing
+// or incoming.
+func (c *Client) QueryMigrate(ctx context.Context) (MigrateStatus, error) {
+	var s MigrateStatus
+	err := c.Execute(ctx, "query-migrate", nil, &s)
+	return s, err
+}
+
+// ErrMigrationFailed is wrapped by WaitMigration's error when QEMU reports
+// the migration failed or cancelled.
+var ErrMigrationFailed = errors.New("migration failed")
+
+// WaitMigration polls query-migrate every poll until the migration is
+// completed. A failed or cancelled migration returns an error wrapping
+// ErrMigrationFailed with QEMU's error-desc. ctx bounds the whole wait.
+func (c *Client) WaitMigration(ctx context.Context, poll time.Duration) error {
+	if poll <= 0 {
+		poll = 10 * time.Millisecond
+	}
+	for {
+		s, err := c.QueryMigrate(ctx)
+		if err != nil {
+			return err
+		}
+		switch s.Status {
+		case MigrationCompleted:
+			return nil
+		case MigrationFailed, MigrationCancelled:
+			desc := s.ErrorDesc
+			if desc == "" {
+				desc = "QEMU gave no error-desc"
+			}
+			return fmt.Errorf("qmp: migration %s: %s: %w", s.Status, desc, ErrMigrationFailed)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("qmp: waiting for migration (last status %q): %w", s.Status, ctx.Err())
+		case <-time.After(poll):
+		}
+	}
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
