@@ -1,0 +1,227 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+)
+
+type newOptions struct {
+	name    string
+	from    string
+	image   string
+	cpus    int
+	memory  string
+	disk    string
+	timeout time.Duration
+}
+
+func (a *app) newCmdNew() *cobra.Command {
+	o := &newOptions{}
+	c := &cobra.Command{
+		Use:   "new NAME",
+		Short: "Start a new box from an image (or a warm clone from a snapshot)",
+		Example: `  kvbox new dev
+  kvbox new --image tiny --cpus 1 --memory 512M --disk 1G t1
+  kvbox new --from warm agent-1`,
+		Args: exactArgs(1, "one box name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			o.name = args[0]
+			return a.runNew(c, o)
+		},
+	}
+	f := c.Flags()
+	f.StringVar(&o.image, "image", "debian", "base image (kvbox images ls)")
+	f.IntVar(&o.cpus, "cpus", 2, "vCPUs")
+	f.StringVar(&o.memory, "memory", "4G", "RAM, like 512M or 4G")
+	f.StringVar(&o.disk, "disk", "8G", "disk size, like 8G")
+	f.DurationVar(&o.timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
+	return c
+}
+
+func (a *app) runNew(c *cobra.Command, o *newOptions) error {
+	if err := domain.ValidName(o.name); err != nil {
+		return err
+	}
+	mem, err := domain.ParseSize(o.memory)
+	if err != nil {
+		return err
+	}
+	disk, err := domain.ParseSize(o.disk)
+	if err != nil {
+		return err
+	}
+	h, err := a.Host()
+	if err != nil {
+		return err
+	}
+	im, err := a.images().Get(o.image)
+	if err != nil {
+		return err
+	}
+	if im.Agent == "no" {
+		return fmt.Errorf("%w: image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", domain.ErrInvalid, im.Name)
+	}
+	start := time.Now()
+	b, err := h.Create(c.Context(), domain.Spec{
+		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout,
+		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
+			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)\n",
+		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
+	return nil
+}
+
+func (a *app) newCmdLs() *cobra.Command {
+	var asJSON bool
+	c := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List boxes",
+		Example: "  kvbox ls\n  kvbox ls --json | jq -r '.[].ip'",
+		Args:    exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			boxes, err := h.Boxes()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if boxes == nil {
+					boxes = []domain.Box{}
+				}
+				e := json.NewEncoder(a.io.Out)
+				e.SetIndent("", "  ")
+				return e.Encode(boxes)
+			}
+			w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "NAME\tSTATE\tIP\tFROM/IMAGE\tCPUS\tMEMORY\tDISK\tAGE")
+			for _, b := range boxes {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", b.Name, b.State, b.IP, b.From(), b.CPUs,
+					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created))
+			}
+			return w.Flush()
+		},
+	}
+	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
+	return c
+}
+
+func age(t time.Time) string {
+	d := time.Since(t)
+	switch {
+	case t.IsZero():
+		return "-"
+	case d < time.Minute:
+		return fmt.Sprintf("%ds", int(d.Seconds()))
+	case d < time.Hour:
+		return fmt.Sprintf("%dm", int(d.Minutes()))
+	case d < 48*time.Hour:
+		return fmt.Sprintf("%dh", int(d.Hours()))
+	}
+	return fmt.Sprintf("%dd", int(d.Hours()/24))
+}
+
+func (a *app) newCmdStart() *cobra.Command {
+	var timeout time.Duration
+	c := &cobra.Command{
+		Use:     "start NAME",
+		Short:   "Boot a stopped box and wait for its agent",
+		Example: "  kvbox start dev",
+		Args:    exactArgs(1, "one box name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			b, err := h.Start(c.Context(), args[0], timeout)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(a.io.Out, "✓ box %s is running at %s\n", b.Name, b.IP)
+			return nil
+		},
+	}
+	c.Flags().DurationVar(&timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
+	return c
+}
+
+func (a *app) newCmdStop() *cobra.Command {
+	var timeout time.Duration
+	var force bool
+	c := &cobra.Command{
+		Use:     "stop NAME...",
+		Short:   "Shut boxes down (ACPI, then power off after --timeout)",
+		Example: "  kvbox stop dev\n  kvbox stop --force dev",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			for _, n := range args {
+				if err := h.Stop(c.Context(), n, timeout, force); err != nil {
+					return err
+				}
+				fmt.Fprintf(a.io.Out, "✓ box %s is stopped\n", n)
+			}
+			return nil
+		},
+	}
+	c.Flags().DurationVar(&timeout, "timeout", 30*time.Second, "how long the guest may take to shut down")
+	c.Flags().BoolVarP(&force, "force", "f", false, "power off at once")
+	return c
+}
+
+func (a *app) newCmdRm() *cobra.Command {
+	var force bool
+	c := &cobra.Command{
+		Use:     "rm NAME...",
+		Aliases: []string{"remove"},
+		Short:   "Delete boxes: domain, disk, memory file and address",
+		Example: "  kvbox rm dev\n  kvbox rm --force agent-1 agent-2",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			// Check every name first: a typo in the third name must not
+			// leave the first two deleted.
+			for _, n := range args {
+				if _, err := h.Get(n); err != nil {
+					return err
+				}
+			}
+			var failed []string
+			for _, n := range args {
+				if err := h.Remove(c.Context(), n, force); err != nil {
+					fmt.Fprintf(a.io.Err, "kvbox: %v\n", err)
+					failed = append(failed, n)
+					continue
+				}
+				fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", n)
+			}
+			if failed != nil {
+				return fmt.Errorf("%w: could not remove %s", domain.ErrBusy, strings.Join(failed, ", "))
+			}
+			return nil
+		},
+	}
+	c.Flags().BoolVarP(&force, "force", "f", false, "remove running boxes too")
+	return c
+}

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	agent "kvbox.dev/kvbox/guest-agent"
+)
+
+func (a *app) newCmdExec() *cobra.Command {
+	var tty bool
+	c := &cobra.Command{
+		Use:   "exec NAME -- COMMAND [ARG...]",
+		Short: "Run a command in a box; its exit code is kvbox's",
+		Example: `  kvbox exec dev -- uname -a
+  echo hello | kvbox exec dev -- cat
+  kvbox exec -t dev -- top`,
+		Args: func(c *cobra.Command, args []string) error {
+			if len(args) < 2 {
+				return fmt.Errorf("%w: kvbox exec takes a box name and a command (kvbox exec dev -- uname -a)", errUsage)
+			}
+			return nil
+		},
+		RunE: func(c *cobra.Command, args []string) error {
+			return a.runExec(c, args[0], agent.ExecRequest{Argv: args[1:], TTY: tty})
+		},
+	}
+	c.Flags().BoolVarP(&tty, "tty", "t", false, "run the command on a terminal (needs one here)")
+	return c
+}
+
+// loginShell starts the guest's best shell as a login shell.
+var loginShell = []string{"/bin/sh", "-c", `if [ -x /bin/bash ]; then exec /bin/bash -l; fi; exec /bin/sh -l`}
+
+func (a *app) newCmdConnect() *cobra.Command {
+	return &cobra.Command{
+		Use:     "connect NAME",
+		Aliases: []string{"shell"},
+		Short:   "Open an interactive shell in a box",
+		Example: "  kvbox connect dev",
+		Args:    exactArgs(1, "one box name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			return a.runExec(c, args[0], agent.ExecRequest{Argv: loginShell, TTY: true})
+		},
+	}
+}
+
+// runExec runs req in the box. With a TTY, the local terminal goes to raw
+// mode and follows window size changes.
+func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) error {
+	h, err := a.Host()
+	if err != nil {
+		return err
+	}
+	b, err := h.Get(name)
+	if err != nil {
+		return err
+	}
+	client, err := h.Dial(c.Context(), b)
+	if err != nil {
+		return fmt.Errorf("reach the agent of box %q: %w", name, err)
+	}
+	defer client.Close()
+
+	var resize chan agent.WinSize
+	if req.TTY {
+		in, ok := a.io.In.(*os.File)
+		if !ok || !term.IsTerminal(int(in.Fd())) {
+			return fmt.Errorf("%w: a terminal session needs a terminal on standard input", errUsage)
+		}
+		fd := int(in.Fd())
+		if w, h, err := term.GetSize(fd); err == nil {
+			req.Cols, req.Rows = uint16(w), uint16(h)
+		}
+		req.Env = append(req.Env, "TERM="+envOr("TERM", "xterm-256color"))
+		old, err := term.MakeRaw(fd)
+		if err != nil {
+			return fmt.Errorf("put the terminal in raw mode: %w", err)
+		}
+		defer term.Restore(fd, old)
+		resize = make(chan agent.WinSize, 1)
+		winch := make(chan os.Signal, 1)
+		signal.Notify(winch, syscall.SIGWINCH)
+		defer signal.Stop(winch)
+		go func() {
+			for range winch {
+				if w, h, err := term.GetSize(fd); err == nil {
+					select {
+					case resize <- agent.WinSize{Rows: uint16(h), Cols: uint16(w)}:
+					default:
+					}
+				}
+			}
+		}()
+	}
+	code, err := client.Exec(c.Context(), req, a.io.In, a.io.Out, a.io.Err, resize)
+	if err != nil {
+		return fmt.Errorf("exec in box %q: %w", name, err)
+	}
+	if code != 0 {
+		return exitCodeError{code}
+	}
+	return nil
+}

@@ -1,0 +1,16 @@
+// Command kvbox starts, snapshots and clones libvirt boxes.
+package main
+
+import (
+	"context"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], stdio())
+	stop()
+	os.Exit(code)
+}

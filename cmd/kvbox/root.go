@@ -1,0 +1,174 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/templates"
+)
+
+// IO is where a command reads and writes; tests pass their own.
+type IO struct {
+	In       io.Reader
+	Out, Err io.Writer
+	// TTY says Out is a terminal: progress and colour are for people.
+	TTY bool
+}
+
+func stdio() IO {
+	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr, TTY: term.IsTerminal(int(os.Stdout.Fd()))}
+}
+
+// app holds the global flags and the host they open.
+type app struct {
+	io       IO
+	uri      string
+	stateDir string
+	bridge   string
+	subnet   string
+	template string
+	host     *domain.Host
+}
+
+// Exit codes. A command run by `kvbox exec` returns its own code instead.
+const (
+	exitError       = 1
+	exitUsage       = 2
+	exitNotFound    = 3
+	exitExists      = 4
+	exitBusy        = 5
+	exitUnavailable = 6
+)
+
+// exitError carries the exit code of a command run in a box.
+type exitCodeError struct{ code int }
+
+func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+func run(ctx context.Context, args []string, ios IO) int {
+	a := &app{io: ios}
+	root := a.newRoot()
+	root.SetArgs(args)
+	root.SetIn(ios.In)
+	root.SetOut(ios.Out)
+	root.SetErr(ios.Err)
+	err := root.ExecuteContext(ctx)
+	if a.host != nil {
+		a.host.Conn.Close()
+	}
+	if err == nil {
+		return 0
+	}
+	var ec exitCodeError
+	if errors.As(err, &ec) {
+		return ec.code
+	}
+	fmt.Fprintf(ios.Err, "kvbox: %v\n", err)
+	switch {
+	case errors.Is(err, domain.ErrInvalid), errors.Is(err, errUsage):
+		return exitUsage
+	case errors.Is(err, domain.ErrNotFound):
+		return exitNotFound
+	case errors.Is(err, domain.ErrExists):
+		return exitExists
+	case errors.Is(err, domain.ErrBusy):
+		return exitBusy
+	case errors.Is(err, domain.ErrUnavailable):
+		return exitUnavailable
+	}
+	return exitError
+}
+
+var errUsage = errors.New("usage")
+
+func (a *app) newRoot() *cobra.Command {
+	root := &cobra.Command{
+		Use:   "kvbox",
+		Short: "Ready machines in well under a second: boxes, snapshots and warm clones on libvirt",
+		Long: `kvbox runs boxes: libvirt domains with a guest agent, an address on the kvbox
+bridge and their RAM in a file, so a running box can be frozen into a
+snapshot and cloned warm.`,
+		Example: `  kvbox new dev
+  kvbox exec dev -- uname -a
+  kvbox connect dev
+  kvbox snapshots new dev warm
+  kvbox new --from warm agent-1`,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return fmt.Errorf("%w: %v (see %s --help)", errUsage, err, c.CommandPath())
+	})
+	pf := root.PersistentFlags()
+	pf.StringVarP(&a.uri, "connect", "c", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
+	pf.StringVar(&a.stateDir, "state-dir", envOr("KVBOX_STATE_DIR", "/var/lib/kvbox"), "where kvbox keeps boxes, images and snapshots (KVBOX_STATE_DIR)")
+	pf.StringVar(&a.bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge new boxes are put on (KVBOX_BRIDGE)")
+	pf.StringVar(&a.subnet, "subnet", envOr("KVBOX_SUBNET", network.Default.Subnet.String()), "subnet of the bridge; the host is its first address (KVBOX_SUBNET)")
+	pf.StringVar(&a.template, "template", os.Getenv("KVBOX_TEMPLATE"), "domain XML template file instead of the built-in one (KVBOX_TEMPLATE)")
+	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
+		a.newCmdStop(), a.newCmdRm(), a.newCmdImages())
+	return root
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+// Host connects to libvirt on first use.
+func (a *app) Host() (*domain.Host, error) {
+	if a.host != nil {
+		return a.host, nil
+	}
+	nc, err := network.Parse(a.bridge, a.subnet)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+	}
+	tmpl := templates.Box
+	if a.template != "" {
+		b, err := os.ReadFile(a.template)
+		if err != nil {
+			return nil, fmt.Errorf("%w: template: %v", domain.ErrInvalid, err)
+		}
+		tmpl = string(b)
+	}
+	if os.Geteuid() != 0 {
+		return nil, fmt.Errorf("%w: kvbox manages bridges and libvirt domains: run it as root", domain.ErrUnavailable)
+	}
+	if err := os.MkdirAll(a.stateDir, 0o755); err != nil {
+		return nil, err
+	}
+	conn, err := domain.Connect(a.uri)
+	if err != nil {
+		return nil, err
+	}
+	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl}
+	return a.host, nil
+}
+
+func (a *app) images() image.Store {
+	return image.Store{Dir: a.stateDir + "/images"}
+}
+
+// args checks positional arguments with a usage error that says what is
+// expected.
+func exactArgs(n int, what string) cobra.PositionalArgs {
+	return func(c *cobra.Command, args []string) error {
+		if len(args) != n {
+			return fmt.Errorf("%w: %s takes %s (see %s --help)", errUsage, c.CommandPath(), what, c.CommandPath())
+		}
+		return nil
+	}
+}
+

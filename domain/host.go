@@ -1,0 +1,365 @@
+package domain
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"libvirt.org/go/libvirt"
+
+	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/network"
+)
+
+// AgentPorts is how many virtio-serial ports a box offers its agent: QEMU's
+// unix chardev serves one host connection at a time, so each concurrent
+// kvbox command talking to one box takes a port of its own.
+const AgentPorts = 4
+
+// Host is kvbox on one libvirt host: the connection, the state directory
+// and the network boxes are put on.
+type Host struct {
+	Conn     *libvirt.Connect
+	URI      string
+	StateDir string
+	Net      network.Config
+	// Template is the domain XML template boxes are defined from.
+	Template string
+	facts    *hostFacts
+}
+
+// BoxesDir holds one folder per box: disk overlay, memory file, agent
+// sockets, console log.
+func (h *Host) BoxesDir() string { return filepath.Join(h.StateDir, "boxes") }
+
+// BoxDir is the folder of the named box.
+func (h *Host) BoxDir(name string) string { return filepath.Join(h.BoxesDir(), name) }
+
+// Lock takes kvbox's host-wide lock, which serializes every change of
+// which boxes exist and which addresses they hold: two `kvbox new` run at
+// the same moment from two shells never pick the same address.
+func (h *Host) Lock() (unlock func(), err error) {
+	return lockFile(filepath.Join(h.StateDir, "lock"))
+}
+
+// LockBox takes the lock of one box, held by commands that change it.
+func (h *Host) LockBox(name string) (unlock func(), err error) {
+	return lockFile(filepath.Join(h.StateDir, "locks", name+".lock"))
+}
+
+func lockFile(path string) (func(), error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("lock %s: %w", path, err)
+	}
+	return func() { f.Close() }, nil
+}
+
+func (h *Host) hostFacts() (hostFacts, error) {
+	if h.facts == nil {
+		f, err := readHostFacts(h.Conn)
+		if err != nil {
+			return hostFacts{}, err
+		}
+		h.facts = &f
+	}
+	return *h.facts, nil
+}
+
+// DomainType is kvm where the host offers it, else qemu (TCG).
+func (h *Host) DomainType() (string, error) {
+	f, err := h.hostFacts()
+	return f.domainType, err
+}
+
+// ChownForQEMU gives a path to the user QEMU runs as, so QEMU can create its
+// memory file and agent sockets in a box's folder.
+func (h *Host) ChownForQEMU(path string) error {
+	f, err := h.hostFacts()
+	if err != nil || f.uid < 0 {
+		return err
+	}
+	return os.Lchown(path, f.uid, f.gid)
+}
+
+// Box is one kvbox box as libvirt and its metadata describe it.
+type Box struct {
+	Name        string `json:"name"`
+	UUID        string `json:"uuid"`
+	State       string `json:"state"`
+	Meta               // image or snapshot, ip, mac, ...
+	CPUs        int    `json:"cpus"`
+	MemoryBytes int64  `json:"memory_bytes"`
+	VsockCID    uint32 `json:"vsock_cid,omitempty"`
+	Tap         string `json:"tap,omitempty"`
+}
+
+// Addr is the box's address.
+func (b Box) Addr() netip.Addr {
+	a, _ := netip.ParseAddr(b.IP)
+	return a
+}
+
+// From is the box's origin: its image, or the snapshot it was cloned from.
+func (b Box) From() string {
+	if b.Snapshot != "" {
+		return "snapshot " + b.Snapshot
+	}
+	return "image " + b.Image
+}
+
+func stateName(s libvirt.DomainState) string {
+	switch s {
+	case libvirt.DOMAIN_RUNNING:
+		return "running"
+	case libvirt.DOMAIN_BLOCKED:
+		return "blocked"
+	case libvirt.DOMAIN_PAUSED:
+		return "paused"
+	case libvirt.DOMAIN_SHUTDOWN:
+		return "shutting-down"
+	case libvirt.DOMAIN_SHUTOFF:
+		return "stopped"
+	case libvirt.DOMAIN_CRASHED:
+		return "crashed"
+	case libvirt.DOMAIN_PMSUSPENDED:
+		return "suspended"
+	}
+	return "unknown"
+}
+
+// boxOf reads a domain; ok is false when it is not a kvbox box.
+func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
+	x, err := d.GetXMLDesc(0)
+	if err != nil {
+		return Box{}, false, fmt.Errorf("read domain XML: %s", libvirtMessage(err))
+	}
+	dx, err := parseDomainXML(x)
+	if err != nil {
+		return Box{}, false, err
+	}
+	if dx.Metadata == nil {
+		return Box{}, false, nil
+	}
+	st, _, err := d.GetState()
+	if err != nil {
+		return Box{}, false, fmt.Errorf("read domain state: %s", libvirtMessage(err))
+	}
+	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateName(st), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
+	if dx.Devices.Vsock != nil {
+		b.VsockCID = dx.Devices.Vsock.CID.Address
+	}
+	if len(dx.Devices.Interfaces) > 0 {
+		b.Tap = dx.Devices.Interfaces[0].Target.Dev
+	}
+	return b, true, nil
+}
+
+// Boxes lists every box, sorted by name. Domains without kvbox metadata are
+// not boxes and are left out.
+func (h *Host) Boxes() ([]Box, error) {
+	doms, err := h.Conn.ListAllDomains(0)
+	if err != nil {
+		return nil, fmt.Errorf("list domains: %s", libvirtMessage(err))
+	}
+	var out []Box
+	for i := range doms {
+		b, ok, err := boxOf(&doms[i])
+		doms[i].Free()
+		if isNoDomain(err) {
+			continue // removed while we looked
+		}
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			out = append(out, b)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// Lookup returns the named box and its domain; the caller frees the domain.
+func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
+	if err := ValidName(name); err != nil {
+		return Box{}, nil, err
+	}
+	d, err := h.Conn.LookupDomainByName(name)
+	if isNoDomain(err) {
+		return Box{}, nil, fmt.Errorf("box %q does not exist (kvbox ls lists boxes): %w", name, ErrNotFound)
+	}
+	if err != nil {
+		return Box{}, nil, fmt.Errorf("look up %q: %s", name, libvirtMessage(err))
+	}
+	b, ok, err := boxOf(d)
+	if err != nil {
+		d.Free()
+		return Box{}, nil, err
+	}
+	if !ok {
+		d.Free()
+		return Box{}, nil, fmt.Errorf("domain %q is not a kvbox box (it has no kvbox metadata): %w", name, ErrNotFound)
+	}
+	return b, d, nil
+}
+
+// Get returns the named box.
+func (h *Host) Get(name string) (Box, error) {
+	b, d, err := h.Lookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	d.Free()
+	return b, nil
+}
+
+// UsedAddrs lists every address held by a box. Call it under Lock.
+func (h *Host) UsedAddrs() ([]netip.Addr, error) {
+	boxes, err := h.Boxes()
+	if err != nil {
+		return nil, err
+	}
+	var used []netip.Addr
+	for _, b := range boxes {
+		if a := b.Addr(); a.IsValid() {
+			used = append(used, a)
+		}
+	}
+	return used, nil
+}
+
+// NameFree reports ErrExists when a domain (a box or not) has the name.
+func (h *Host) NameFree(name string) error {
+	d, err := h.Conn.LookupDomainByName(name)
+	if err == nil {
+		d.Free()
+		return fmt.Errorf("a box or domain named %q %w (pick another name, or kvbox rm %s)", name, ErrExists, name)
+	}
+	if !isNoDomain(err) {
+		return fmt.Errorf("look up %q: %s", name, libvirtMessage(err))
+	}
+	return nil
+}
+
+// AgentSockets are the host ends of a box's agent ports.
+func AgentSockets(dir string) []AgentPort {
+	var ps []AgentPort
+	for i := range AgentPorts {
+		ps = append(ps, AgentPort{
+			Name: fmt.Sprintf("%s%d", agent.SerialPortPrefix, i),
+			Path: filepath.Join(dir, fmt.Sprintf("agent.%d.sock", i)),
+		})
+	}
+	return ps
+}
+
+// Dial connects to a box's agent over the box's transport.
+func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
+	if b.State != "running" {
+		return nil, fmt.Errorf("box %q is %s, not running (kvbox start %s): %w", b.Name, b.State, b.Name, ErrBusy)
+	}
+	if b.Transport == "vsock" && b.VsockCID > 2 {
+		return agent.DialVsock(ctx, b.VsockCID)
+	}
+	var paths []string
+	for _, p := range AgentSockets(b.Dir) {
+		paths = append(paths, p.Path)
+	}
+	return agent.DialSerial(ctx, paths)
+}
+
+// WaitAgent dials the box's agent until it answers a ping or ctx ends. It
+// gives up early when the domain stops running.
+func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, error) {
+	var last error
+	for {
+		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
+			return nil, fmt.Errorf("box %q stopped while booting (%s); its console log is %s", b.Name, stateName(st), filepath.Join(b.Dir, "console.log"))
+		}
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
+		if err == nil {
+			_, err = c.Ping(actx)
+			if err == nil {
+				cancel()
+				return c, nil
+			}
+			c.Close()
+		}
+		cancel()
+		last = err
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("the agent of box %q did not answer in time (last error: %v); is kvbox-agent in the image? console log: %s", b.Name, last, filepath.Join(b.Dir, "console.log"))
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// Identity is what the host tells a box's agent about who the box is.
+func (h *Host) Identity(b Box) agent.Identity {
+	id := agent.Identity{
+		Hostname:  b.Name,
+		MAC:       b.MAC,
+		Address:   fmt.Sprintf("%s/%d", b.IP, b.Prefix),
+		Gateway:   b.Gateway,
+		DNS:       hostNameservers(),
+		MachineID: strings.ReplaceAll(b.UUID, "-", ""),
+	}
+	return id
+}
+
+// Reidentify gives the guest its identity, sets its clock to the host's
+// and feeds its RNG fresh entropy.
+func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box) error {
+	if err := c.Identify(ctx, h.Identity(b)); err != nil {
+		return fmt.Errorf("set the identity of box %q: %w", b.Name, err)
+	}
+	if err := c.SetClock(ctx, time.Now()); err != nil && !errors.Is(err, errors.ErrUnsupported) {
+		return fmt.Errorf("set the clock of box %q: %w", b.Name, err)
+	}
+	seed := make([]byte, 64)
+	if _, err := rand.Read(seed); err != nil {
+		return err
+	}
+	if err := c.AddEntropy(ctx, seed); err != nil && !errors.Is(err, errors.ErrUnsupported) {
+		return fmt.Errorf("seed the RNG of box %q: %w", b.Name, err)
+	}
+	return nil
+}
+
+// hostNameservers are the host's resolvers a box can reach through NAT:
+// loopback resolvers (systemd-resolved, dnsmasq) are useless inside a box.
+func hostNameservers() []string {
+	data, err := os.ReadFile("/etc/resolv.conf")
+	if err != nil {
+		return nil
+	}
+	var ns []string
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == "nameserver" {
+			if a, err := netip.ParseAddr(f[1]); err == nil && !a.IsLoopback() {
+				ns = append(ns, a.String())
+			}
+		}
+	}
+	return ns
+}
+

@@ -1,0 +1,70 @@
+package domain
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"libvirt.org/go/libvirt"
+)
+
+// DefaultURI is the libvirt connection kvbox uses unless told otherwise:
+// LIBVIRT_DEFAULT_URI, else qemu:///system, as virsh does.
+func DefaultURI() string {
+	if u := os.Getenv("LIBVIRT_DEFAULT_URI"); u != "" {
+		return u
+	}
+	return "qemu:///system"
+}
+
+// Connect opens libvirt. A daemon that does not answer is ErrUnavailable.
+func Connect(uri string) (*libvirt.Connect, error) {
+	c, err := libvirt.NewConnect(uri)
+	if err != nil {
+		return nil, fmt.Errorf("%w: cannot reach libvirt at %s (is libvirtd running?): %s", ErrUnavailable, uri, libvirtMessage(err))
+	}
+	return c, nil
+}
+
+// libvirtMessage is the message of a libvirt error without its code prefix.
+func libvirtMessage(err error) string {
+	var le libvirt.Error
+	if errors.As(err, &le) {
+		return le.Message
+	}
+	return err.Error()
+}
+
+func isNoDomain(err error) bool {
+	var le libvirt.Error
+	return errors.As(err, &le) && le.Code == libvirt.ERR_NO_DOMAIN
+}
+
+// hostFacts are what kvbox reads from libvirt's capabilities.
+type hostFacts struct {
+	domainType string // kvm where the host offers it, else qemu
+	uid, gid   int    // who QEMU runs as (the DAC label), -1 when unknown
+}
+
+var baselabelRE = regexp.MustCompile(`<baselabel type='(\w+)'>\+?(\d+):\+?(\d+)</baselabel>`)
+
+func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
+	caps, err := c.GetCapabilities()
+	if err != nil {
+		return hostFacts{}, fmt.Errorf("read libvirt capabilities: %s", libvirtMessage(err))
+	}
+	f := hostFacts{domainType: "qemu", uid: -1, gid: -1}
+	if _, err := os.Stat("/dev/kvm"); err == nil && strings.Contains(caps, "<domain type='kvm'") {
+		f.domainType = "kvm"
+	}
+	for _, m := range baselabelRE.FindAllStringSubmatch(caps, -1) {
+		if m[1] == f.domainType {
+			f.uid, _ = strconv.Atoi(m[2])
+			f.gid, _ = strconv.Atoi(m[3])
+		}
+	}
+	return f, nil
+}

@@ -1,0 +1,334 @@
+package domain
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/revert"
+)
+
+// Boot is what a new box boots from: a base disk, and a kernel for direct
+// boot when the image has one.
+type Boot struct {
+	Image       string // the image's name, recorded in the box's metadata
+	Disk        string // base disk; the box's disk is a qcow2 overlay on it
+	DiskFormat  string
+	VirtualSize int64
+	Kernel      string
+	Initrd      string
+	Cmdline     string
+}
+
+// Spec is a box to create.
+type Spec struct {
+	Name        string
+	CPUs        int
+	MemoryBytes int64
+	DiskBytes   int64
+	Boot        Boot
+	// AgentTimeout bounds the wait for the agent's first answer.
+	AgentTimeout time.Duration
+}
+
+// Validate checks a spec before anything is created.
+func (s Spec) Validate() error {
+	if err := ValidName(s.Name); err != nil {
+		return err
+	}
+	switch {
+	case s.CPUs < 1 || s.CPUs > 256:
+		return fmt.Errorf("%w: --cpus %d: a box has between 1 and 256 vCPUs", ErrInvalid, s.CPUs)
+	case s.MemoryBytes < 64<<20:
+		return fmt.Errorf("%w: --memory %s: a box needs at least 64 MB", ErrInvalid, FormatSize(s.MemoryBytes))
+	case s.MemoryBytes%(2<<20) != 0:
+		return fmt.Errorf("%w: --memory %s: give a multiple of 2 MB", ErrInvalid, FormatSize(s.MemoryBytes))
+	case s.DiskBytes < s.Boot.VirtualSize:
+		return fmt.Errorf("%w: --disk %s is smaller than image %s (%s)", ErrInvalid, FormatSize(s.DiskBytes), s.Boot.Image, FormatSize(s.Boot.VirtualSize))
+	}
+	return nil
+}
+
+// MemoryFile is where a box's RAM lives on the host: a sparse file QEMU
+// maps shared, so a snapshot can copy it.
+func MemoryFile(dir string) string { return filepath.Join(dir, "memory") }
+
+// ramArgs are the QEMU arguments that put a box's RAM in its memory file.
+// libvirt has no element for a per-domain mem-path; QEMU merges the second
+// -machine over libvirt's own.
+func ramArgs(size int64, file string) []string {
+	return []string{
+		"-object", fmt.Sprintf("memory-backend-file,id=kvbox.ram,size=%d,mem-path=%s,share=on", size, file),
+		"-machine", "memory-backend=kvbox.ram",
+	}
+}
+
+// Create defines and starts a new box, waits for its agent and gives the
+// guest its identity. On any failure everything it created is removed.
+func (h *Host) Create(ctx context.Context, s Spec) (Box, error) {
+	if err := s.Validate(); err != nil {
+		return Box{}, err
+	}
+	r := revert.New()
+	defer r.Fail()
+
+	if err := h.Net.Ensure(); err != nil {
+		return Box{}, err
+	}
+	dom, b, err := h.define(ctx, s, r)
+	if err != nil {
+		return Box{}, err
+	}
+	defer dom.Free()
+	if err := dom.Create(); err != nil {
+		return Box{}, fmt.Errorf("start box %q: %s", s.Name, libvirtMessage(err))
+	}
+	r.Add(func() { dom.Destroy() })
+	if b, err = h.ready(ctx, dom, b, s.AgentTimeout); err != nil {
+		return Box{}, err
+	}
+	r.Success()
+	return b, nil
+}
+
+// define does the part of Create that needs the host lock: pick a free
+// address and define the domain, which then holds the address in its
+// metadata.
+func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt.Domain, Box, error) {
+	unlock, err := h.Lock()
+	if err != nil {
+		return nil, Box{}, err
+	}
+	defer unlock()
+	if err := h.NameFree(s.Name); err != nil {
+		return nil, Box{}, err
+	}
+	used, err := h.UsedAddrs()
+	if err != nil {
+		return nil, Box{}, err
+	}
+	ip, err := h.Net.Allocate(used)
+	if err != nil {
+		return nil, Box{}, err
+	}
+	dir := h.BoxDir(s.Name)
+	// No domain has this name, so a folder left here is debris of a kvbox
+	// that was killed half-way; it holds nothing of value.
+	os.RemoveAll(dir)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, Box{}, err
+	}
+	r.Add(func() { os.RemoveAll(dir) })
+	if err := h.ChownForQEMU(dir); err != nil {
+		return nil, Box{}, err
+	}
+	disk := filepath.Join(dir, "disk.qcow2")
+	if err := overlay.Create(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat); err != nil {
+		return nil, Box{}, err
+	}
+	if s.DiskBytes > s.Boot.VirtualSize {
+		if err := overlay.Resize(ctx, disk, s.DiskBytes); err != nil {
+			return nil, Box{}, err
+		}
+	}
+	typ, err := h.DomainType()
+	if err != nil {
+		return nil, Box{}, err
+	}
+	meta := Meta{
+		Image: s.Boot.Image, IP: ip.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
+		MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
+		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
+	}
+	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, ramArgs(s.MemoryBytes, MemoryFile(dir)))
+	if err != nil {
+		return nil, Box{}, err
+	}
+	dom, err := h.Conn.DomainDefineXML(xml)
+	if err != nil {
+		return nil, Box{}, fmt.Errorf("define box %q: %s", s.Name, libvirtMessage(err))
+	}
+	r.Add(func() { undefine(dom) })
+	b, _, err := boxOf(dom)
+	if err != nil {
+		dom.Free()
+		return nil, Box{}, err
+	}
+	return dom, b, nil
+}
+
+// render fills the domain template.
+func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk string, boot Boot, qemuArgs []string) (string, error) {
+	md, err := MarshalMeta(meta)
+	if err != nil {
+		return "", err
+	}
+	return Render(h.Template, TemplateData{
+		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
+		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
+		Bridge: meta.Bridge, MAC: meta.MAC, ConsoleLog: filepath.Join(meta.Dir, "console.log"),
+		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
+	})
+}
+
+// Transport is how kvbox talks to agents on this host: vsock where the host
+// has vhost-vsock, else virtio-serial.
+func Transport() string {
+	if _, err := os.Stat("/dev/vhost-vsock"); err == nil {
+		return "vsock"
+	}
+	return "virtio-serial"
+}
+
+// ready waits for a started box's agent and gives the guest its identity.
+func (h *Host) ready(ctx context.Context, dom *libvirt.Domain, b Box, timeout time.Duration) (Box, error) {
+	if timeout <= 0 {
+		timeout = 60 * time.Second
+	}
+	// Re-read: the vsock CID and the tap name exist only once it runs.
+	b, _, err := boxOf(dom)
+	if err != nil {
+		return Box{}, err
+	}
+	actx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	c, err := h.WaitAgent(actx, dom, b)
+	if err != nil {
+		return Box{}, err
+	}
+	defer c.Close()
+	if err := h.Reidentify(actx, c, b); err != nil {
+		return Box{}, err
+	}
+	return b, nil
+}
+
+// Start boots a stopped box and waits until its agent answers.
+func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (Box, error) {
+	unlock, err := h.LockBox(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer unlock()
+	b, dom, err := h.Lookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer dom.Free()
+	if b.State != "stopped" && b.State != "crashed" {
+		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
+	}
+	if err := h.Net.Ensure(); err != nil {
+		return Box{}, err
+	}
+	// The file still holds the RAM of the last run when an operator shut
+	// the box down with virsh; a fresh boot needs none of it.
+	if err := emptyMemory(b.Dir); err != nil {
+		return Box{}, err
+	}
+	if err := dom.Create(); err != nil {
+		return Box{}, fmt.Errorf("start box %q: %s", name, libvirtMessage(err))
+	}
+	return h.ready(ctx, dom, b, timeout)
+}
+
+// Stop shuts a box down through ACPI, and pulls the plug after timeout (or
+// at once with force). The RAM file is emptied: its pages are garbage now.
+func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, force bool) error {
+	unlock, err := h.LockBox(name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	b, dom, err := h.Lookup(name)
+	if err != nil {
+		return err
+	}
+	defer dom.Free()
+	if b.State == "stopped" {
+		return nil
+	}
+	if !force {
+		if err := dom.Shutdown(); err == nil && waitState(ctx, dom, libvirt.DOMAIN_SHUTOFF, timeout) {
+			return emptyMemory(b.Dir)
+		}
+	}
+	if err := dom.Destroy(); err != nil && !isNotRunning(err) {
+		return fmt.Errorf("stop box %q: %s", name, libvirtMessage(err))
+	}
+	return emptyMemory(b.Dir)
+}
+
+// Remove deletes a box: its domain, folder (disk, memory, sockets) and with
+// them its address. A running box is only removed with force.
+func (h *Host) Remove(ctx context.Context, name string, force bool) error {
+	unlock, err := h.LockBox(name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	b, dom, err := h.Lookup(name)
+	if err != nil {
+		return err
+	}
+	defer dom.Free()
+	if b.State != "stopped" && b.State != "crashed" {
+		if !force {
+			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
+		}
+		if err := dom.Destroy(); err != nil && !isNotRunning(err) {
+			return fmt.Errorf("stop box %q: %s", name, libvirtMessage(err))
+		}
+	}
+	if err := undefine(dom); err != nil {
+		return fmt.Errorf("undefine box %q: %s", name, libvirtMessage(err))
+	}
+	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
+		if err := os.RemoveAll(b.Dir); err != nil {
+			return err
+		}
+	}
+	os.Remove(filepath.Join(h.StateDir, "locks", name+".lock"))
+	return nil
+}
+
+func undefine(dom *libvirt.Domain) error {
+	return dom.UndefineFlags(libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
+		libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA | libvirt.DOMAIN_UNDEFINE_NVRAM)
+}
+
+func isNotRunning(err error) bool {
+	var le libvirt.Error
+	return errors.As(err, &le) && le.Code == libvirt.ERR_OPERATION_INVALID
+}
+
+// waitState polls until the domain reaches state or timeout passes.
+func waitState(ctx context.Context, dom *libvirt.Domain, want libvirt.DomainState, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if st, _, err := dom.GetState(); err == nil && st == want {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return false
+}
+
+func emptyMemory(dir string) error {
+	err := os.Truncate(MemoryFile(dir), 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}

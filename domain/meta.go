@@ -1,0 +1,38 @@
+package domain
+
+import (
+	"encoding/xml"
+	"fmt"
+	"time"
+)
+
+// MetadataNS is the XML namespace of kvbox's facts about a box inside the
+// domain's <metadata>. `virsh dumpxml` shows them; kvbox keeps no other
+// database of boxes.
+const MetadataNS = "https://kvbox.dev/xmlns/box/1"
+
+// Meta is what kvbox records about a box in its domain XML.
+type Meta struct {
+	XMLName   xml.Name  `xml:"https://kvbox.dev/xmlns/box/1 box" json:"-"`
+	Image     string    `xml:"image,omitempty" json:"image,omitempty"`
+	Snapshot  string    `xml:"snapshot,omitempty" json:"snapshot,omitempty"`
+	IP        string    `xml:"ip" json:"ip"`
+	Prefix    int       `xml:"prefix" json:"prefix"`
+	Gateway   string    `xml:"gateway" json:"gateway"`
+	MAC       string    `xml:"mac" json:"mac"`
+	Bridge    string    `xml:"bridge" json:"bridge"`
+	Dir       string    `xml:"dir" json:"dir"`
+	DiskBytes int64     `xml:"disk-bytes" json:"disk_bytes"`
+	Transport string    `xml:"transport" json:"transport"`
+	Created   time.Time `xml:"created" json:"created"`
+}
+
+// MarshalMeta renders m as the element kept under the domain's <metadata>.
+func MarshalMeta(m Meta) (string, error) {
+	m.XMLName = xml.Name{Space: MetadataNS, Local: "box"}
+	b, err := xml.MarshalIndent(m, "    ", "  ")
+	if err != nil {
+		return "", fmt.Errorf("render kvbox metadata: %w", err)
+	}
+	return "    " + string(b), nil
+}

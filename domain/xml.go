@@ -1,0 +1,124 @@
+package domain
+
+import (
+	"bytes"
+	"encoding/xml"
+	"fmt"
+	"html"
+	"strings"
+	"text/template"
+)
+
+// AgentPort is one virtio-serial channel the guest agent serves.
+type AgentPort struct {
+	Name string // the port's name in the guest: org.kvbox.agent.N
+	Path string // the unix socket QEMU binds on the host
+}
+
+// TemplateData is what a domain template is rendered with. Strings are
+// XML-escaped by Render; Metadata is an XML fragment and is not.
+type TemplateData struct {
+	Type        string // kvm or qemu
+	Name        string
+	Metadata    string
+	MemoryBytes int64
+	CPUs        int
+	Kernel      string
+	Initrd      string
+	Cmdline     string
+	Disk        string
+	Bridge      string
+	MAC         string
+	ConsoleLog  string
+	AgentPorts  []AgentPort
+	Vsock       bool
+	QemuArgs    []string
+}
+
+// Render renders a domain template.
+func Render(tmpl string, d TemplateData) (string, error) {
+	t, err := template.New("domain").Option("missingkey=error").Parse(tmpl)
+	if err != nil {
+		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
+	}
+	e := d
+	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.MAC, &e.ConsoleLog} {
+		*s = html.EscapeString(*s)
+	}
+	e.AgentPorts = nil
+	for _, p := range d.AgentPorts {
+		e.AgentPorts = append(e.AgentPorts, AgentPort{Name: html.EscapeString(p.Name), Path: html.EscapeString(p.Path)})
+	}
+	e.QemuArgs = nil
+	for _, a := range d.QemuArgs {
+		e.QemuArgs = append(e.QemuArgs, html.EscapeString(a))
+	}
+	var b bytes.Buffer
+	if err := t.Execute(&b, e); err != nil {
+		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
+	}
+	var probe struct{}
+	if err := xml.Unmarshal(b.Bytes(), &probe); err != nil {
+		return "", fmt.Errorf("%w: domain template renders invalid XML: %v", ErrInvalid, err)
+	}
+	return b.String(), nil
+}
+
+// domainXML is the part of a libvirt domain description kvbox reads.
+type domainXML struct {
+	XMLName xml.Name `xml:"domain"`
+	Type    string   `xml:"type,attr"`
+	ID      string   `xml:"id,attr"`
+	Name    string   `xml:"name"`
+	UUID    string   `xml:"uuid"`
+	Memory  struct {
+		Unit  string `xml:"unit,attr"`
+		Value int64  `xml:",chardata"`
+	} `xml:"memory"`
+	VCPU     int   `xml:"vcpu"`
+	Metadata *Meta `xml:"metadata>box"`
+	Devices  struct {
+		Interfaces []struct {
+			MAC struct {
+				Address string `xml:"address,attr"`
+			} `xml:"mac"`
+			Target struct {
+				Dev string `xml:"dev,attr"`
+			} `xml:"target"`
+		} `xml:"interface"`
+		Vsock *struct {
+			CID struct {
+				Address uint32 `xml:"address,attr"`
+			} `xml:"cid"`
+		} `xml:"vsock"`
+	} `xml:"devices"`
+}
+
+func parseDomainXML(s string) (domainXML, error) {
+	var d domainXML
+	if err := xml.Unmarshal([]byte(s), &d); err != nil {
+		return domainXML{}, fmt.Errorf("parse domain XML: %w", err)
+	}
+	return d, nil
+}
+
+// memoryBytes converts libvirt's memory element to bytes.
+func (d domainXML) memoryBytes() int64 {
+	switch strings.ToLower(d.Memory.Unit) {
+	case "b", "bytes":
+		return d.Memory.Value
+	case "", "k", "kib":
+		return d.Memory.Value << 10
+	case "m", "mib":
+		return d.Memory.Value << 20
+	case "g", "gib":
+		return d.Memory.Value << 30
+	case "kb":
+		return d.Memory.Value * 1000
+	case "mb":
+		return d.Memory.Value * 1000 * 1000
+	case "gb":
+		return d.Memory.Value * 1000 * 1000 * 1000
+	}
+	return d.Memory.Value << 10
+}

@@ -1,0 +1,493 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mdlayher/vsock"
+	"golang.org/x/sys/unix"
+)
+
+// ErrBusy is returned by DialSerial when every port is in use by another
+// kvbox command.
+var ErrBusy = errors.New("every agent port is busy")
+
+// Client is the host side of one connection to the agent. Calls are
+// serialised: one call at a time per Client (open several Clients, over
+// several ports, for concurrent work). A call whose context ends midway
+// leaves the stream in an unknown state; the next call opens with a fresh
+// HELLO, which also makes the guest abort what the interrupted call
+// started.
+type Client struct {
+	conn   net.Conn
+	unlock func()
+
+	frames chan frame
+	closed chan struct{}
+	rerr   error // set before frames is closed
+
+	sem    chan struct{} // one call at a time
+	nextID atomic.Uint32
+	synced bool // under sem: a HELLO was answered and no call broke since
+	dirty  atomic.Bool
+
+	wmu       sync.Mutex
+	closeOnce sync.Once
+}
+
+// NewClient wraps a connection to an agent. The HELLO handshake happens on
+// the first call.
+func NewClient(conn net.Conn) *Client {
+	c := &Client{
+		conn:   conn,
+		frames: make(chan frame),
+		closed: make(chan struct{}),
+		sem:    make(chan struct{}, 1),
+	}
+	go c.readLoop()
+	return c
+}
+
+// DialSerial connects to the first free virtio-serial port among
+// socketPaths (the host ends of the box's agent channels). A port is free
+// when a non-blocking flock on path+".lock" succeeds; the lock is held until
+// Close, because QEMU serves one connection per port and would leave a
+// second one hanging unanswered.
+func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
+	var errs []error
+	for _, p := range socketPaths {
+		lf, err := os.OpenFile(p+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := unix.Flock(int(lf.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			lf.Close()
+			if !errors.Is(err, unix.EWOULDBLOCK) {
+				errs = append(errs, fmt.Errorf("lock %s.lock: %w", p, err))
+			}
+			continue
+		}
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "unix", p)
+		if err != nil {
+			lf.Close()
+			errs = append(errs, err)
+			continue
+		}
+		c := NewClient(conn)
+		c.unlock = func() { lf.Close() }
+		if err := c.handshake(ctx); err != nil {
+			c.Close()
+			return nil, fmt.Errorf("agent on %s: %w", p, err)
+		}
+		return c, nil
+	}
+	if len(errs) == 0 {
+		return nil, ErrBusy
+	}
+	return nil, errors.Join(errs...)
+}
+
+// DialVsock connects to the agent of the guest with context id cid.
+func DialVsock(ctx context.Context, cid uint32) (*Client, error) {
+	conn, err := vsock.DialContext(ctx, cid, VsockPort, nil)
+	if err != nil {
+		return nil, err
+	}
+	c := NewClient(conn)
+	if err := c.handshake(ctx); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close closes the connection and releases the port.
+func (c *Client) Close() error {
+	var err error
+	c.closeOnce.Do(func() {
+		close(c.closed)
+		err = c.conn.Close()
+		if c.unlock != nil {
+			c.unlock()
+		}
+	})
+	return err
+}
+
+func (c *Client) readLoop() {
+	d := newDecoder(c.conn)
+	for {
+		f, err := d.next()
+		if err != nil {
+			c.rerr = err
+			close(c.frames)
+			return
+		}
+		select {
+		case c.frames <- f:
+		case <-c.closed:
+			return
+		}
+	}
+}
+
+func (c *Client) recv(ctx context.Context) (frame, error) {
+	select {
+	case f, ok := <-c.frames:
+		if !ok {
+			return f, fmt.Errorf("agent connection: %w", c.rerr)
+		}
+		return f, nil
+	case <-ctx.Done():
+		return frame{}, ctx.Err()
+	case <-c.closed:
+		return frame{}, net.ErrClosed
+	}
+}
+
+// write sends raw bytes, giving up when ctx ends.
+func (c *Client) write(ctx context.Context, b []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	dl, _ := ctx.Deadline()
+	c.conn.SetWriteDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(time.Unix(1, 0)) })
+	_, err := c.conn.Write(b)
+	if !stop() {
+		err = errors.Join(err, ctx.Err())
+	}
+	c.conn.SetWriteDeadline(time.Time{})
+	if err != nil {
+		c.dirty.Store(true) // maybe half a frame: resync before the next call
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+	return err
+}
+
+func (c *Client) send(ctx context.Context, t frameType, id uint32, payload []byte) error {
+	return c.write(ctx, appendFrame(nil, t, id, payload))
+}
+
+// begin takes the call slot and makes sure the stream is in sync.
+func (c *Client) begin(ctx context.Context) (end func(ok bool), err error) {
+	select {
+	case c.sem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-c.closed:
+		return nil, net.ErrClosed
+	}
+	end = func(ok bool) {
+		if !ok {
+			c.synced = false
+		}
+		<-c.sem
+	}
+	if !c.synced || c.dirty.Load() {
+		if err := c.hello(ctx); err != nil {
+			end(false)
+			return nil, err
+		}
+	}
+	return end, nil
+}
+
+// handshake runs HELLO now instead of on the first call.
+func (c *Client) handshake(ctx context.Context) error {
+	end, err := c.begin(ctx)
+	if err != nil {
+		return err
+	}
+	end(true)
+	return nil
+}
+
+// hello sends HELLO with a fresh nonce and discards everything until the
+// guest echoes it. When no echo comes quickly, the guest may be stuck
+// waiting for the payload of a stale, cut-short frame: the retry first
+// sends a run of zeros longer than any frame, which completes (and fails
+// the CRC of) whatever the guest is waiting for.
+func (c *Client) hello(ctx context.Context) error {
+	var nonce [16]byte
+	rand.Read(nonce[:])
+	id := c.nextID.Add(1)
+	c.dirty.Store(false)
+	msg := appendFrame(nil, frameHello, id, nonce[:])
+	if err := c.write(ctx, msg); err != nil {
+		return err
+	}
+	retry := 300 * time.Millisecond
+	timer := time.NewTimer(retry)
+	defer timer.Stop()
+	pad := make([]byte, headerLen+MaxPayload)
+	for {
+		select {
+		case f, ok := <-c.frames:
+			if !ok {
+				return fmt.Errorf("agent connection: %w", c.rerr)
+			}
+			if f.Type != frameHello {
+				continue
+			}
+			var r struct {
+				Nonce []byte `json:"nonce"`
+			}
+			if json.Unmarshal(f.Payload, &r) == nil && bytes.Equal(r.Nonce, nonce[:]) {
+				c.synced = true
+				return nil
+			}
+		case <-timer.C:
+			if err := c.write(ctx, append(pad, msg...)); err != nil {
+				return err
+			}
+			c.dirty.Store(false)
+			retry = min(2*retry, 2*time.Second)
+			timer.Reset(retry)
+		case <-ctx.Done():
+			return fmt.Errorf("no answer from the guest agent: %w", ctx.Err())
+		case <-c.closed:
+			return net.ErrClosed
+		}
+	}
+}
+
+// roundTrip sends a request and waits for its response, ignoring frames
+// of other calls.
+func (c *Client) roundTrip(ctx context.Context, id uint32, method string, params, result any) error {
+	req := request{Method: method}
+	if params != nil {
+		b, err := json.Marshal(params)
+		if err != nil {
+			return err
+		}
+		req.Params = b
+	}
+	b, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	if len(b) > MaxPayload {
+		return fmt.Errorf("%s: request too large (%d bytes)", method, len(b))
+	}
+	if err := c.send(ctx, frameRequest, id, b); err != nil {
+		return err
+	}
+	for {
+		f, err := c.recv(ctx)
+		if err != nil {
+			return err
+		}
+		if f.Type != frameResponse || f.ID != id {
+			continue
+		}
+		var resp response
+		if err := json.Unmarshal(f.Payload, &resp); err != nil {
+			return fmt.Errorf("%s: bad response: %w", method, err)
+		}
+		if resp.Error != "" {
+			return &RemoteError{Method: method, Message: resp.Error}
+		}
+		if result != nil {
+			if err := json.Unmarshal(resp.Result, result); err != nil {
+				return fmt.Errorf("%s: bad result: %w", method, err)
+			}
+		}
+		return nil
+	}
+}
+
+func (c *Client) call(ctx context.Context, method string, params, result any) error {
+	end, err := c.begin(ctx)
+	if err != nil {
+		return err
+	}
+	err = c.roundTrip(ctx, c.nextID.Add(1), method, params, result)
+	var re *RemoteError
+	end(err == nil || errors.As(err, &re))
+	return err
+}
+
+// Ping asks the agent who it is; a box is ready when this answers.
+func (c *Client) Ping(ctx context.Context) (Info, error) {
+	var in Info
+	err := c.call(ctx, methodPing, nil, &in)
+	return in, err
+}
+
+// Identify gives the guest a new identity (after a clone) and makes it
+// persist across reboots.
+func (c *Client) Identify(ctx context.Context, id Identity) error {
+	return c.call(ctx, methodIdentify, id, nil)
+}
+
+// SetClock sets the guest's CLOCK_REALTIME.
+func (c *Client) SetClock(ctx context.Context, t time.Time) error {
+	return c.call(ctx, methodSetClock, clockMsg{UnixNano: t.UnixNano()}, nil)
+}
+
+// AddEntropy mixes b into the guest's RNG and credits it as entropy.
+func (c *Client) AddEntropy(ctx context.Context, b []byte) error {
+	if len(b) > 4096 {
+		return errors.New("AddEntropy: at most 4096 bytes at a time")
+	}
+	return c.call(ctx, methodAddEntropy, b, nil)
+}
+
+// Exec runs req in the guest and streams its I/O. stdin may be nil (the
+// process then sees EOF at once, or nothing with a TTY); it is read in
+// chunks and forwarded, and its EOF closes the process's stdin (with a TTY:
+// sends ^D). stdout receives the output (the only stream with a TTY);
+// stderr may be nil to discard it. resize, which may be nil, carries window
+// size changes for a TTY. The result is the exit code, 128+signal for a
+// signal.
+//
+// When ctx ends the remote process group is killed. A Read on stdin that
+// never returns is left behind in a goroutine that drops its data.
+func (c *Client) Exec(ctx context.Context, req ExecRequest, stdin io.Reader, stdout, stderr io.Writer, resize <-chan WinSize) (int, error) {
+	if stdout == nil {
+		stdout = io.Discard
+	}
+	if stderr == nil {
+		stderr = io.Discard
+	}
+	end, err := c.begin(ctx)
+	if err != nil {
+		return -1, err
+	}
+	id := c.nextID.Add(1)
+	code, err := c.exec(ctx, id, req, stdin, stdout, stderr, resize)
+	var re *RemoteError
+	end(err == nil || errors.As(err, &re))
+	return code, err
+}
+
+func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.Reader, stdout, stderr io.Writer, resize <-chan WinSize) (int, error) {
+	if err := c.roundTrip(ctx, id, methodExec, req, nil); err != nil {
+		return -1, err
+	}
+	ectx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	credits := make(chan struct{}, stdinWindow)
+	for range stdinWindow {
+		credits <- struct{}{}
+	}
+	if stdin != nil {
+		go c.forwardStdin(ectx, id, stdin, credits)
+	} else if !req.TTY {
+		if err := c.send(ctx, frameStdinEOF, id, nil); err != nil {
+			return -1, err
+		}
+	}
+	if resize != nil {
+		go func() {
+			for {
+				select {
+				case ws, ok := <-resize:
+					if !ok {
+						return
+					}
+					b, _ := json.Marshal(ws)
+					if c.send(ectx, frameResize, id, b) != nil {
+						return
+					}
+				case <-ectx.Done():
+					return
+				}
+			}
+		}()
+	}
+	var outErr error
+	for {
+		f, err := c.recv(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				// Best effort: the next call's HELLO kills it anyway.
+				kctx, kcancel := context.WithTimeout(context.Background(), time.Second)
+				b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGKILL)})
+				c.send(kctx, frameSignal, id, b)
+				kcancel()
+			}
+			return -1, err
+		}
+		if f.ID != id {
+			continue
+		}
+		switch f.Type {
+		case frameStdout, frameStderr:
+			if outErr != nil {
+				continue
+			}
+			w := stdout
+			if f.Type == frameStderr {
+				w = stderr
+			}
+			if _, err := w.Write(f.Payload); err != nil {
+				// Like a pipe's reader going away: SIGPIPE the process,
+				// keep draining until its exit.
+				outErr = err
+				b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGPIPE)})
+				if err := c.send(ctx, frameSignal, id, b); err != nil {
+					return -1, err
+				}
+			}
+		case frameStdinAck:
+			select {
+			case credits <- struct{}{}:
+			default:
+			}
+		case frameExit:
+			var st exitStatus
+			if err := json.Unmarshal(f.Payload, &st); err != nil {
+				return -1, fmt.Errorf("exec: bad exit status: %w", err)
+			}
+			if outErr != nil {
+				return st.Code, fmt.Errorf("exec: writing output: %w", outErr)
+			}
+			return st.Code, nil
+		}
+	}
+}
+
+func (c *Client) forwardStdin(ctx context.Context, id uint32, r io.Reader, credits chan struct{}) {
+	buf := make([]byte, chunkSize)
+	for {
+		select {
+		case <-credits:
+		case <-ctx.Done():
+			return
+		}
+		n, err := r.Read(buf)
+		if ctx.Err() != nil {
+			return
+		}
+		if n > 0 {
+			if c.send(ctx, frameStdin, id, buf[:n]) != nil {
+				return
+			}
+		} else {
+			credits <- struct{}{}
+		}
+		if err != nil {
+			// EOF, or a read error: either way the process sees EOF.
+			c.send(ctx, frameStdinEOF, id, nil)
+			return
+		}
+	}
+}

@@ -1,0 +1,327 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	defaultTerm = "xterm-256color"
+	// stdinWindow is how many stdin frames the host may send before the
+	// guest acknowledges one; it bounds what the guest buffers.
+	stdinWindow = 16
+	// drainIdle is how long output pipes are read after the process exits
+	// with no new data: a background child that keeps stdout open must not
+	// hold the exec open forever.
+	drainIdle = 250 * time.Millisecond
+)
+
+// process is one running exec in a session.
+type process struct {
+	ss    *session
+	gen   uint64
+	id    uint32
+	argv0 string
+	tty   bool
+
+	cmd    *exec.Cmd
+	pid    int
+	outs   []*os.File // stdout, stderr pipes or the pty master
+	stdinW *os.File   // stdin pipe or the pty master
+	master *os.File
+	queue  chan frame // stdin frames, bounded by stdinWindow
+	qmu    sync.Mutex
+	qdone  bool // queue closed
+	exited atomic.Bool
+}
+
+func envLookup(env []string, key string) string {
+	for i := len(env) - 1; i >= 0; i-- {
+		if k, v, ok := strings.Cut(env[i], "="); ok && k == key {
+			return v
+		}
+	}
+	return ""
+}
+
+// execEnv returns the environment of req: the given one, or defaults.
+func execEnv(req ExecRequest) []string {
+	env := req.Env
+	if len(env) == 0 {
+		env = []string{"PATH=" + defaultPath, "HOME=/root"}
+		if req.TTY {
+			env = append(env, "TERM="+defaultTerm)
+		}
+	}
+	return env
+}
+
+// lookPath finds name in the request's PATH, not the agent's.
+func lookPath(name, path string) (string, error) {
+	if strings.Contains(name, "/") {
+		return name, nil
+	}
+	if path == "" {
+		path = defaultPath
+	}
+	for _, dir := range strings.Split(path, ":") {
+		if dir == "" {
+			dir = "."
+		}
+		p := dir + "/" + name
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%q: executable file not found in PATH", name)
+}
+
+func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process, error) {
+	if len(req.Argv) == 0 || req.Argv[0] == "" {
+		return nil, errors.New("exec: empty argv")
+	}
+	env := execEnv(req)
+	bin, err := lookPath(req.Argv[0], envLookup(env, "PATH"))
+	if err != nil {
+		return nil, err
+	}
+	dir := req.Dir
+	if dir == "" {
+		dir = envLookup(env, "HOME")
+		if st, err := os.Stat(dir); dir == "" || err != nil || !st.IsDir() {
+			dir = "/"
+		}
+	}
+	cmd := &exec.Cmd{Path: bin, Args: req.Argv, Env: env, Dir: dir}
+	p := &process{ss: ss, gen: gen, id: id, argv0: req.Argv[0], tty: req.TTY, cmd: cmd,
+		queue: make(chan frame, stdinWindow+1)}
+
+	var childEnds []*os.File
+	defer func() {
+		for _, f := range childEnds {
+			f.Close()
+		}
+	}()
+	if req.TTY {
+		master, slave, err := openPTY()
+		if err != nil {
+			return nil, err
+		}
+		childEnds = append(childEnds, slave)
+		if req.Rows > 0 && req.Cols > 0 {
+			unix.IoctlSetWinsize(int(slave.Fd()), unix.TIOCSWINSZ, &unix.Winsize{Row: req.Rows, Col: req.Cols})
+		}
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = slave, slave, slave
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+		p.master, p.stdinW, p.outs = master, master, []*os.File{master}
+	} else {
+		var pipes [3][2]*os.File
+		for i := range pipes {
+			r, w, err := os.Pipe()
+			if err != nil {
+				for _, f := range p.outs {
+					f.Close()
+				}
+				if p.stdinW != nil {
+					p.stdinW.Close()
+				}
+				return nil, err
+			}
+			pipes[i] = [2]*os.File{r, w}
+			if i == 0 {
+				childEnds = append(childEnds, r)
+				p.stdinW = w
+			} else {
+				childEnds = append(childEnds, w)
+				p.outs = append(p.outs, r)
+			}
+		}
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = pipes[0][0], pipes[1][1], pipes[2][1]
+		// Own process group, so an abort kills the children too.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	}
+	if err := cmd.Start(); err != nil {
+		p.closeAll()
+		return nil, err
+	}
+	p.pid = cmd.Process.Pid
+	return p, nil
+}
+
+func (p *process) closeAll() {
+	for _, f := range p.outs {
+		f.Close()
+	}
+	if p.stdinW != nil {
+		p.stdinW.Close()
+	}
+}
+
+// run starts the goroutines that move data and report the exit.
+func (p *process) run() {
+	var pumps sync.WaitGroup
+	types := []frameType{frameStdout, frameStderr}
+	for i, f := range p.outs {
+		pumps.Add(1)
+		go func() {
+			defer pumps.Done()
+			p.pump(f, types[i])
+		}()
+	}
+	go p.stdinLoop()
+	go func() {
+		err := p.cmd.Wait()
+		p.exited.Store(true)
+		for _, f := range p.outs {
+			f.SetReadDeadline(time.Now().Add(drainIdle))
+		}
+		pumps.Wait()
+		p.closeAll()
+		p.qmu.Lock()
+		p.qdone = true
+		close(p.queue)
+		p.qmu.Unlock()
+		st := exitStatus{Code: exitCode(p.cmd.ProcessState, err)}
+		p.ss.finished(p)
+		if err := p.ss.sendJSON(p.gen, frameExit, p.id, st); err != nil && !errors.Is(err, errStale) {
+			p.ss.srv.logf("%s: exec %q exit: %v", p.ss.name, p.argv0, err)
+		}
+	}()
+}
+
+func exitCode(ps *os.ProcessState, err error) int {
+	if ps == nil {
+		return 255
+	}
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return 128 + int(ws.Signal())
+	}
+	return ps.ExitCode()
+}
+
+// pump copies one output stream into frames. Writing a frame blocks while
+// the host does not read, which blocks the process: no unbounded buffering.
+func (p *process) pump(f *os.File, t frameType) {
+	buf := make([]byte, chunkSize)
+	for {
+		if p.exited.Load() {
+			f.SetReadDeadline(time.Now().Add(drainIdle))
+		}
+		n, err := f.Read(buf)
+		if n > 0 {
+			if serr := p.ss.send(p.gen, t, p.id, buf[:n]); serr != nil {
+				// The host is gone or another one took over: stop
+				// reading, the process gets EPIPE or the abort's kill.
+				f.Close()
+				return
+			}
+		}
+		if err != nil {
+			// io.EOF for pipes, EIO for a pty master whose slave
+			// side is closed, a deadline after the exit.
+			return
+		}
+	}
+}
+
+// stdin queues one host frame; the host keeps at most stdinWindow in
+// flight, so the queue never blocks the session's reader.
+func (p *process) stdin(f frame) {
+	p.qmu.Lock()
+	defer p.qmu.Unlock()
+	if p.qdone {
+		return
+	}
+	select {
+	case p.queue <- f:
+	default:
+		p.ss.srv.logf("%s: exec %q: host overran the stdin window, dropping", p.ss.name, p.argv0)
+	}
+}
+
+func (p *process) stdinLoop() {
+	eof := false
+	for f := range p.queue {
+		switch {
+		case eof:
+		case f.Type == frameStdinEOF:
+			eof = true
+			if p.tty {
+				// A pty has no half-close: send the EOF character.
+				p.stdinW.Write([]byte{4})
+			} else {
+				p.stdinW.Close()
+			}
+			continue
+		default:
+			if _, err := p.stdinW.Write(f.Payload); err != nil && !errors.Is(err, os.ErrClosed) && !errors.Is(err, syscall.EPIPE) {
+				p.ss.srv.logf("%s: exec %q stdin: %v", p.ss.name, p.argv0, err)
+			}
+		}
+		if f.Type == frameStdin {
+			p.ss.send(p.gen, frameStdinAck, p.id, nil)
+		}
+	}
+}
+
+func (p *process) resize(ws WinSize) {
+	if p.master == nil || ws.Rows == 0 || ws.Cols == 0 {
+		return
+	}
+	rc, err := p.master.SyscallConn()
+	if err != nil {
+		return
+	}
+	rc.Control(func(fd uintptr) {
+		unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: ws.Rows, Col: ws.Cols})
+	})
+}
+
+// kill signals the whole process group (a pty session leader's pid is its
+// group id too).
+func (p *process) kill(sig unix.Signal) {
+	if p.exited.Load() {
+		return // reaped: the group id may belong to someone else now
+	}
+	if err := unix.Kill(-p.pid, sig); err != nil && !errors.Is(err, unix.ESRCH) {
+		p.ss.srv.logf("%s: kill exec %q: %v", p.ss.name, p.argv0, err)
+	}
+}
+
+// openPTY allocates a pty pair. devpts must be mounted on /dev/pts (the
+// guest's init does that).
+func openPTY() (master, slave *os.File, err error) {
+	fd, err := unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open /dev/ptmx: %w", err)
+	}
+	// The master is non-blocking so the runtime poller can interrupt
+	// reads (deadlines, Close).
+	master = os.NewFile(uintptr(fd), "/dev/ptmx")
+	if err := unix.IoctlSetPointerInt(fd, unix.TIOCSPTLCK, 0); err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("unlock pty: %w", err)
+	}
+	n, err := unix.IoctlGetInt(fd, unix.TIOCGPTN)
+	if err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("pty number: %w", err)
+	}
+	name := fmt.Sprintf("/dev/pts/%d", n)
+	sfd, err := unix.Open(name, unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("open %s: %w", name, err)
+	}
+	return master, os.NewFile(uintptr(sfd), name), nil
+}

@@ -1,0 +1,121 @@
+package agent
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Version is the agent's protocol and build version, reported by Ping.
+const Version = "0.1.0"
+
+// VsockPort is the vsock port the agent listens on for any CID.
+const VsockPort = 1024
+
+// SerialPortPrefix starts the name of every virtio-serial port the agent
+// serves (org.kvbox.agent.0 ... org.kvbox.agent.3).
+const SerialPortPrefix = "org.kvbox.agent."
+
+// Capabilities says what the guest can do.
+type Capabilities struct {
+	Exec     bool `json:"exec"`
+	TTY      bool `json:"tty"`      // /dev/ptmx works
+	Identify bool `json:"identify"` // netlink and an ethernet link are there
+	Clock    bool `json:"clock"`    // may set CLOCK_REALTIME
+	Entropy  bool `json:"entropy"`  // may credit entropy to the kernel RNG
+	Vsock    bool `json:"vsock"`    // the agent listens on vsock
+}
+
+// Info is Ping's answer.
+type Info struct {
+	Version      string        `json:"version"`
+	Hostname     string        `json:"hostname"`
+	Kernel       string        `json:"kernel"` // uname release
+	Uptime       time.Duration `json:"uptime"`
+	Capabilities Capabilities  `json:"capabilities"`
+}
+
+// ExecRequest describes a process to run in the guest.
+type ExecRequest struct {
+	Argv []string `json:"argv"`
+	// Env is the whole environment ("K=V"). When empty the agent uses
+	// PATH, HOME and (with TTY) TERM defaults.
+	Env []string `json:"env,omitempty"`
+	// Dir is the working directory; HOME or / when empty.
+	Dir string `json:"dir,omitempty"`
+	// TTY runs the process on a new pty in a new session; its output then
+	// comes back as one stream (stdout).
+	TTY  bool   `json:"tty,omitempty"`
+	Rows uint16 `json:"rows,omitempty"`
+	Cols uint16 `json:"cols,omitempty"`
+}
+
+// WinSize is a terminal size.
+type WinSize struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
+}
+
+// Identity is what a box needs to stop looking like the box it was cloned
+// from. Empty fields are left alone.
+type Identity struct {
+	Hostname string   `json:"hostname,omitempty"`
+	MAC      string   `json:"mac,omitempty"`     // 52:54:00:12:34:56
+	Address  string   `json:"address,omitempty"` // CIDR: 172.30.0.5/24
+	Gateway  string   `json:"gateway,omitempty"`
+	DNS      []string `json:"dns,omitempty"`
+	// MachineID (32 hex digits) is written to /etc/machine-id when that
+	// file exists.
+	MachineID string `json:"machine_id,omitempty"`
+	// Hosts are extra /etc/hosts lines ("10.0.0.1 gw"), after the
+	// localhost and hostname lines.
+	Hosts []string `json:"hosts,omitempty"`
+}
+
+// Method names of requests.
+const (
+	methodPing       = "ping"
+	methodExec       = "exec"
+	methodIdentify   = "identify"
+	methodSetClock   = "set-clock"
+	methodAddEntropy = "add-entropy"
+)
+
+type request struct {
+	Method string          `json:"method"`
+	Params json.RawMessage `json:"params,omitempty"`
+}
+
+type response struct {
+	Error  string          `json:"error,omitempty"`
+	Result json.RawMessage `json:"result,omitempty"`
+}
+
+type helloReply struct {
+	Version string `json:"version"`
+}
+
+type exitStatus struct {
+	// Code is the exit code, or 128+signal when a signal ended the process.
+	Code int `json:"code"`
+	// Error is set when the agent lost the process (aborted).
+	Error string `json:"error,omitempty"`
+}
+
+type signalMsg struct {
+	Signal int `json:"signal"`
+}
+
+type clockMsg struct {
+	UnixNano int64 `json:"unix_nano"`
+}
+
+// RemoteError is an error the agent reported for a call.
+type RemoteError struct {
+	Method  string
+	Message string
+}
+
+func (e *RemoteError) Error() string {
+	return fmt.Sprintf("guest agent: %s: %s", e.Method, e.Message)
+}

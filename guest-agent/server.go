@@ -1,0 +1,378 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// System is the seam between the agent and the guest's global state. The
+// real one (NewLinuxSystem) changes the machine it runs on; tests use a fake
+// so they never touch the test host's network, hostname or clock.
+type System interface {
+	// Capabilities reports which of the calls below can work here.
+	Capabilities() Capabilities
+	ApplyIdentity(Identity) error
+	SetClock(time.Time) error
+	AddEntropy([]byte) error
+}
+
+// Server is the guest side: it answers one or many host connections.
+type Server struct {
+	System System
+	// Log receives one line per notable event; nil means log.Default().
+	Log *log.Logger
+	// StateDir, when set, is where Identify persists the identity
+	// (identity.json) so the agent can re-apply it after a reboot.
+	StateDir string
+	// Vsock is reported in Info.Capabilities.
+	Vsock bool
+}
+
+func (s *Server) logf(format string, args ...any) {
+	l := s.Log
+	if l == nil {
+		l = log.Default()
+	}
+	l.Printf(format, args...)
+}
+
+// ServeConn serves one host connection (vsock, or a test conn) until the
+// host closes it or ctx ends. A running exec is killed when it returns.
+func (s *Server) ServeConn(ctx context.Context, conn io.ReadWriteCloser) error {
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	defer conn.Close()
+	err := s.serve(conn, conn, "conn")
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// Serve accepts host connections on l (the vsock listener) until ctx ends.
+func (s *Server) Serve(ctx context.Context, l net.Listener) error {
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			return err
+		}
+		go func() {
+			if err := s.ServeConn(ctx, c); err != nil && ctx.Err() == nil {
+				s.logf("vsock %v: %v", c.RemoteAddr(), err)
+			}
+		}()
+	}
+}
+
+// serve runs the frame loop of one byte stream. r may return errHostGone
+// (a virtio-serial port whose host went away): the running exec is killed
+// and the loop goes on with a fresh decoder.
+func (s *Server) serve(r io.Reader, w io.Writer, name string) error {
+	ss := &session{srv: s, w: w, name: name}
+	defer ss.abort("connection closed")
+	d := newDecoder(r)
+	for {
+		f, err := d.next()
+		if d.skipped > 0 {
+			s.logf("%s: skipped %d stale or garbage bytes", name, d.skipped)
+			d.skipped = 0
+		}
+		if errors.Is(err, errHostGone) {
+			ss.abort("host disconnected")
+			d.reset()
+			continue
+		}
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		ss.handle(f)
+	}
+}
+
+var errStale = errors.New("agent: stale session")
+
+// session is the state of one byte stream: at most one exec at a time, and
+// a generation that HELLO bumps so output of an aborted exec never reaches
+// the next host.
+type session struct {
+	srv  *Server
+	name string
+
+	wmu sync.Mutex
+	w   io.Writer
+	gen atomic.Uint64
+
+	mu   sync.Mutex
+	proc *process
+}
+
+func (ss *session) send(gen uint64, t frameType, id uint32, payload []byte) error {
+	ss.wmu.Lock()
+	defer ss.wmu.Unlock()
+	if gen != ss.gen.Load() {
+		return errStale
+	}
+	_, err := ss.w.Write(appendFrame(nil, t, id, payload))
+	return err
+}
+
+func (ss *session) sendJSON(gen uint64, t frameType, id uint32, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return ss.send(gen, t, id, b)
+}
+
+func (ss *session) reply(gen uint64, id uint32, result any, err error) {
+	var resp response
+	if err != nil {
+		resp.Error = err.Error()
+	} else if result != nil {
+		b, merr := json.Marshal(result)
+		if merr != nil {
+			resp.Error = merr.Error()
+		}
+		resp.Result = b
+	}
+	if err := ss.sendJSON(gen, frameResponse, id, resp); err != nil && !errors.Is(err, errStale) {
+		ss.srv.logf("%s: reply: %v", ss.name, err)
+	}
+}
+
+// abort kills the running exec (its whole process group) and makes every
+// frame it still wants to send stale.
+func (ss *session) abort(why string) {
+	ss.gen.Add(1)
+	ss.mu.Lock()
+	p := ss.proc
+	ss.proc = nil
+	ss.mu.Unlock()
+	if p != nil {
+		ss.srv.logf("%s: %s: killing exec %q", ss.name, why, p.argv0)
+		p.kill(unix.SIGKILL)
+	}
+}
+
+func (ss *session) current(id uint32) *process {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if ss.proc != nil && ss.proc.id == id {
+		return ss.proc
+	}
+	return nil
+}
+
+func (ss *session) handle(f frame) {
+	switch f.Type {
+	case frameHello:
+		if len(f.Payload) != 16 {
+			return
+		}
+		ss.abort("new host")
+		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, struct {
+			Nonce []byte `json:"nonce"`
+			helloReply
+		}{f.Payload, helloReply{Version: Version}})
+	case frameRequest:
+		ss.request(f)
+	case frameStdin, frameStdinEOF:
+		if p := ss.current(f.ID); p != nil {
+			p.stdin(f)
+		}
+	case frameResize:
+		var ws WinSize
+		if p := ss.current(f.ID); p != nil && json.Unmarshal(f.Payload, &ws) == nil {
+			p.resize(ws)
+		}
+	case frameSignal:
+		var m signalMsg
+		if p := ss.current(f.ID); p != nil && json.Unmarshal(f.Payload, &m) == nil && m.Signal > 0 && m.Signal < 65 {
+			p.kill(unix.Signal(m.Signal))
+		}
+	default:
+		// Frames only the guest sends: a loop-back or garbage; ignore.
+	}
+}
+
+func (ss *session) request(f frame) {
+	gen := ss.gen.Load()
+	var req request
+	if err := json.Unmarshal(f.Payload, &req); err != nil {
+		ss.reply(gen, f.ID, nil, fmt.Errorf("bad request: %v", err))
+		return
+	}
+	s := ss.srv
+	switch req.Method {
+	case methodPing:
+		ss.reply(gen, f.ID, s.info(), nil)
+	case methodExec:
+		var er ExecRequest
+		if err := json.Unmarshal(req.Params, &er); err != nil {
+			ss.reply(gen, f.ID, nil, fmt.Errorf("bad exec request: %v", err))
+			return
+		}
+		ss.mu.Lock()
+		busy := ss.proc != nil
+		ss.mu.Unlock()
+		if busy {
+			ss.reply(gen, f.ID, nil, errors.New("an exec is already running on this connection"))
+			return
+		}
+		p, err := startProcess(ss, gen, f.ID, er)
+		if err != nil {
+			ss.reply(gen, f.ID, nil, err)
+			return
+		}
+		ss.mu.Lock()
+		ss.proc = p
+		ss.mu.Unlock()
+		ss.reply(gen, f.ID, nil, nil)
+		p.run()
+	case methodIdentify:
+		var id Identity
+		if err := json.Unmarshal(req.Params, &id); err != nil {
+			ss.reply(gen, f.ID, nil, fmt.Errorf("bad identity: %v", err))
+			return
+		}
+		go func() { ss.reply(gen, f.ID, nil, s.identify(id)) }()
+	case methodSetClock:
+		var m clockMsg
+		if err := json.Unmarshal(req.Params, &m); err != nil {
+			ss.reply(gen, f.ID, nil, fmt.Errorf("bad clock: %v", err))
+			return
+		}
+		go func() { ss.reply(gen, f.ID, nil, s.sys().SetClock(time.Unix(0, m.UnixNano))) }()
+	case methodAddEntropy:
+		var b []byte
+		if err := json.Unmarshal(req.Params, &b); err != nil {
+			ss.reply(gen, f.ID, nil, fmt.Errorf("bad entropy: %v", err))
+			return
+		}
+		go func() { ss.reply(gen, f.ID, nil, s.sys().AddEntropy(b)) }()
+	default:
+		ss.reply(gen, f.ID, nil, fmt.Errorf("unknown method %q", req.Method))
+	}
+}
+
+func (ss *session) finished(p *process) {
+	ss.mu.Lock()
+	if ss.proc == p {
+		ss.proc = nil
+	}
+	ss.mu.Unlock()
+}
+
+func (s *Server) sys() System {
+	if s.System == nil {
+		return noSystem{}
+	}
+	return s.System
+}
+
+func (s *Server) info() Info {
+	in := Info{Version: Version, Capabilities: s.sys().Capabilities()}
+	in.Capabilities.Exec = true
+	in.Capabilities.Vsock = s.Vsock
+	if _, err := os.Stat("/dev/ptmx"); err == nil {
+		in.Capabilities.TTY = true
+	}
+	in.Hostname, _ = os.Hostname()
+	var u unix.Utsname
+	if unix.Uname(&u) == nil {
+		in.Kernel = unix.ByteSliceToString(u.Release[:])
+	}
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) == nil {
+		in.Uptime = time.Duration(si.Uptime) * time.Second
+	}
+	return in
+}
+
+func (s *Server) identify(id Identity) error {
+	if err := s.sys().ApplyIdentity(id); err != nil {
+		return err
+	}
+	s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
+	if s.StateDir == "" {
+		return nil
+	}
+	if err := SaveIdentity(s.StateDir, id); err != nil {
+		return fmt.Errorf("identity applied but not persisted: %w", err)
+	}
+	return nil
+}
+
+// identityFile is where the identity is persisted inside StateDir.
+const identityFile = "identity.json"
+
+// SaveIdentity writes id to dir/identity.json atomically.
+func SaveIdentity(dir string, id Identity) error {
+	b, err := json.MarshalIndent(id, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	return writeFileAtomic(dir+"/"+identityFile, append(b, '\n'), 0o644)
+}
+
+// LoadIdentity reads the identity SaveIdentity wrote; ok is false when
+// there is none.
+func LoadIdentity(dir string) (id Identity, ok bool, err error) {
+	b, err := os.ReadFile(dir + "/" + identityFile)
+	if errors.Is(err, os.ErrNotExist) {
+		return id, false, nil
+	}
+	if err != nil {
+		return id, false, err
+	}
+	if err := json.Unmarshal(b, &id); err != nil {
+		return id, false, fmt.Errorf("%s/%s: %w", dir, identityFile, err)
+	}
+	return id, true, nil
+}
+
+func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	tmp := path + ".kvbox-tmp"
+	if err := os.WriteFile(tmp, data, perm); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// noSystem refuses every change; Server uses it when System is nil.
+type noSystem struct{}
+
+func (noSystem) Capabilities() Capabilities   { return Capabilities{} }
+func (noSystem) ApplyIdentity(Identity) error { return errors.ErrUnsupported }
+func (noSystem) SetClock(time.Time) error     { return errors.ErrUnsupported }
+func (noSystem) AddEntropy([]byte) error      { return errors.ErrUnsupported }

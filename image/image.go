@@ -1,0 +1,177 @@
+// Package image keeps kvbox's base images: an immutable disk (qcow2 or raw),
+// optionally with a kernel, initrd and command line for direct boot, each in
+// its own folder under the state directory.
+package image
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"context"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
+)
+
+// Image is a registered base image.
+type Image struct {
+	Name        string    `json:"name"`
+	Disk        string    `json:"disk"`
+	Format      string    `json:"format"`
+	Kernel      string    `json:"kernel,omitempty"`
+	Initrd      string    `json:"initrd,omitempty"`
+	Cmdline     string    `json:"cmdline,omitempty"`
+	VirtualSize int64     `json:"virtual_size_bytes"`
+	SizeBytes   int64     `json:"size_bytes"`
+	Agent       string    `json:"agent"` // yes, no, or unknown
+	Created     time.Time `json:"created"`
+}
+
+// Store is the folder of images.
+type Store struct{ Dir string }
+
+const metaFile = "image.json"
+
+// Get returns the named image.
+func (s Store) Get(name string) (Image, error) {
+	b, err := os.ReadFile(filepath.Join(s.Dir, name, metaFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return Image{}, fmt.Errorf("image %q %w (kvbox images ls lists images)", name, domain.ErrNotFound)
+	}
+	if err != nil {
+		return Image{}, err
+	}
+	var im Image
+	if err := json.Unmarshal(b, &im); err != nil {
+		return Image{}, fmt.Errorf("image %q: %w", name, err)
+	}
+	im.SizeBytes = overlay.Du(filepath.Join(s.Dir, name))
+	return im, nil
+}
+
+// List returns every image, sorted by name.
+func (s Store) List() ([]Image, error) {
+	ents, err := os.ReadDir(s.Dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []Image
+	for _, e := range ents {
+		if !e.IsDir() {
+			continue
+		}
+		im, err := s.Get(e.Name())
+		if errors.Is(err, domain.ErrNotFound) {
+			continue // an import in progress or left over
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, im)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// ImportOptions says what to register.
+type ImportOptions struct {
+	Disk    string // a qcow2 or raw disk image
+	Kernel  string // optional: boot this kernel directly
+	Initrd  string
+	Cmdline string
+	Agent   string // yes, no or unknown
+	Replace bool
+}
+
+// Import copies the files into the store under name. The image appears only
+// once it is complete: files go to a temporary folder that is renamed last.
+func (s Store) Import(name string, o ImportOptions) (Image, error) {
+	if err := domain.ValidName(name); err != nil {
+		return Image{}, err
+	}
+	if o.Initrd != "" && o.Kernel == "" {
+		return Image{}, fmt.Errorf("%w: --initrd needs --kernel", domain.ErrInvalid)
+	}
+	final := filepath.Join(s.Dir, name)
+	if _, err := os.Stat(filepath.Join(final, metaFile)); err == nil && !o.Replace {
+		return Image{}, fmt.Errorf("image %q %w", name, domain.ErrExists)
+	}
+	info, err := overlay.Info(context.Background(), o.Disk)
+	if err != nil {
+		return Image{}, fmt.Errorf("%w: disk %s: %v", domain.ErrInvalid, o.Disk, err)
+	}
+	if info.Format != "qcow2" && info.Format != "raw" {
+		return Image{}, fmt.Errorf("%w: disk %s is %s; kvbox takes qcow2 or raw", domain.ErrInvalid, o.Disk, info.Format)
+	}
+	if info.BackingFile != "" {
+		return Image{}, fmt.Errorf("%w: disk %s has a backing file; flatten it first (qemu-img convert)", domain.ErrInvalid, o.Disk)
+	}
+	if err := os.MkdirAll(s.Dir, 0o755); err != nil {
+		return Image{}, err
+	}
+	tmp, err := os.MkdirTemp(s.Dir, "."+name+".import-")
+	if err != nil {
+		return Image{}, err
+	}
+	defer os.RemoveAll(tmp)
+	im := Image{Name: name, Format: info.Format, Cmdline: o.Cmdline, VirtualSize: info.VirtualSize, Agent: o.Agent, Created: time.Now().UTC()}
+	if im.Agent == "" {
+		im.Agent = "unknown"
+	}
+	copies := []struct {
+		src, name string
+		dst       *string
+	}{{o.Disk, "disk." + info.Format, &im.Disk}, {o.Kernel, "vmlinuz", &im.Kernel}, {o.Initrd, "initrd.img", &im.Initrd}}
+	for _, c := range copies {
+		if c.src == "" {
+			continue
+		}
+		if _, err := overlay.CopySparse(filepath.Join(tmp, c.name), c.src); err != nil {
+			return Image{}, fmt.Errorf("import %s: %w", c.src, err)
+		}
+		// Base images are immutable: boxes are overlays on them.
+		if err := os.Chmod(filepath.Join(tmp, c.name), 0o444); err != nil {
+			return Image{}, err
+		}
+		*c.dst = filepath.Join(final, c.name)
+	}
+	b, _ := json.MarshalIndent(im, "", "  ")
+	if err := overlay.WriteFileAtomic(filepath.Join(tmp, metaFile), append(b, '\n'), 0o644); err != nil {
+		return Image{}, err
+	}
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return Image{}, err
+	}
+	if o.Replace {
+		old := filepath.Join(s.Dir, "."+name+".old")
+		os.RemoveAll(old)
+		if err := os.Rename(final, old); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return Image{}, err
+		}
+		defer os.RemoveAll(old)
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		return Image{}, err
+	}
+	if err := overlay.SyncDir(s.Dir); err != nil {
+		return Image{}, err
+	}
+	return s.Get(name)
+}
+
+// Remove deletes an image. Boxes whose disks are overlays on it must be
+// gone first; the caller checks.
+func (s Store) Remove(name string) error {
+	if _, err := s.Get(name); err != nil {
+		return err
+	}
+	return os.RemoveAll(filepath.Join(s.Dir, name))
+}
+

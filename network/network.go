@@ -1,0 +1,209 @@
+// Package network owns kvbox's bridge on the host: creating it, handing out
+// static addresses on it, NAT for outbound traffic, and opening or closing a
+// box's port on the bridge.
+package network
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+
+	"github.com/coreos/go-iptables/iptables"
+	"github.com/vishvananda/netlink"
+)
+
+// Config describes kvbox's network.
+type Config struct {
+	Bridge string       // bridge device, e.g. kvbox0
+	Subnet netip.Prefix // e.g. 172.30.0.0/24; the first host address is the gateway
+}
+
+// Default is kvbox's network unless configured otherwise.
+var Default = Config{Bridge: "kvbox0", Subnet: netip.MustParsePrefix("172.30.0.0/24")}
+
+// Parse builds a Config from a bridge name and a subnet in CIDR form.
+func Parse(bridge, subnet string) (Config, error) {
+	p, err := netip.ParsePrefix(subnet)
+	if err != nil || !p.Addr().Is4() {
+		return Config{}, fmt.Errorf("subnet %q is not an IPv4 prefix like 172.30.0.0/24", subnet)
+	}
+	if p.Bits() > 29 || p.Bits() < 8 {
+		return Config{}, fmt.Errorf("subnet %q: prefix length must be between /8 and /29", subnet)
+	}
+	if bridge == "" || len(bridge) > 15 || strings.ContainsAny(bridge, "/ \t") {
+		return Config{}, fmt.Errorf("bridge name %q is not a valid interface name", bridge)
+	}
+	return Config{Bridge: bridge, Subnet: p.Masked()}, nil
+}
+
+// Gateway is the host's address on the bridge.
+func (c Config) Gateway() netip.Addr { return c.Subnet.Masked().Addr().Next() }
+
+// Ensure creates the bridge with the gateway address if it is missing, brings
+// it up, and sets up NAT where the host has a default route.
+func (c Config) Ensure() error {
+	link, err := netlink.LinkByName(c.Bridge)
+	if err != nil {
+		var nf netlink.LinkNotFoundError
+		if !errors.As(err, &nf) {
+			return fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
+		}
+		br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge}}
+		if err := netlink.LinkAdd(br); err != nil && !errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("create bridge %s: %w", c.Bridge, err)
+		}
+		if link, err = netlink.LinkByName(c.Bridge); err != nil {
+			return fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
+		}
+	}
+	if link.Type() != "bridge" {
+		return fmt.Errorf("%s exists and is a %s, not a bridge", c.Bridge, link.Type())
+	}
+	gw := &netlink.Addr{IPNet: &net.IPNet{IP: c.Gateway().AsSlice(), Mask: net.CIDRMask(c.Subnet.Bits(), 32)}}
+	if err := netlink.AddrAdd(link, gw); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("add %s to %s: %w", gw.IPNet, c.Bridge, err)
+	}
+	if err := netlink.LinkSetUp(link); err != nil {
+		return fmt.Errorf("bring %s up: %w", c.Bridge, err)
+	}
+	if hasUplink() {
+		return c.ensureNAT()
+	}
+	return nil
+}
+
+// Remove deletes the bridge and kvbox's firewall rules.
+func (c Config) Remove() error {
+	var errs []error
+	if ipt, err := iptables.New(); err == nil {
+		for _, r := range c.natRules() {
+			if ok, _ := ipt.Exists(r.table, r.chain, r.spec...); ok {
+				if err := ipt.Delete(r.table, r.chain, r.spec...); err != nil {
+					errs = append(errs, err)
+				}
+			}
+		}
+	}
+	if link, err := netlink.LinkByName(c.Bridge); err == nil {
+		if err := netlink.LinkDel(link); err != nil {
+			errs = append(errs, fmt.Errorf("delete bridge %s: %w", c.Bridge, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+type rule struct {
+	table, chain string
+	spec         []string
+}
+
+func (c Config) natRules() []rule {
+	sub := c.Subnet.String()
+	comment := []string{"-m", "comment", "--comment", "kvbox " + c.Bridge}
+	return []rule{
+		{"nat", "POSTROUTING", append([]string{"-s", sub, "!", "-o", c.Bridge, "-j", "MASQUERADE"}, comment...)},
+		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-s", sub, "-j", "ACCEPT"}, comment...)},
+		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-d", sub, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}, comment...)},
+	}
+}
+
+func (c Config) ensureNAT() error {
+	ipt, err := iptables.New()
+	if err != nil {
+		return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
+	}
+	for _, r := range c.natRules() {
+		if err := ipt.AppendUnique(r.table, r.chain, r.spec...); err != nil {
+			return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
+		}
+	}
+	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1\n"), 0o644); err != nil {
+		return fmt.Errorf("enable IPv4 forwarding: %w", err)
+	}
+	return nil
+}
+
+// hasUplink reports whether this network namespace has an IPv4 default route.
+func hasUplink() bool {
+	routes, err := netlink.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Dst: nil}, netlink.RT_FILTER_DST)
+	if err != nil {
+		return false
+	}
+	for _, r := range routes {
+		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+			return true
+		}
+	}
+	return false
+}
+
+// Allocate returns the lowest host address of the subnet that is neither the
+// gateway nor in used. The caller serializes allocations (kvbox holds its
+// state lock from Allocate until the address is recorded in a domain).
+func (c Config) Allocate(used []netip.Addr) (netip.Addr, error) {
+	taken := map[netip.Addr]bool{c.Gateway(): true}
+	for _, a := range used {
+		taken[a] = true
+	}
+	last := lastAddr(c.Subnet)
+	for a := c.Gateway().Next(); a.Less(last); a = a.Next() {
+		if !taken[a] {
+			return a, nil
+		}
+	}
+	return netip.Addr{}, fmt.Errorf("no free address left in %s", c.Subnet)
+}
+
+// lastAddr is the broadcast address of p.
+func lastAddr(p netip.Prefix) netip.Addr {
+	b := p.Masked().Addr().As4()
+	host := 32 - p.Bits()
+	for i := 3; i >= 0 && host > 0; i-- {
+		n := min(host, 8)
+		b[i] |= byte(1<<n - 1)
+		host -= n
+	}
+	return netip.AddrFrom4(b)
+}
+
+// NewMAC returns a random MAC address in QEMU's 52:54:00 range.
+func NewMAC() string {
+	var b [3]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err)
+	}
+	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", b[0], b[1], b[2])
+}
+
+// ClosePort detaches a box's tap device from the bridge, so not one frame of
+// the box reaches other boxes or the host.
+func ClosePort(tap string) error {
+	link, err := netlink.LinkByName(tap)
+	if err != nil {
+		return fmt.Errorf("close port %s: %w", tap, err)
+	}
+	if err := netlink.LinkSetNoMaster(link); err != nil {
+		return fmt.Errorf("close port %s: %w", tap, err)
+	}
+	return nil
+}
+
+// OpenPort attaches a box's tap device to the bridge and brings it up.
+func (c Config) OpenPort(tap string) error {
+	link, err := netlink.LinkByName(tap)
+	if err != nil {
+		return fmt.Errorf("open port %s: %w", tap, err)
+	}
+	br, err := netlink.LinkByName(c.Bridge)
+	if err != nil {
+		return fmt.Errorf("open port %s: bridge %s: %w", tap, c.Bridge, err)
+	}
+	if err := netlink.LinkSetMaster(link, br); err != nil {
+		return fmt.Errorf("open port %s on %s: %w", tap, c.Bridge, err)
+	}
+	return netlink.LinkSetUp(link)
+}
