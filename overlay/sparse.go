@@ -1,0 +1,167 @@
+package overlay
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	zeroPage  = 4096    // granularity of the all-zero test: a guest page
+	copyChunk = 1 << 20 // bytes read per step inside a data extent
+)
+
+// useCopyFileRange lets tests exercise the plain write fallback.
+var useCopyFileRange = true
+
+// CopySparse copies src to dst (created or truncated, with src's permission
+// bits), keeping holes, and fsyncs dst. It first tries a reflink (FICLONE),
+// which shares every block and copies nothing. Otherwise it walks src's data
+// extents with SEEK_DATA/SEEK_HOLE and, inside each, leaves out every
+// all-zero 4 KiB page: QEMU's RAM file has pages that are allocated but zero,
+// and they need no disk in the copy. Non-zero runs go through
+// copy_file_range (the kernel may share blocks or copy server-side) and fall
+// back to writing the bytes already read. written counts the bytes copied
+// into dst (0 for a reflink). dst has src's size.
+func CopySparse(dst, src string) (written int64, err error) {
+	in, err := os.Open(src)
+	if err != nil {
+		return 0, err
+	}
+	defer in.Close()
+	st, err := in.Stat()
+	if err != nil {
+		return 0, err
+	}
+	if !st.Mode().IsRegular() {
+		return 0, fmt.Errorf("overlay: copy %s: not a regular file", src)
+	}
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, st.Mode().Perm())
+	if err != nil {
+		return 0, err
+	}
+	defer func() {
+		if cerr := out.Close(); err == nil && cerr != nil {
+			err = cerr
+		}
+	}()
+
+	if unix.IoctlFileClone(int(out.Fd()), int(in.Fd())) == nil {
+		return 0, syncFile(out, dst)
+	}
+	// The clone failed (EOPNOTSUPP, EXDEV, EINVAL on ext4/tmpfs ...); dst
+	// is still empty.
+	size := st.Size()
+	if err := out.Truncate(size); err != nil {
+		return 0, err
+	}
+	written, err = copyExtents(out, in, size)
+	if err != nil {
+		return written, fmt.Errorf("overlay: copy %s to %s: %w", src, dst, err)
+	}
+	return written, syncFile(out, dst)
+}
+
+func syncFile(f *os.File, name string) error {
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("overlay: fsync %s: %w", name, err)
+	}
+	return nil
+}
+
+func copyExtents(out, in *os.File, size int64) (int64, error) {
+	inFd, outFd := int(in.Fd()), int(out.Fd())
+	buf := make([]byte, copyChunk)
+	zeros := make([]byte, zeroPage)
+	cfr := useCopyFileRange
+	var written int64
+
+	writeRun := func(off int64, data []byte) error {
+		for cfr && len(data) > 0 {
+			roff, woff := off, off
+			n, err := unix.CopyFileRange(inFd, &roff, outFd, &woff, len(data), 0)
+			if err != nil {
+				if errors.Is(err, unix.EINTR) {
+					continue
+				}
+				// Not supported between these files: write the bytes.
+				if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) ||
+					errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
+					cfr = false
+					break
+				}
+				return err
+			}
+			if n == 0 {
+				cfr = false // src shrank under us; let WriteAt report it
+				break
+			}
+			written += int64(n)
+			off += int64(n)
+			data = data[n:]
+		}
+		if len(data) == 0 {
+			return nil
+		}
+		n, err := out.WriteAt(data, off)
+		written += int64(n)
+		return err
+	}
+
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(inFd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break // only a hole is left
+		}
+		if err != nil {
+			return written, fmt.Errorf("SEEK_DATA: %w", err)
+		}
+		hole, err := unix.Seek(inFd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return written, fmt.Errorf("SEEK_HOLE: %w", err)
+		}
+		if hole > size {
+			hole = size
+		}
+		for pos := data; pos < hole; {
+			n := int64(len(buf))
+			if hole-pos < n {
+				n = hole - pos
+			}
+			chunk := buf[:n]
+			if _, err := in.ReadAt(chunk, pos); err != nil {
+				if errors.Is(err, io.EOF) {
+					err = fmt.Errorf("%s shrank during the copy: %w", in.Name(), io.ErrUnexpectedEOF)
+				}
+				return written, err
+			}
+			// Write each run of pages that are not all zero.
+			runStart := -1
+			for p := 0; p < len(chunk); p += zeroPage {
+				end := min(p+zeroPage, len(chunk))
+				isZero := bytes.Equal(chunk[p:end], zeros[:end-p])
+				if !isZero && runStart < 0 {
+					runStart = p
+				}
+				if isZero && runStart >= 0 {
+					if err := writeRun(pos+int64(runStart), chunk[runStart:p]); err != nil {
+						return written, err
+					}
+					runStart = -1
+				}
+			}
+			if runStart >= 0 {
+				if err := writeRun(pos+int64(runStart), chunk[runStart:]); err != nil {
+					return written, err
+				}
+			}
+			pos += n
+		}
+		off = hole
+	}
+	return written, nil
+}
