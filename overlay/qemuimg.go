@@ -186,7 +186,7 @@ var ErrCorrupt = errors.New("image is corrupt")
 
 // Check runs qemu-img check on the qcow2 image at path (read-only, no repair).
 func Check(ctx context.Context, path string) (CheckResult, error) {
-	out, err := runQemuImg(ctx, "check", "-q", "-f", "qcow2", "--output=json", path)
+	out, err := runQemuImg(ctx, "check", "-f", "qcow2", "--output=json", path)
 	var res CheckResult
 	// Exit status 2 (corruptions) and 3 (leaks) still print the report.
 	if jerr := json.Unmarshal(out, &res); jerr != nil {
