@@ -362,4 +362,3 @@ func hostNameservers() []string {
 	}
 	return ns
 }
-

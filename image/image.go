@@ -4,10 +4,10 @@
 package image
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"context"
 	"os"
 	"path/filepath"
 	"sort"
@@ -49,7 +49,7 @@ func (s Store) Get(name string) (Image, error) {
 	if err := json.Unmarshal(b, &im); err != nil {
 		return Image{}, fmt.Errorf("image %q: %w", name, err)
 	}
-	im.SizeBytes = overlay.Du(filepath.Join(s.Dir, name))
+	im.SizeBytes, _ = overlay.Du(filepath.Join(s.Dir, name))
 	return im, nil
 }
 
@@ -174,4 +174,3 @@ func (s Store) Remove(name string) error {
 	}
 	return os.RemoveAll(filepath.Join(s.Dir, name))
 }
-
