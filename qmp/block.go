@@ -298,9 +298,13 @@ func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) err
 		poll = 10 * time.Millisecond
 	}
 	seen, finalized := false, false
+	last := ""
 	for {
 		jobs, err := c.QueryJobs(ctx)
 		if err != nil {
+			if ctx.Err() != nil && last != "" {
+				return fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, last, err)
+			}
 			return err
 		}
 		var job *Job
@@ -329,7 +333,7 @@ func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) err
 			}
 			finalized = true
 		}
-		seen = true
+		seen, last = true, job.Status
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, job.Status, ctx.Err())

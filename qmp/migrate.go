@@ -205,11 +205,16 @@ func (c *Client) WaitMigration(ctx context.Context, poll time.Duration) error {
 	if poll <= 0 {
 		poll = 10 * time.Millisecond
 	}
+	last := ""
 	for {
 		s, err := c.QueryMigrate(ctx)
 		if err != nil {
+			if ctx.Err() != nil && last != "" {
+				return fmt.Errorf("qmp: waiting for migration (last status %q): %w", last, err)
+			}
 			return err
 		}
+		last = s.Status
 		switch s.Status {
 		case MigrationCompleted:
 			return nil
