@@ -35,8 +35,8 @@ type Server struct {
 	// StateDir, when set, is where Identify persists the identity
 	// (identity.json) so the agent can re-apply it after a reboot.
 	StateDir string
-	// Vsock is reported in Info.Capabilities.
-	Vsock bool
+
+	vsock atomic.Bool // Serve is running on a vsock listener
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -64,6 +64,10 @@ func (s *Server) ServeConn(ctx context.Context, conn io.ReadWriteCloser) error {
 func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
+	if l.Addr().Network() == "vsock" {
+		s.vsock.Store(true)
+		defer s.vsock.Store(false)
+	}
 	for {
 		c, err := l.Accept()
 		if err != nil {
@@ -296,7 +300,7 @@ func (s *Server) sys() System {
 func (s *Server) info() Info {
 	in := Info{Version: Version, Capabilities: s.sys().Capabilities()}
 	in.Capabilities.Exec = true
-	in.Capabilities.Vsock = s.Vsock
+	in.Capabilities.Vsock = s.vsock.Load()
 	if _, err := os.Stat("/dev/ptmx"); err == nil {
 		in.Capabilities.TTY = true
 	}

@@ -1,0 +1,105 @@
+// Command kvbox-agent is the kvbox guest agent. It runs inside a box, as a
+// child of a busybox init script or as a systemd service, and answers the
+// host over the box's virtio-serial ports and, where the guest has it,
+// vsock. Build it static: CGO_ENABLED=0 go build -o bin/kvbox-agent ./cmd/kvbox-agent
+package main
+
+import (
+	"context"
+	"flag"
+	"log"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	agent "kvbox.dev/kvbox/guest-agent"
+
+	"github.com/mdlayher/vsock"
+	"golang.org/x/sys/unix"
+)
+
+func main() {
+	stateDir := flag.String("state-dir", "/var/lib/kvbox-agent", "where the identity is persisted")
+	sysClass := flag.String("sys-class", "/sys/class/virtio-ports", "virtio-serial ports in sysfs")
+	devDir := flag.String("dev", "/dev", "where the port devices are")
+	noVsock := flag.Bool("no-vsock", false, "do not listen on vsock")
+	flag.Parse()
+
+	log.SetFlags(log.Lmicroseconds)
+	log.SetPrefix("kvbox-agent: ")
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	// The console may go away (a systemd journal restart, a closed
+	// serial line): never die of SIGPIPE on stderr.
+	signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
+
+	srv := &agent.Server{System: agent.NewLinuxSystem(), StateDir: *stateDir}
+	log.Printf("version %s starting, pid %d", agent.Version, os.Getpid())
+
+	// Re-apply a persisted identity (a rebooted clone keeps its address)
+	// without holding up readiness; the NIC driver may still be loading.
+	go reapplyIdentity(ctx, srv)
+
+	if !*noVsock {
+		go serveVsock(ctx, srv)
+	}
+	srv.ServeSerialPorts(ctx, *sysClass, *devDir)
+	log.Printf("stopping")
+}
+
+func reapplyIdentity(ctx context.Context, srv *agent.Server) {
+	id, ok, err := agent.LoadIdentity(srv.StateDir)
+	if err != nil {
+		log.Printf("identity: %v", err)
+		return
+	}
+	if !ok {
+		return
+	}
+	for i := 0; ; i++ {
+		err := srv.System.ApplyIdentity(id)
+		if err == nil {
+			log.Printf("identity re-applied: hostname=%q address=%q", id.Hostname, id.Address)
+			return
+		}
+		if i == 20 {
+			log.Printf("identity not re-applied: %v", err)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// serveVsock listens on vsock port 1024 for any CID, so a clone with a new
+// CID needs no restart. The vsock transport module may load after the
+// agent starts; keep trying quietly.
+func serveVsock(ctx context.Context, srv *agent.Server) {
+	logged := false
+	for delay := 500 * time.Millisecond; ; delay = min(2*delay, 30*time.Second) {
+		l, err := vsock.ListenContextID(unix.VMADDR_CID_ANY, agent.VsockPort, nil)
+		if err == nil {
+			log.Printf("listening on vsock port %d", agent.VsockPort)
+			err = srv.Serve(ctx, l)
+			l.Close()
+			if ctx.Err() != nil {
+				return
+			}
+			log.Printf("vsock: %v", err)
+			continue
+		}
+		if !logged {
+			log.Printf("no vsock yet (%v); serial ports only until it appears", err)
+			logged = true
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+}

@@ -1,0 +1,285 @@
+package agent
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// LinuxSystem changes the machine it runs on. Only the agent in a guest
+// uses it; tests use a fake System, or this one inside throwaway network
+// and UTS namespaces.
+type LinuxSystem struct {
+	// Root is where /etc lives ("/" in a guest; a temp dir in tests).
+	Root string
+}
+
+// NewLinuxSystem returns the System of the running guest.
+func NewLinuxSystem() *LinuxSystem { return &LinuxSystem{Root: "/"} }
+
+func (s *LinuxSystem) path(p string) string { return filepath.Join(s.Root, p) }
+
+// Capabilities reports what this process may change.
+func (s *LinuxSystem) Capabilities() Capabilities {
+	root := os.Geteuid() == 0
+	var c Capabilities
+	c.Clock = root
+	if _, err := os.Stat("/dev/urandom"); err == nil {
+		c.Entropy = root
+	}
+	if root {
+		if _, err := primaryLink(); err == nil {
+			c.Identify = true
+		}
+	}
+	return c
+}
+
+// Validate checks an identity before anything is changed, so a bad field
+// never leaves a half-applied identity behind.
+func (id Identity) Validate() error {
+	if id.Hostname != "" && !validHostname(id.Hostname) {
+		return fmt.Errorf("hostname %q: want letters, digits, '-' and '.', at most 64 characters", id.Hostname)
+	}
+	if id.MAC != "" {
+		hw, err := net.ParseMAC(id.MAC)
+		if err != nil || len(hw) != 6 {
+			return fmt.Errorf("mac %q: want six hex bytes like 52:54:00:12:34:56", id.MAC)
+		}
+		if hw[0]&1 != 0 {
+			return fmt.Errorf("mac %q: multicast address", id.MAC)
+		}
+	}
+	if id.Address != "" {
+		ip, _, err := net.ParseCIDR(id.Address)
+		if err != nil || ip.To4() == nil && ip.To16() == nil {
+			return fmt.Errorf("address %q: want CIDR like 172.30.0.5/24", id.Address)
+		}
+	}
+	if id.Gateway != "" && net.ParseIP(id.Gateway) == nil {
+		return fmt.Errorf("gateway %q: not an IP address", id.Gateway)
+	}
+	if id.Gateway != "" && id.Address == "" {
+		return errors.New("gateway without address")
+	}
+	for _, d := range id.DNS {
+		if net.ParseIP(d) == nil {
+			return fmt.Errorf("dns %q: not an IP address", d)
+		}
+	}
+	if id.MachineID != "" {
+		if _, err := hex.DecodeString(id.MachineID); err != nil || len(id.MachineID) != 32 {
+			return fmt.Errorf("machine id %q: want 32 hex digits", id.MachineID)
+		}
+	}
+	for _, h := range id.Hosts {
+		if strings.ContainsAny(h, "\n\r") {
+			return fmt.Errorf("hosts line %q: contains a newline", h)
+		}
+	}
+	return nil
+}
+
+func validHostname(h string) bool {
+	if len(h) == 0 || len(h) > 64 {
+		return false
+	}
+	for _, label := range strings.Split(h, ".") {
+		if label == "" || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for _, r := range label {
+			if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// ApplyIdentity re-identifies the guest: network first (the host keeps the
+// box's bridge port closed until this returns), then hostname and files.
+func (s *LinuxSystem) ApplyIdentity(id Identity) error {
+	if err := id.Validate(); err != nil {
+		return err
+	}
+	if id.MAC != "" || id.Address != "" {
+		if err := applyNetwork(id); err != nil {
+			return err
+		}
+	}
+	if id.Hostname != "" {
+		if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
+			return fmt.Errorf("sethostname: %w", err)
+		}
+	}
+	return applyFiles(s.Root, id)
+}
+
+// primaryLink is the first non-loopback ethernet link by index.
+func primaryLink() (netlink.Link, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list links: %w", err)
+	}
+	sort.Slice(links, func(i, j int) bool { return links[i].Attrs().Index < links[j].Attrs().Index })
+	for _, l := range links {
+		a := l.Attrs()
+		if a.Flags&net.FlagLoopback != 0 || a.EncapType != "ether" || len(a.HardwareAddr) != 6 {
+			continue
+		}
+		switch l.Type() {
+		case "device", "dummy", "veth":
+			return l, nil
+		}
+	}
+	return nil, errors.New("no ethernet interface")
+}
+
+func applyNetwork(id Identity) error {
+	link, err := primaryLink()
+	if err != nil {
+		return err
+	}
+	name := link.Attrs().Name
+	if err := netlink.LinkSetDown(link); err != nil {
+		return fmt.Errorf("%s down: %w", name, err)
+	}
+	if id.MAC != "" {
+		hw, _ := net.ParseMAC(id.MAC)
+		if err := netlink.LinkSetHardwareAddr(link, hw); err != nil {
+			return fmt.Errorf("%s set mac: %w", name, err)
+		}
+	}
+	if id.Address != "" {
+		addrs, err := netlink.AddrList(link, netlink.FAMILY_ALL)
+		if err != nil {
+			return fmt.Errorf("%s list addresses: %w", name, err)
+		}
+		for _, a := range addrs {
+			if err := netlink.AddrDel(link, &a); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+				return fmt.Errorf("%s flush %s: %w", name, a.IPNet, err)
+			}
+		}
+		addr, err := netlink.ParseAddr(id.Address)
+		if err != nil {
+			return fmt.Errorf("address %q: %w", id.Address, err)
+		}
+		if err := netlink.AddrAdd(link, addr); err != nil {
+			return fmt.Errorf("%s add %s: %w", name, id.Address, err)
+		}
+	}
+	if err := netlink.LinkSetUp(link); err != nil {
+		return fmt.Errorf("%s up: %w", name, err)
+	}
+	if id.Gateway != "" {
+		gw := net.ParseIP(id.Gateway)
+		r := &netlink.Route{LinkIndex: link.Attrs().Index, Gw: gw}
+		if gw.To4() != nil {
+			r.Family = netlink.FAMILY_V4
+		} else {
+			r.Family = netlink.FAMILY_V6
+		}
+		if err := netlink.RouteReplace(r); err != nil {
+			return fmt.Errorf("default route via %s: %w", id.Gateway, err)
+		}
+	}
+	return nil
+}
+
+// applyFiles rewrites the identity files under root.
+func applyFiles(root string, id Identity) error {
+	p := func(name string) string { return filepath.Join(root, name) }
+	if id.Hostname != "" {
+		// A read-only /etc (busybox initramfs) is fine: the kernel has the
+		// name already.
+		if err := writeFileAtomic(p("etc/hostname"), []byte(id.Hostname+"\n"), 0o644); err != nil && !isReadOnly(err) {
+			return err
+		}
+		var b strings.Builder
+		short, _, _ := strings.Cut(id.Hostname, ".")
+		fmt.Fprintf(&b, "127.0.0.1\tlocalhost\n127.0.1.1\t%s", id.Hostname)
+		if short != id.Hostname {
+			fmt.Fprintf(&b, " %s", short)
+		}
+		b.WriteString("\n::1\tlocalhost ip6-localhost ip6-loopback\n")
+		for _, h := range id.Hosts {
+			b.WriteString(h + "\n")
+		}
+		if err := writeFileAtomic(p("etc/hosts"), []byte(b.String()), 0o644); err != nil && !isReadOnly(err) {
+			return err
+		}
+	}
+	if id.MachineID != "" {
+		if _, err := os.Stat(p("etc/machine-id")); err == nil {
+			if err := writeFileAtomic(p("etc/machine-id"), []byte(strings.ToLower(id.MachineID)+"\n"), 0o444); err != nil && !isReadOnly(err) {
+				return err
+			}
+		}
+	}
+	if len(id.DNS) > 0 {
+		var b strings.Builder
+		for _, d := range id.DNS {
+			fmt.Fprintf(&b, "nameserver %s\n", d)
+		}
+		// Atomic rename also replaces a symlink to a resolver's stub file.
+		if err := writeFileAtomic(p("etc/resolv.conf"), []byte(b.String()), 0o644); err != nil && !isReadOnly(err) {
+			return err
+		}
+	}
+	return nil
+}
+
+func isReadOnly(err error) bool {
+	return errors.Is(err, unix.EROFS) || errors.Is(err, unix.EACCES) || errors.Is(err, os.ErrNotExist)
+}
+
+// SetClock sets CLOCK_REALTIME.
+func (s *LinuxSystem) SetClock(t time.Time) error {
+	ts := unix.NsecToTimespec(t.UnixNano())
+	if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+		return fmt.Errorf("clock_settime: %w", err)
+	}
+	return nil
+}
+
+// AddEntropy writes b to /dev/urandom and credits it with RNDADDENTROPY, so
+// a clone that starts from the source's RNG state diverges at once.
+func (s *LinuxSystem) AddEntropy(b []byte) error {
+	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Write(b); err != nil {
+		return fmt.Errorf("write /dev/urandom: %w", err)
+	}
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	info := make([]byte, 8+len(b)+3)
+	binary.NativeEndian.PutUint32(info[0:], uint32(len(b)*8))
+	binary.NativeEndian.PutUint32(info[4:], uint32(len(b)))
+	copy(info[8:], b)
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var errno unix.Errno
+	rc.Control(func(fd uintptr) {
+		_, _, errno = unix.Syscall(unix.SYS_IOCTL, fd, unix.RNDADDENTROPY, uintptr(unsafe.Pointer(&info[0])))
+	})
+	if errno != 0 {
+		return fmt.Errorf("RNDADDENTROPY: %w", errno)
+	}
+	return nil
+}

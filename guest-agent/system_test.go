@@ -1,0 +1,224 @@
+package agent
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+func TestIdentityValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		id   Identity
+		ok   bool
+	}{
+		{"empty", Identity{}, true},
+		{"full", Identity{Hostname: "box-1.example", MAC: "52:54:00:12:34:56", Address: "172.30.0.5/24", Gateway: "172.30.0.1", DNS: []string{"1.1.1.1"}, MachineID: "0123456789abcdef0123456789ABCDEF"}, true},
+		{"hostname underscore", Identity{Hostname: "my_box"}, false},
+		{"hostname dash", Identity{Hostname: "-box"}, false},
+		{"hostname long", Identity{Hostname: strings.Repeat("a", 65)}, false},
+		{"mac short", Identity{MAC: "52:54:00:12:34"}, false},
+		{"mac multicast", Identity{MAC: "01:54:00:12:34:56"}, false},
+		{"address no prefix", Identity{Address: "172.30.0.5"}, false},
+		{"gateway bad", Identity{Address: "172.30.0.5/24", Gateway: "gw"}, false},
+		{"gateway alone", Identity{Gateway: "172.30.0.1"}, false},
+		{"dns bad", Identity{DNS: []string{"dns.example"}}, false},
+		{"machine id short", Identity{MachineID: "abc"}, false},
+		{"machine id not hex", Identity{MachineID: strings.Repeat("g", 32)}, false},
+		{"hosts newline", Identity{Hosts: []string{"1.2.3.4 a\n5.6.7.8 b"}}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.id.Validate(); (err == nil) != tt.ok {
+				t.Errorf("Validate() = %v, want ok=%v", err, tt.ok)
+			}
+		})
+	}
+}
+
+func TestApplyFiles(t *testing.T) {
+	root := t.TempDir()
+	os.MkdirAll(filepath.Join(root, "etc"), 0o755)
+	os.WriteFile(filepath.Join(root, "etc/machine-id"), []byte("old\n"), 0o444)
+	os.Symlink("/run/somewhere/stub-resolv.conf", filepath.Join(root, "etc/resolv.conf"))
+	id := Identity{Hostname: "b2.lan", DNS: []string{"172.30.0.1", "fd00::1"}, MachineID: "0123456789ABCDEF0123456789abcdef", Hosts: []string{"172.30.0.1 gw"}}
+	if err := applyFiles(root, id); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{
+		"etc/hostname":    "b2.lan\n",
+		"etc/hosts":       "127.0.0.1\tlocalhost\n127.0.1.1\tb2.lan b2\n::1\tlocalhost ip6-localhost ip6-loopback\n172.30.0.1 gw\n",
+		"etc/machine-id":  "0123456789abcdef0123456789abcdef\n",
+		"etc/resolv.conf": "nameserver 172.30.0.1\nnameserver fd00::1\n",
+	}
+	for name, w := range want {
+		b, err := os.ReadFile(filepath.Join(root, name))
+		if err != nil || string(b) != w {
+			t.Errorf("%s = %q, %v; want %q", name, b, err, w)
+		}
+	}
+	// No machine-id file: none is created (systemd's first boot logic).
+	root2 := t.TempDir()
+	os.MkdirAll(filepath.Join(root2, "etc"), 0o755)
+	if err := applyFiles(root2, Identity{MachineID: id.MachineID}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(root2, "etc/machine-id")); err == nil {
+		t.Error("machine-id created")
+	}
+}
+
+// inNamespaces runs f on a thread moved into fresh network and UTS
+// namespaces, so the real LinuxSystem can change "the" network and hostname
+// without touching the test host's. The thread is never reused.
+func inNamespaces(t *testing.T, f func() error) error {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for unshare")
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // and never unlock: the thread dies with the goroutine
+		if err := unix.Unshare(unix.CLONE_NEWNET | unix.CLONE_NEWUTS); err != nil {
+			errc <- err
+			return
+		}
+		errc <- f()
+	}()
+	return <-errc
+}
+
+func TestLinuxSystemApplyIdentity(t *testing.T) {
+	root := t.TempDir()
+	os.MkdirAll(filepath.Join(root, "etc"), 0o755)
+	s := &LinuxSystem{Root: root}
+	id := Identity{Hostname: "clone7", MAC: "52:54:00:aa:bb:07", Address: "172.30.0.7/24", Gateway: "172.30.0.1"}
+	var got struct {
+		mac, addr, gw, host string
+		caps                Capabilities
+	}
+	err := inNamespaces(t, func() error {
+		// The "guest NIC", carrying the source box's identity (this
+		// host's kernel has veth but no dummy).
+		la := netlink.NewLinkAttrs()
+		la.Name = "eth0"
+		la.HardwareAddr, _ = net.ParseMAC("52:54:00:aa:bb:01")
+		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: la, PeerName: "peer0"}); err != nil {
+			return err
+		}
+		l, err := primaryLink()
+		if err != nil {
+			return err
+		}
+		name := l.Attrs().Name
+		old, _ := netlink.ParseAddr("172.30.0.1/24")
+		netlink.AddrAdd(l, old)
+		got.caps = s.Capabilities()
+		if err := s.ApplyIdentity(id); err != nil {
+			return err
+		}
+		l, err = netlink.LinkByName(name)
+		if err != nil {
+			return err
+		}
+		got.mac = l.Attrs().HardwareAddr.String()
+		addrs, _ := netlink.AddrList(l, netlink.FAMILY_V4)
+		for _, a := range addrs {
+			got.addr += a.IPNet.String() + " "
+		}
+		routes, _ := netlink.RouteList(l, netlink.FAMILY_V4)
+		for _, r := range routes {
+			if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+				got.gw = r.Gw.String()
+			}
+		}
+		got.host, _ = os.Hostname()
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.mac != id.MAC || got.addr != "172.30.0.7/24 " || got.gw != id.Gateway || got.host != "clone7" || !got.caps.Identify {
+		t.Errorf("after ApplyIdentity: %+v", got)
+	}
+	if b, _ := os.ReadFile(filepath.Join(root, "etc/hostname")); string(b) != "clone7\n" {
+		t.Errorf("/etc/hostname = %q", b)
+	}
+}
+
+func TestFindSerialPorts(t *testing.T) {
+	sys := t.TempDir()
+	for dev, name := range map[string]string{
+		"vport1p1": "org.qemu.guest_agent.0",
+		"vport2p2": "org.kvbox.agent.1",
+		"vport2p1": "org.kvbox.agent.0",
+		"vport3p1": "",
+	} {
+		os.MkdirAll(filepath.Join(sys, dev), 0o755)
+		if name != "" {
+			os.WriteFile(filepath.Join(sys, dev, "name"), []byte(name+"\n"), 0o644)
+		}
+	}
+	got, err := FindSerialPorts(sys, "/dev")
+	if err != nil || strings.Join(got, " ") != "/dev/vport2p1 /dev/vport2p2" {
+		t.Fatalf("got %v, %v", got, err)
+	}
+	if got, err := FindSerialPorts(filepath.Join(sys, "none"), "/dev"); err != nil || len(got) != 0 {
+		t.Fatalf("missing sysfs dir: %v, %v", got, err)
+	}
+}
+
+// chanReader is a stream fed by the test: a []byte or an error per Read,
+// like a virtio-serial port whose host comes and goes.
+type chanReader chan any
+
+func (c chanReader) Read(b []byte) (int, error) {
+	v, ok := <-c
+	if !ok {
+		return 0, net.ErrClosed
+	}
+	if err, isErr := v.(error); isErr {
+		return 0, err
+	}
+	return copy(b, v.([]byte)), nil
+}
+
+// TestHostGoneKills: on a port, a host disconnect (EOF from the port) kills
+// the exec and the next host is served on the same stream.
+func TestHostGoneKills(t *testing.T) {
+	in := make(chanReader, 10)
+	out, w := net.Pipe()
+	go func() { // the host side reads everything
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := out.Read(buf); err != nil {
+				return
+			}
+		}
+	}()
+	done := make(chan error)
+	go func() { done <- testServer(t).serve(in, w, "port") }()
+	pidfile := t.TempDir() + "/pid"
+	var b []byte
+	b = appendFrame(b, frameHello, 1, make([]byte, 16))
+	b = appendFrame(b, frameRequest, 2, []byte(`{"method":"exec","params":{"argv":["sh","-c","echo $$ > `+pidfile+`; sleep 100"]}}`))
+	b = append(b, appendFrame(nil, frameStdin, 2, make([]byte, 1000))[:100]...) // cut short by the disconnect
+	in <- b
+	pid := waitPid(t, pidfile)
+	in <- errHostGone
+	waitGone(t, pid)
+	in <- appendFrame(nil, frameHello, 3, make([]byte, 16))
+	close(in)
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("serve did not return")
+	}
+}
