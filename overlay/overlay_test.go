@@ -288,6 +288,15 @@ func TestCopySparseEmptyAndErrors(t *testing.T) {
 	if n, err := CopySparse(filepath.Join(dir, "copy"), src); err != nil || n != 0 {
 		t.Fatalf("empty file: %d, %v", n, err)
 	}
+	if err := os.WriteFile(src, []byte("keep"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := CopySparse(src, src); err == nil {
+		t.Fatal("copying a file onto itself succeeded")
+	}
+	if b, _ := os.ReadFile(src); string(b) != "keep" {
+		t.Fatalf("copy onto itself destroyed the file: %q", b)
+	}
 	if _, err := CopySparse(filepath.Join(dir, "c2"), dir); err == nil {
 		t.Fatal("copying a directory succeeded")
 	}

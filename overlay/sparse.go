@@ -40,6 +40,9 @@ func CopySparse(dst, src string) (written int64, err error) {
 	if !st.Mode().IsRegular() {
 		return 0, fmt.Errorf("overlay: copy %s: not a regular file", src)
 	}
+	if dst, err := os.Stat(dst); err == nil && os.SameFile(st, dst) {
+		return 0, fmt.Errorf("overlay: copy %s: source and destination are the same file", src)
+	}
 	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, st.Mode().Perm())
 	if err != nil {
 		return 0, err
