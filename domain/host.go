@@ -33,6 +33,9 @@ type Host struct {
 	Net      network.Config
 	// Template is the domain XML template boxes are defined from.
 	Template string
+	// DomainTypeOverride forces the libvirt domain type (kvm or qemu);
+	// empty picks kvm where the host offers it.
+	DomainTypeOverride string
 	facts    *hostFacts
 }
 
@@ -83,6 +86,9 @@ func (h *Host) hostFacts() (hostFacts, error) {
 
 // DomainType is kvm where the host offers it, else qemu (TCG).
 func (h *Host) DomainType() (string, error) {
+	if h.DomainTypeOverride != "" {
+		return h.DomainTypeOverride, nil
+	}
 	f, err := h.hostFacts()
 	return f.domainType, err
 }

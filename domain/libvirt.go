@@ -61,7 +61,7 @@ func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 		f.domainType = "kvm"
 	}
 	for _, m := range baselabelRE.FindAllStringSubmatch(caps, -1) {
-		if m[1] == f.domainType {
+		if m[1] == "kvm" || m[1] == "qemu" { // both run QEMU as the same user
 			f.uid, _ = strconv.Atoi(m[2])
 			f.gid, _ = strconv.Atoi(m[3])
 		}

@@ -76,17 +76,17 @@ func (h *Host) Create(ctx context.Context, s Spec) (Box, error) {
 	if err := s.Validate(); err != nil {
 		return Box{}, err
 	}
-	r := revert.New()
-	defer r.Fail()
-
 	if err := h.Net.Ensure(); err != nil {
 		return Box{}, err
 	}
+	r := revert.New()
 	dom, b, err := h.define(ctx, s, r)
 	if err != nil {
+		r.Fail()
 		return Box{}, err
 	}
 	defer dom.Free()
+	defer r.Fail() // runs before Free: the undo steps use dom
 	if err := dom.Create(); err != nil {
 		return Box{}, fmt.Errorf("start box %q: %s", s.Name, libvirtMessage(err))
 	}
@@ -122,7 +122,10 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 	// No domain has this name, so a folder left here is debris of a kvbox
 	// that was killed half-way; it holds nothing of value.
 	os.RemoveAll(dir)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
+	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
+		return nil, Box{}, err
+	}
+	if err := os.Mkdir(dir, 0o750); err != nil {
 		return nil, Box{}, err
 	}
 	r.Add(func() { os.RemoveAll(dir) })

@@ -36,6 +36,7 @@ type app struct {
 	bridge   string
 	subnet   string
 	template string
+	domType  string
 	host     *domain.Host
 }
 
@@ -114,6 +115,7 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge new boxes are put on (KVBOX_BRIDGE)")
 	pf.StringVar(&a.subnet, "subnet", envOr("KVBOX_SUBNET", network.Default.Subnet.String()), "subnet of the bridge; the host is its first address (KVBOX_SUBNET)")
 	pf.StringVar(&a.template, "template", os.Getenv("KVBOX_TEMPLATE"), "domain XML template file instead of the built-in one (KVBOX_TEMPLATE)")
+	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages())
 	return root
@@ -143,6 +145,13 @@ func (a *app) Host() (*domain.Host, error) {
 		}
 		tmpl = string(b)
 	}
+	switch a.domType {
+	case "auto", "":
+		a.domType = ""
+	case "kvm", "qemu":
+	default:
+		return nil, fmt.Errorf("%w: --domain-type %q: give auto, kvm or qemu", errUsage, a.domType)
+	}
 	if os.Geteuid() != 0 {
 		return nil, fmt.Errorf("%w: kvbox manages bridges and libvirt domains: run it as root", domain.ErrUnavailable)
 	}
@@ -153,7 +162,7 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl}
+	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType}
 	return a.host, nil
 }
 
