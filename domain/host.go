@@ -36,7 +36,7 @@ type Host struct {
 	// DomainTypeOverride forces the libvirt domain type (kvm or qemu);
 	// empty picks kvm where the host offers it.
 	DomainTypeOverride string
-	facts    *hostFacts
+	facts              *hostFacts
 }
 
 // BoxesDir holds one folder per box: disk overlay, memory file, agent

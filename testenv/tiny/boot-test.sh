@@ -39,7 +39,7 @@ qemu-system-x86_64 -machine q35,accel="$ACCEL" -cpu "$CPU" -m 512 -smp 1 \
 	-nodefaults -no-user-config -display none \
 	-chardev file,id=con,path="$T/console.log" -serial chardev:con \
 	-chardev pipe,id=mon,path="$T/mon" -mon chardev=mon,mode=readline \
-	-kernel "$IMG/vmlinuz" -initrd "$IMG/initrd.img" -append "$(cat "$IMG/cmdline")" \
+	-kernel "$IMG/${KERNEL:-vmlinuz}" -initrd "$IMG/initrd.img" -append "$(cat "$IMG/cmdline") ${EXTRA_CMDLINE:-}" \
 	-drive file="$T/disk.qcow2",if=virtio,format=qcow2 \
 	-device virtio-serial \
 	-chardev socket,id=a0,path="$T/agent.sock",server=on,wait=off \

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build the kvbox "tiny" guest image into OUTDIR:
 #   disk.qcow2 (ext4 root, 512 MiB virtual, sparse), vmlinuz, initrd.img, cmdline, image.json
+#   and vmlinux: the same kernel uncompressed (an ELF with a PVH entry note). QEMU boots it
+#   directly in 32-bit mode, skipping real-mode setup and the in-guest xz decompression:
+#   under TCG that is ~2.5x faster to init (~5-7 s instead of ~13-20 s on a loaded 2-core box).
 #
 #   sudo testenv/tiny/build.sh OUTDIR
 #
@@ -29,7 +32,7 @@ DISK_SIZE=512M
 INITRD_MODS="virtio_pci virtio_blk ext4"
 ROOT_MODS="virtio_pci virtio_blk ext4 virtio_net vsock vmw_vsock_virtio_transport virtio_console virtio-rng button evdev"
 
-for t in busybox cpio gzip mkfs.ext4 qemu-img depmod modprobe dpkg-deb apt-get sha256sum readelf; do
+for t in busybox cpio gzip xz mkfs.ext4 qemu-img depmod modprobe dpkg-deb apt-get sha256sum readelf; do
 	command -v "$t" >/dev/null || die "missing tool: $t (run testenv/setup.sh, or apt-get install busybox-static cpio e2fsprogs qemu-utils kmod binutils)"
 done
 BUSYBOX=/bin/busybox
@@ -89,7 +92,7 @@ STAMP=$( {
 	sha256sum "$AGENT" "$BUSYBOX" "$TINY_DIR/build.sh" "$TINY_DIR/initramfs-init" "$TINY_DIR/sbin-init" "$TINY_DIR/acpi-power" | awk '{print $1}'
 } | sha256sum | awk '{print $1}')
 if [ -z "${KVBOX_TINY_FORCE:-}" ] && [ -f "$OUTDIR/.stamp" ] && [ "$(cat "$OUTDIR/.stamp")" = "$STAMP" ] &&
-	[ -f "$OUTDIR/disk.qcow2" ] && [ -f "$OUTDIR/vmlinuz" ] && [ -f "$OUTDIR/initrd.img" ] && [ -f "$OUTDIR/cmdline" ]; then
+	[ -f "$OUTDIR/disk.qcow2" ] && [ -f "$OUTDIR/vmlinuz" ] && [ -f "$OUTDIR/vmlinux" ] && [ -f "$OUTDIR/initrd.img" ] && [ -f "$OUTDIR/cmdline" ]; then
 	log "up to date: $OUTDIR (kernel $KVER, stamp ${STAMP:0:12})"
 	exit 0
 fi
@@ -133,7 +136,7 @@ log "initramfs: $(du -k "$WORK/initrd.img" | cut -f1) KiB, modules: $(tr '\n' ' 
 # --- root filesystem ---
 t0=$(now_ms)
 R=$WORK/root
-mkdir -p "$R"/{dev,proc,sys,run,tmp,root,etc/kvbox,etc/acpi/PWRF,var/log,usr/local/bin,lib/modules/"$KVER"}
+mkdir -p "$R"/{dev,proc,sys,run,tmp,root,etc/kvbox,etc/acpi/PWRF,var/log,var/lib/kvbox-agent,usr/local/bin,lib/modules/"$KVER"}
 chmod 1777 "$R/tmp"; chmod 0700 "$R/root"
 add_busybox "$R"
 mod_order "$ROOT_MODS" >"$R/etc/kvbox/modules.list"
@@ -160,19 +163,26 @@ qemu-img convert -f raw -O qcow2 "$WORK/root.raw" "$WORK/disk.qcow2"
 log "root disk: $(du -k "$WORK/disk.qcow2" | cut -f1) KiB used of $DISK_SIZE ($(fmt_ms $(($(now_ms) - t0))))"
 
 cp "$KROOT/boot/vmlinuz-$KVER" "$WORK/vmlinuz"
+# vmlinux: the xz payload of the bzImage, kept only if it carries the PVH (Xen ELF) note.
+off=$(LC_ALL=C grep -abo $'\xfd7zXZ' "$WORK/vmlinuz" | head -1 | cut -d: -f1 || true)
+[ -n "$off" ] || die "no xz payload in vmlinuz-$KVER (not an xz-compressed bzImage?)"
+tail -c +$((off + 1)) "$WORK/vmlinuz" | xz -dc --single-stream >"$WORK/vmlinux" 2>/dev/null || true
+readelf -n "$WORK/vmlinux" 2>/dev/null | grep -q 'Xen' || die "extracted vmlinux has no PVH note (CONFIG_PVH off?)"
 echo "$CMDLINE" >"$WORK/cmdline"
 cat >"$WORK/image.json" <<JSON
 {
   "name": "tiny",
   "kernel_version": "$KVER",
   "kernel_package": "${DEB##*/}",
+  "kernel": "vmlinuz",
+  "kernel_pvh": "vmlinux",
   "cmdline": "$CMDLINE",
   "agent_sha256": "$(sha256sum "$AGENT" | awk '{print $1}')",
   "stamp": "$STAMP",
   "created": "$(date -u +%FT%TZ)"
 }
 JSON
-chmod 0644 "$WORK"/{disk.qcow2,vmlinuz,initrd.img,cmdline,image.json}
-for f in disk.qcow2 vmlinuz initrd.img cmdline image.json; do mv -f "$WORK/$f" "$OUTDIR/$f"; done
+chmod 0644 "$WORK"/{disk.qcow2,vmlinuz,vmlinux,initrd.img,cmdline,image.json}
+for f in disk.qcow2 vmlinuz vmlinux initrd.img cmdline image.json; do mv -f "$WORK/$f" "$OUTDIR/$f"; done
 echo "$STAMP" >"$OUTDIR/.stamp"
 log "built $OUTDIR (kernel $KVER)"
