@@ -163,7 +163,8 @@ stage_import() {
 		log "bin/kvbox has no 'images import ... --kernel' yet: skipping image registration"
 		return 0
 	fi
-	if out=$("$kvbox" images import tiny "$TINY_OUT/disk.qcow2" --kernel "$TINY_OUT/vmlinuz" \
+	# vmlinux (PVH ELF) boots ~2.5x faster than vmlinuz under TCG; KVBOX_TINY_KERNEL_FILE=vmlinuz for the bzImage.
+	if out=$("$kvbox" images import tiny "$TINY_OUT/disk.qcow2" --kernel "$TINY_OUT/${KVBOX_TINY_KERNEL_FILE:-vmlinux}" \
 		--initrd "$TINY_OUT/initrd.img" --cmdline "$(cat "$TINY_OUT/cmdline")" 2>&1); then
 		log "registered image tiny"; [ -n "$out" ] && echo "$out" | sed 's/^/    /' >&2
 		return 0

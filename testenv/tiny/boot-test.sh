@@ -19,6 +19,8 @@ if [ -z "$ACCEL" ]; then
 fi
 case "$ACCEL" in kvm) CPU=host ;; tcg) CPU=max ;; *) die "accel must be kvm or tcg" ;; esac
 BOOT_TIMEOUT=${BOOT_TIMEOUT:-60}
+# KERNEL=vmlinuz boots the compressed bzImage instead of the PVH vmlinux.
+KERNEL=${KERNEL:-vmlinux}; [ -f "$IMG/$KERNEL" ] || KERNEL=vmlinuz
 for f in disk.qcow2 vmlinuz initrd.img cmdline; do [ -f "$IMG/$f" ] || die "$IMG/$f missing"; done
 
 T=$(mktemp -d /tmp/kvbox-boot.XXXXXX)
@@ -39,7 +41,7 @@ qemu-system-x86_64 -machine q35,accel="$ACCEL" -cpu "$CPU" -m 512 -smp 1 \
 	-nodefaults -no-user-config -display none \
 	-chardev file,id=con,path="$T/console.log" -serial chardev:con \
 	-chardev pipe,id=mon,path="$T/mon" -mon chardev=mon,mode=readline \
-	-kernel "$IMG/${KERNEL:-vmlinuz}" -initrd "$IMG/initrd.img" -append "$(cat "$IMG/cmdline") ${EXTRA_CMDLINE:-}" \
+	-kernel "$IMG/$KERNEL" -initrd "$IMG/initrd.img" -append "$(cat "$IMG/cmdline") ${EXTRA_CMDLINE:-}" \
 	-drive file="$T/disk.qcow2",if=virtio,format=qcow2 \
 	-device virtio-serial \
 	-chardev socket,id=a0,path="$T/agent.sock",server=on,wait=off \
@@ -50,12 +52,15 @@ QPID=$!
 while ! grep -q 'kvbox-init: starting kvbox-agent' "$T/console.log" 2>/dev/null; do
 	kill -0 "$QPID" 2>/dev/null || { cat "$T/console.log" >&2; die "QEMU exited before the agent started"; }
 	if [ $(($(now_ms) - t0)) -gt $((BOOT_TIMEOUT * 1000)) ]; then
-		cat "$T/console.log" >&2; die "no 'starting kvbox-agent' within ${BOOT_TIMEOUT}s"
+		cat "$T/console.log" >&2
+		[ "$ACCEL" = kvm ] && grep -qw kvm_pvm /proc/modules 2>/dev/null &&
+			warn "this host's /dev/kvm is kvm_pvm (nested PVM): it only runs PVM-enabled guest kernels, use tcg"
+		die "no 'starting kvbox-agent' within ${BOOT_TIMEOUT}s"
 	fi
 	sleep 0.01
 done
 t1=$(now_ms)
-log "$ACCEL: QEMU start -> 'starting kvbox-agent': $(fmt_ms $((t1 - t0)))"
+log "$ACCEL ($KERNEL): QEMU start -> 'starting kvbox-agent': $(fmt_ms $((t1 - t0)))"
 sleep "${SETTLE:-3}"   # let the agent run a little before pressing the button
 
 t2=$(now_ms)
