@@ -163,14 +163,19 @@ stage_import() {
 		log "bin/kvbox has no 'images import ... --kernel' yet: skipping image registration"
 		return 0
 	fi
-	# vmlinux (PVH ELF) boots ~2.5x faster than vmlinuz under TCG; KVBOX_TINY_KERNEL_FILE=vmlinuz for the bzImage.
-	if out=$("$kvbox" images import tiny "$TINY_OUT/disk.qcow2" --kernel "$TINY_OUT/${KVBOX_TINY_KERNEL_FILE:-vmlinux}" \
-		--initrd "$TINY_OUT/initrd.img" --cmdline "$(cat "$TINY_OUT/cmdline")" 2>&1); then
-		log "registered image tiny"; [ -n "$out" ] && echo "$out" | sed 's/^/    /' >&2
+	local kfile=${KVBOX_TINY_KERNEL_FILE:-vmlinux} marker=$TINY_OUT/.imported want extra=()
+	want="$(cat "$TINY_OUT/.stamp") $kfile ${KVBOX_STATE_DIR:-/var/lib/kvbox}"
+	if [ -z "${KVBOX_TESTENV_REIMPORT:-}" ] && [ "$(cat "$marker" 2>/dev/null)" = "$want" ]; then
+		log "image tiny already registered from this build (KVBOX_TESTENV_REIMPORT=1 to force)"
 		return 0
 	fi
-	if grep -qi 'exist' <<<"$out"; then
-		log "image tiny already registered: $out"
+	grep -q -- '--replace' <<<"$help" && extra+=(--replace)
+	grep -q -- '--agent' <<<"$help" && extra+=(--agent yes)
+	# vmlinux (PVH ELF) boots ~2.5x faster than vmlinuz under TCG; KVBOX_TINY_KERNEL_FILE=vmlinuz for the bzImage.
+	if out=$("$kvbox" images import tiny "$TINY_OUT/disk.qcow2" --kernel "$TINY_OUT/$kfile" \
+		--initrd "$TINY_OUT/initrd.img" --cmdline "$(cat "$TINY_OUT/cmdline")" "${extra[@]}" 2>&1); then
+		log "registered image tiny (${extra[*]})"; [ -n "$out" ] && echo "$out" | sed 's/^/    /' >&2
+		echo "$want" >"$marker"
 		return 0
 	fi
 	warn "kvbox images import failed:"; echo "$out" >&2
