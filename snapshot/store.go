@@ -1,0 +1,136 @@
+// Package snapshot freezes running boxes into snapshots (memory, CPU and
+// device state, disk) and starts warm clones from them.
+//
+// A snapshot is a folder under the state directory's snapshots/:
+//
+//	snapshot.json  what is in the folder; written last, so its presence
+//	               marks a complete snapshot
+//	domain.xml     the source's live domain XML: clones are derived from it
+//	               so machine type, CPU model and devices match exactly
+//	state          the migration stream: CPU and device state (and, for a
+//	               snapshot of a clone, the RAM in mapped-ram layout)
+//	memory         the guest RAM, sparse (only for a snapshot of a box whose
+//	               RAM is a shared file; absent when RAM lives in state)
+//	disk.qcow2     the disk, standalone above the base image
+//
+// A folder is built under a hidden temporary name and renamed into place
+// once every file in it is synced, so a crash never leaves a listed half
+// snapshot.
+package snapshot
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
+)
+
+// Files in a snapshot folder.
+const (
+	MetaFile      = "snapshot.json"
+	DomainXMLFile = "domain.xml"
+	StateFile     = "state"
+	MemoryFile    = "memory"
+	DiskFile      = "disk.qcow2"
+)
+
+// Memory says where a snapshot's RAM is and how a clone maps it.
+type Memory struct {
+	// File is MemoryFile or StateFile, relative to the snapshot folder.
+	File string `json:"file"`
+	// Offset of the RAM's first byte in File (mapped-ram: the pages
+	// offset of the RAM block; 0 for a plain memory file).
+	Offset int64 `json:"offset"`
+	// MappedRAM says the state stream was written with the mapped-ram
+	// capability: a clone loads it with mapped-ram on too.
+	MappedRAM bool `json:"mapped_ram"`
+}
+
+// Snapshot is a complete snapshot.
+type Snapshot struct {
+	Name        string    `json:"name"`
+	Box         string    `json:"box"`
+	BoxUUID     string    `json:"box_uuid"`
+	Created     time.Time `json:"created"`
+	Image       string    `json:"image"`     // base image of the disk chain
+	BaseDisk    string    `json:"base_disk"` // the base image's disk: disk.qcow2's backing file
+	BaseFormat  string    `json:"base_format"`
+	Parent      string    `json:"parent,omitempty"` // snapshot the box was cloned from, if any
+	Memory      Memory    `json:"memory"`
+	CPUs        int       `json:"cpus"`
+	MemoryBytes int64     `json:"memory_bytes"`
+	DiskBytes   int64     `json:"disk_bytes"`
+	// Bitmap is the persistent dirty bitmap left on the source's disk
+	// that tracks blocks changed since this snapshot: the next snapshot
+	// of the same box copies only those.
+	Bitmap string `json:"bitmap,omitempty"`
+	// Incremental says the disk part copied only blocks changed since
+	// the previous snapshot of the box (then merged to stand alone).
+	Incremental bool  `json:"incremental"`
+	PauseMillis int64 `json:"pause_ms"`
+
+	Dir       string `json:"-"`
+	SizeBytes int64  `json:"size_bytes"` // real bytes on disk, computed on read
+}
+
+// Path returns a file of the snapshot.
+func (s Snapshot) Path(file string) string { return filepath.Join(s.Dir, file) }
+
+// Store is the folder of snapshots.
+type Store struct{ Dir string }
+
+// Get returns the named complete snapshot.
+func (st Store) Get(name string) (Snapshot, error) {
+	if err := domain.ValidName(name); err != nil {
+		return Snapshot{}, err
+	}
+	dir := filepath.Join(st.Dir, name)
+	b, err := os.ReadFile(filepath.Join(dir, MetaFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return Snapshot{}, fmt.Errorf("snapshot %q does not exist (kvbox snapshots ls lists them): %w", name, domain.ErrNotFound)
+	}
+	if err != nil {
+		return Snapshot{}, err
+	}
+	var s Snapshot
+	if err := json.Unmarshal(b, &s); err != nil {
+		return Snapshot{}, fmt.Errorf("snapshot %q: %w", name, err)
+	}
+	s.Dir = dir
+	s.SizeBytes, _ = overlay.Du(dir)
+	return s, nil
+}
+
+// List returns every complete snapshot, oldest first.
+func (st Store) List() ([]Snapshot, error) {
+	ents, err := os.ReadDir(st.Dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []Snapshot
+	for _, e := range ents {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		s, err := st.Get(e.Name())
+		if errors.Is(err, domain.ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Created.Before(out[j].Created) })
+	return out, nil
+}
