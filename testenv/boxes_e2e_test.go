@@ -145,9 +145,10 @@ func TestConnectPTY(t *testing.T) {
 		return fmt.Errorf("resize not seen")
 	})
 	// Ctrl-C interrupts the foreground command, not the session.
-	send("sleep 100; echo after-sleep-$?\r")
-	time.Sleep(500 * time.Millisecond)
+	send("sleep 100\r")
+	time.Sleep(time.Second)
 	send("\x03")
+	send("echo after-sleep-$?\r")
 	waitFor("after-sleep-130")
 	send("exit 7\r")
 	done := make(chan error, 1)
