@@ -119,7 +119,37 @@ wait_libvirt() {
 	done
 }
 
+# refuse_foreign NAME...: no NAME may run outside the namespace (virsh would reach it, and its
+# taps would land in the root namespace). Modular daemons count: when virtqemud's socket
+# exists, qemu:///system goes to it instead of libvirtd.
+refuse_foreign() {
+	local name pid ns bad=0 units
+	for name in "$@"; do
+		for pid in $(pids_by_comm "$name"); do
+			ns=$(netns_of "$pid")
+			[ "$ns" = "$KVBOX_TESTENV_NS" ] && continue
+			log "$name (pid $pid) runs outside $KVBOX_TESTENV_NS (${ns:-root netns})"
+			bad=1
+		done
+	done
+	if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
+		# socket activation would start a root-namespace daemon on the first virsh call
+		units=$(systemctl list-units --no-legend --plain --state=active 'libvirtd*' 'virtqemud*' 'virtlogd*' 'virtnetworkd*' 'virtproxyd*' 2>/dev/null | awk '{print $1}' | paste -sd' ')
+		if [ -n "$units" ]; then
+			log "systemd has libvirt units active in the root namespace: $units"
+			log "stop and mask them for the test run: systemctl stop $units && systemctl mask $units"
+			bad=1
+		fi
+	fi
+	if [ "$bad" = 1 ]; then
+		log "refusing to continue: taps and bridges of a root-namespace libvirtd would put guest traffic in the root namespace."
+		log "stop those daemons (kill PID / systemctl stop ...), then rerun."
+		return 1
+	fi
+}
+
 stage_daemons() {
+	refuse_foreign libvirtd virtqemud virtnetworkd virtlogd || return 1
 	ensure_daemon virtlogd || return 1
 	ensure_daemon libvirtd || return 1
 	wait_libvirt
