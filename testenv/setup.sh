@@ -67,7 +67,7 @@ stage_packages() {
 }
 
 stage_netns() {
-	if ! ip netns list | awk '{print $1}' | grep -qx "$KVBOX_TESTENV_NS"; then
+	if ! ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$KVBOX_TESTENV_NS"; then
 		log "creating network namespace $KVBOX_TESTENV_NS"
 		ip netns add "$KVBOX_TESTENV_NS" || return 1
 	fi
@@ -82,7 +82,7 @@ ensure_daemon() {
 	local name=$1 pid ns inns="" other=""
 	for pid in $(pids_by_comm "$name"); do
 		ns=$(netns_of "$pid")
-		if [ "$ns" = "$KVBOX_TESTENV_NS" ]; then inns="$inns $pid"; else other="$other $pid(${ns:-root netns})"; fi
+		if [ "$ns" = "$KVBOX_TESTENV_NS" ]; then inns="$inns $pid"; else other="$other $pid(${ns:-root or unnamed netns})"; fi
 	done
 	if [ -n "$other" ]; then
 		log "$name is already running outside $KVBOX_TESTENV_NS:$other"
@@ -128,7 +128,7 @@ refuse_foreign() {
 		for pid in $(pids_by_comm "$name"); do
 			ns=$(netns_of "$pid")
 			[ "$ns" = "$KVBOX_TESTENV_NS" ] && continue
-			log "$name (pid $pid) runs outside $KVBOX_TESTENV_NS (${ns:-root netns})"
+			log "$name (pid $pid) runs outside $KVBOX_TESTENV_NS (${ns:-root or unnamed netns})"
 			bad=1
 		done
 	done
