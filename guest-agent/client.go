@@ -63,6 +63,10 @@ func NewClient(conn net.Conn) *Client {
 // when a non-blocking flock on path+".lock" succeeds; the lock is held until
 // Close, because QEMU serves one connection per port and would leave a
 // second one hanging unanswered.
+//
+// To wait for a booting box, call DialSerial once with the whole boot
+// timeout in ctx: QEMU accepts the connection before the guest opens its
+// port and the HELLO (retried) is answered as soon as the agent reads it.
 func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
 	var errs []error
 	for _, p := range socketPaths {
