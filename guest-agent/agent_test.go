@@ -198,9 +198,14 @@ func TestExecTTY(t *testing.T) {
 	}()
 	io.WriteString(pw, "tty; stty size; echo TERM=$TERM\n")
 	waitFor(t, &out, "24 80")
+	// The resize travels on its own goroutine: ask until the shell sees it.
 	resize <- WinSize{Rows: 50, Cols: 132}
-	time.Sleep(50 * time.Millisecond) // the resize frame and the next stdin frame race on purpose-free paths
-	io.WriteString(pw, "stty size; exit 7\n")
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(out.String(), "50 132") && time.Now().Before(deadline) {
+		io.WriteString(pw, "stty size\n")
+		time.Sleep(20 * time.Millisecond)
+	}
+	io.WriteString(pw, "exit 7\n")
 	<-done
 	if err != nil || code != 7 {
 		t.Fatalf("code=%d err=%v out=%q", code, err, out.String())
@@ -442,4 +447,44 @@ func TestConcurrentPorts(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+// blockingWriter blocks every Write until release is closed.
+type blockingWriter struct {
+	release chan struct{}
+	n       int
+}
+
+func (w *blockingWriter) Write(p []byte) (int, error) {
+	<-w.release
+	w.n += len(p)
+	return len(p), nil
+}
+
+// TestBackpressure: a host that does not take output stalls the guest
+// process instead of making the agent buffer it.
+func TestBackpressure(t *testing.T) {
+	c := start(t, testServer(t))
+	dir := t.TempDir()
+	w := &blockingWriter{release: make(chan struct{})}
+	const size = 20 << 20
+	done := make(chan error, 1)
+	go func() {
+		code, err := c.Exec(tctx(t), ExecRequest{Argv: []string{"sh", "-c", "head -c 20971520 /dev/zero; echo > " + dir + "/done"}}, nil, w, nil, nil)
+		if err == nil && code != 0 {
+			err = errors.New("exit code " + strconv.Itoa(code))
+		}
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	if _, err := os.Stat(dir + "/done"); err == nil {
+		t.Fatal("the process wrote 20 MiB while the host took nothing")
+	}
+	close(w.release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if w.n != size {
+		t.Fatalf("got %d bytes, want %d", w.n, size)
+	}
 }
