@@ -11,6 +11,7 @@ require (
 	golang.org/x/sys v0.50.0
 	golang.org/x/term v0.48.0
 	libvirt.org/go/libvirt v1.11010.0
+	libvirt.org/go/libvirtxml v1.12008.0
 )
 
 require (

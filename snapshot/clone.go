@@ -1,0 +1,257 @@
+package snapshot
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/qmp"
+	"kvbox.dev/kvbox/revert"
+)
+
+// CloneTiming is where the time of one clone went, step by step.
+type CloneTiming struct {
+	Define     time.Duration // lock, address, folder, overlay, domain XML, define
+	Start      time.Duration // libvirt starts QEMU paused (-incoming defer)
+	ClosePort  time.Duration // the tap leaves the bridge
+	Load       time.Duration // migrate-incoming of the state file, until completed
+	Resume     time.Duration // capabilities restored, vCPUs running
+	Agent      time.Duration // until the agent answers a ping
+	Reidentify time.Duration // hostname, MAC, address, clock, entropy
+	OpenPort   time.Duration // the tap joins the bridge
+	Total      time.Duration
+}
+
+// String prints the steps in order, in milliseconds.
+func (t CloneTiming) String() string {
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.0fms", float64(d.Microseconds())/1000) }
+	return strings.Join([]string{
+		"define " + ms(t.Define), "start " + ms(t.Start), "close-port " + ms(t.ClosePort),
+		"load " + ms(t.Load), "resume " + ms(t.Resume), "agent " + ms(t.Agent),
+		"reidentify " + ms(t.Reidentify), "open-port " + ms(t.OpenPort), "total " + ms(t.Total),
+	}, ", ")
+}
+
+// CloneDisk is the clone's disk in its folder: a qcow2 overlay on the
+// snapshot's disk.
+const CloneDisk = "disk.qcow2"
+
+// Clone starts a warm clone of snap named name: a new domain whose RAM maps
+// the snapshot's memory privately, whose disk is an overlay on the
+// snapshot's disk, and whose CPU and device state is loaded from the
+// snapshot's state file. The clone is re-identified through its agent
+// (hostname, MAC, address, clock, entropy) while its bridge port is
+// closed; only then does the port open. On any failure, agent timeout
+// included, everything created is removed and the address is free again.
+func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agentTimeout time.Duration) (domain.Box, CloneTiming, error) {
+	var tm CloneTiming
+	t0 := time.Now()
+	step := func(d *time.Duration) {
+		now := time.Now()
+		*d = now.Sub(t0) - tm.sum()
+	}
+	if err := domain.ValidName(name); err != nil {
+		return domain.Box{}, tm, err
+	}
+	if agentTimeout <= 0 {
+		agentTimeout = 60 * time.Second
+	}
+	srcXML, err := os.ReadFile(snap.Path(DomainXMLFile))
+	if err != nil {
+		return domain.Box{}, tm, fmt.Errorf("snapshot %q: %w", snap.Name, err)
+	}
+	if err := h.Net.Ensure(); err != nil {
+		return domain.Box{}, tm, err
+	}
+
+	r := revert.New()
+	dom, meta, err := defineClone(ctx, h, snap, name, string(srcXML), r)
+	if err != nil {
+		r.Fail()
+		return domain.Box{}, tm, err
+	}
+	defer dom.Free()
+	defer r.Fail() // runs before Free: the undo steps use dom
+	step(&tm.Define)
+
+	if err := dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
+		return domain.Box{}, tm, fmt.Errorf("start clone %q: %s", name, libvirtErr(err))
+	}
+	r.Add(func() { dom.Destroy() })
+	step(&tm.Start)
+
+	// Not one frame of the clone may reach the bridge before it is
+	// re-identified: the restored guest still believes it is the source
+	// (gratuitous ARP with the source's MAC and IP), and QEMU announces
+	// when the incoming migration ends.
+	live, err := dom.GetXMLDesc(0)
+	if err != nil {
+		return domain.Box{}, tm, fmt.Errorf("read clone %q: %s", name, libvirtErr(err))
+	}
+	tap, err := liveTap(live)
+	if err != nil {
+		return domain.Box{}, tm, err
+	}
+	if err := network.ClosePort(tap); err != nil {
+		return domain.Box{}, tm, err
+	}
+	step(&tm.ClosePort)
+
+	if err := loadState(ctx, dom, snap); err != nil {
+		return domain.Box{}, tm, fmt.Errorf("load snapshot %q into clone %q: %w", snap.Name, name, err)
+	}
+	step(&tm.Load)
+	if err := dom.Resume(); err != nil {
+		return domain.Box{}, tm, fmt.Errorf("resume clone %q: %s", name, libvirtErr(err))
+	}
+	step(&tm.Resume)
+
+	b := domain.Box{Name: name, State: "running", Meta: meta, Tap: tap}
+	actx, cancel := context.WithTimeout(ctx, agentTimeout)
+	defer cancel()
+	c, err := h.WaitAgent(actx, dom, b)
+	if err != nil {
+		return domain.Box{}, tm, fmt.Errorf("clone %q of snapshot %q: %w", name, snap.Name, err)
+	}
+	defer c.Close()
+	step(&tm.Agent)
+	// The machine-id comes from the clone's own UUID, which libvirt
+	// picked at define.
+	if uuid, err := dom.GetUUIDString(); err == nil {
+		b.UUID = uuid
+	}
+	if err := h.Reidentify(actx, c, b); err != nil {
+		return domain.Box{}, tm, err
+	}
+	step(&tm.Reidentify)
+	if err := h.Net.OpenPort(tap); err != nil {
+		return domain.Box{}, tm, err
+	}
+	step(&tm.OpenPort)
+	r.Success()
+	tm.Total = time.Since(t0)
+	out, err := h.Get(name)
+	if err != nil {
+		return domain.Box{}, tm, err
+	}
+	return out, tm, nil
+}
+
+func (t CloneTiming) sum() time.Duration {
+	return t.Define + t.Start + t.ClosePort + t.Load + t.Resume + t.Agent + t.Reidentify + t.OpenPort
+}
+
+// defineClone does the part of Clone that needs the host lock: pick a free
+// address, make the folder and overlay, and define the domain, which then
+// holds the address in its metadata.
+func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXML string, r *revert.Reverter) (*libvirt.Domain, domain.Meta, error) {
+	unlock, err := h.Lock()
+	if err != nil {
+		return nil, domain.Meta{}, err
+	}
+	defer unlock()
+	if err := h.NameFree(name); err != nil {
+		return nil, domain.Meta{}, err
+	}
+	used, err := h.UsedAddrs()
+	if err != nil {
+		return nil, domain.Meta{}, err
+	}
+	ip, err := h.Net.Allocate(used)
+	if err != nil {
+		return nil, domain.Meta{}, err
+	}
+	dir := h.BoxDir(name)
+	// No domain has this name, so a folder left here is debris of a kvbox
+	// that was killed half-way.
+	os.RemoveAll(dir)
+	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
+		return nil, domain.Meta{}, err
+	}
+	if err := os.Mkdir(dir, 0o750); err != nil {
+		return nil, domain.Meta{}, err
+	}
+	r.Add(func() { os.RemoveAll(dir) })
+	if err := h.ChownForQEMU(dir); err != nil {
+		return nil, domain.Meta{}, err
+	}
+	disk := filepath.Join(dir, CloneDisk)
+	if err := overlay.Create(ctx, disk, snap.Path(DiskFile), "qcow2"); err != nil {
+		return nil, domain.Meta{}, err
+	}
+	memFile := snap.Memory.File
+	if memFile == "" {
+		memFile = MemoryFile
+	}
+	meta := domain.Meta{
+		Image: snap.Image, Snapshot: snap.Name, IP: ip.String(), Prefix: h.Net.Subnet.Bits(),
+		Gateway: h.Net.Gateway().String(), MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir,
+		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
+	}
+	xml, err := CloneXML(srcXML, CloneXMLSpec{
+		Name: name, Meta: meta, Disk: disk,
+		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
+	})
+	if err != nil {
+		return nil, domain.Meta{}, err
+	}
+	dom, err := h.Conn.DomainDefineXML(xml)
+	if err != nil {
+		return nil, domain.Meta{}, fmt.Errorf("define clone %q: %s", name, libvirtErr(err))
+	}
+	r.Add(func() { undefine(dom) })
+	return dom, meta, nil
+}
+
+// loadState loads the snapshot's CPU and device state into the paused
+// clone. x-ignore-shared makes QEMU skip RAM that lives in a named file;
+// mapped-ram reads a state file whose RAM sits at fixed offsets (a snapshot
+// of a clone) without copying it. Both are put back afterwards: a box left
+// with x-ignore-shared on writes RAM-less images on `virsh save`.
+func loadState(ctx context.Context, dom *libvirt.Domain, snap Snapshot) error {
+	c := qmp.NewDomainClient(dom)
+	caps := map[string]bool{qmp.CapIgnoreShared: true}
+	if snap.Memory.MappedRAM {
+		caps[qmp.CapMappedRAM] = true
+	}
+	restore, err := c.ApplyMigrationSettings(ctx, caps, nil)
+	if err != nil {
+		return err
+	}
+	if err := c.MigrateIncoming(ctx, "file:"+snap.Path(StateFile)); err != nil {
+		return errJoin(err, restore(ctx))
+	}
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	if err := c.WaitMigration(wctx, 2*time.Millisecond); err != nil {
+		return errJoin(err, restore(ctx))
+	}
+	return restore(ctx)
+}
+
+func errJoin(err, more error) error {
+	if more == nil {
+		return err
+	}
+	return fmt.Errorf("%w (and: %v)", err, more)
+}
+
+func undefine(dom *libvirt.Domain) error {
+	return dom.UndefineFlags(libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
+		libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA | libvirt.DOMAIN_UNDEFINE_NVRAM)
+}
+
+func libvirtErr(err error) string {
+	if le, ok := err.(libvirt.Error); ok {
+		return le.Message
+	}
+	return err.Error()
+}

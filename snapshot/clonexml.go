@@ -1,0 +1,390 @@
+package snapshot
+
+import (
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"reflect"
+	"strconv"
+	"strings"
+
+	"libvirt.org/go/libvirtxml"
+
+	"kvbox.dev/kvbox/domain"
+)
+
+// ramID is the id of the memory backend kvbox puts a box's RAM in.
+const ramID = "kvbox.ram"
+
+// CloneXMLSpec is what makes a clone's domain different from its source's.
+type CloneXMLSpec struct {
+	Name string
+	Meta domain.Meta // the clone's kvbox metadata (MAC, IP, Dir, ...)
+	Disk string      // the clone's qcow2 overlay
+	// MemPath is the file the clone maps its RAM from (privately,
+	// read-only), at MemOffset.
+	MemPath   string
+	MemOffset int64
+	// MemBytes is the RAM size the snapshot recorded; 0 trusts the size
+	// in the source's memory backend.
+	MemBytes int64
+}
+
+// CloneXML derives a clone's domain XML from the source's saved domain XML
+// by a round trip through libvirtxml: machine type, CPU model, devices and
+// their addresses stay exactly the source's (the migration stream needs
+// them), while everything that names the source or only exists at runtime
+// goes: name, uuid, id, hwuuid, generation ID (an empty <genid/> makes
+// libvirt pick a fresh one, which the guest reseeds its RNG from), security
+// labels, device aliases libvirt assigned, the interface's tap name, pty
+// paths, the disk's backing chain. Disk, agent sockets and console log move
+// to the clone's folder, the MAC to the clone's, and the RAM backend maps
+// the snapshot's memory file privately and read-only, with -incoming defer
+// so QEMU waits for the state stream.
+func CloneXML(src string, s CloneXMLSpec) (string, error) {
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(src); err != nil {
+		return "", fmt.Errorf("parse the snapshot's domain XML: %w", err)
+	}
+	if s.Name == "" || s.Meta.Dir == "" || s.Disk == "" || s.MemPath == "" || s.Meta.MAC == "" {
+		return "", fmt.Errorf("%w: clone XML: name, dir, disk, memory path and MAC are required", domain.ErrInvalid)
+	}
+	d.ID = nil
+	d.Name = s.Name
+	d.UUID = ""
+	d.HWUUID = ""
+	d.GenID = &libvirtxml.DomainGenID{}
+	d.SecLabel = nil
+	md, err := replaceMeta(d.Metadata, s.Meta)
+	if err != nil {
+		return "", err
+	}
+	d.Metadata = md
+	if d.Devices == nil {
+		return "", fmt.Errorf("%w: the snapshot's domain XML has no devices", domain.ErrInvalid)
+	}
+	if err := cloneDisk(d.Devices, s.Disk); err != nil {
+		return "", err
+	}
+	if err := cloneInterface(d.Devices, s.Meta); err != nil {
+		return "", err
+	}
+	if err := cloneChardevs(d.Devices, s.Meta.Dir); err != nil {
+		return "", err
+	}
+	args, err := cloneQemuArgs(d.QEMUCommandline, s)
+	if err != nil {
+		return "", err
+	}
+	d.QEMUCommandline.Args = args
+	stripRuntime(reflect.ValueOf(&d))
+	out, err := d.Marshal()
+	if err != nil {
+		return "", fmt.Errorf("render the clone's domain XML: %w", err)
+	}
+	return out, nil
+}
+
+// replaceMeta swaps the kvbox element of <metadata> for m and keeps any
+// other application's metadata as it was, byte for byte.
+func replaceMeta(old *libvirtxml.DomainMetadata, m domain.Meta) (*libvirtxml.DomainMetadata, error) {
+	box, err := domain.MarshalMeta(m)
+	if err != nil {
+		return nil, err
+	}
+	var keep string
+	if old != nil {
+		keep, err = dropElements(old.XML, domain.MetadataNS)
+		if err != nil {
+			return nil, fmt.Errorf("the snapshot's domain metadata: %w", err)
+		}
+	}
+	keep = strings.TrimSpace(keep)
+	if keep != "" {
+		keep = "\n    " + keep
+	}
+	return &libvirtxml.DomainMetadata{XML: "\n" + box + keep + "\n  "}, nil
+}
+
+// dropElements removes the top-level elements in namespace ns from an XML
+// fragment, cutting them out of the original bytes.
+func dropElements(frag, ns string) (string, error) {
+	dec := xml.NewDecoder(strings.NewReader(frag))
+	var out strings.Builder
+	copied, depth := int64(0), 0
+	var cutStart int64 = -1
+	for {
+		before := dec.InputOffset()
+		tok, err := dec.Token()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return "", err
+		}
+		switch t := tok.(type) {
+		case xml.StartElement:
+			if depth == 0 && t.Name.Space == ns {
+				out.WriteString(frag[copied:before])
+				cutStart = before
+			}
+			depth++
+		case xml.EndElement:
+			depth--
+			if depth == 0 && cutStart >= 0 {
+				copied = dec.InputOffset()
+				cutStart = -1
+			}
+		}
+	}
+	out.WriteString(frag[copied:])
+	return out.String(), nil
+}
+
+// cloneDisk points the first file disk at the clone's overlay.
+func cloneDisk(devs *libvirtxml.DomainDeviceList, disk string) error {
+	for i := range devs.Disks {
+		dk := &devs.Disks[i]
+		if dk.Device != "" && dk.Device != "disk" {
+			continue
+		}
+		if dk.Source == nil || dk.Source.File == nil {
+			continue
+		}
+		dk.Source.File.File = disk
+		dk.Source.File.SecLabel = nil
+		dk.Source.Index = 0
+		dk.BackingStore = nil
+		if dk.Driver == nil {
+			dk.Driver = &libvirtxml.DomainDiskDriver{Name: "qemu"}
+		}
+		dk.Driver.Type = "qcow2"
+		return nil
+	}
+	return fmt.Errorf("%w: the snapshot's domain XML has no file disk", domain.ErrInvalid)
+}
+
+// cloneInterface gives the box's interface the clone's MAC and bridge and
+// forgets the source's tap.
+func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
+	if len(devs.Interfaces) != 1 {
+		return fmt.Errorf("%w: the snapshot's domain has %d network interfaces; a kvbox box has one", domain.ErrInvalid, len(devs.Interfaces))
+	}
+	ifc := &devs.Interfaces[0]
+	ifc.MAC = &libvirtxml.DomainInterfaceMAC{Address: m.MAC}
+	ifc.Target = nil
+	if m.Bridge != "" {
+		ifc.Source = &libvirtxml.DomainInterfaceSource{Bridge: &libvirtxml.DomainInterfaceSourceBridge{Bridge: m.Bridge}}
+	}
+	return nil
+}
+
+// cloneChardevs moves agent sockets and console logs into dir. Agent
+// channels keep their names and order (the guest's ports are in the
+// migrated device state); their sockets get the box layout's paths.
+func cloneChardevs(devs *libvirtxml.DomainDeviceList, dir string) error {
+	sockets := map[string]string{}
+	for _, p := range domain.AgentSockets(dir) {
+		sockets[p.Name] = p.Path
+	}
+	seen := 0
+	for i := range devs.Channels {
+		ch := &devs.Channels[i]
+		if ch.Source == nil || ch.Source.UNIX == nil || ch.Target == nil || ch.Target.VirtIO == nil {
+			continue
+		}
+		path, ok := sockets[ch.Target.VirtIO.Name]
+		if !ok {
+			// Some other unix channel (e.g. qemu-guest-agent): a socket
+			// in the source's folder would collide, so move it along.
+			path = dir + "/" + sanitize(ch.Target.VirtIO.Name) + ".sock"
+		} else {
+			seen++
+		}
+		ch.Source.UNIX.Path = path
+		ch.Source.UNIX.SecLabel = nil
+		ch.Log = cloneLog(ch.Log, dir)
+	}
+	if seen == 0 && domain.Transport() != "vsock" {
+		return fmt.Errorf("%w: the snapshot's domain XML has no kvbox agent channel", domain.ErrInvalid)
+	}
+	for i := range devs.Serials {
+		clearPty(devs.Serials[i].Source)
+		devs.Serials[i].Log = cloneLog(devs.Serials[i].Log, dir)
+	}
+	for i := range devs.Consoles {
+		clearPty(devs.Consoles[i].Source)
+		devs.Consoles[i].Log = cloneLog(devs.Consoles[i].Log, dir)
+	}
+	return nil
+}
+
+func clearPty(s *libvirtxml.DomainChardevSource) {
+	if s != nil && s.Pty != nil {
+		s.Pty.Path = ""
+		s.Pty.SecLabel = nil
+	}
+}
+
+func cloneLog(l *libvirtxml.DomainChardevLog, dir string) *libvirtxml.DomainChardevLog {
+	if l == nil {
+		return nil
+	}
+	return &libvirtxml.DomainChardevLog{File: dir + "/console.log", Append: l.Append}
+}
+
+func sanitize(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r == '/' || r == 0 {
+			return '_'
+		}
+		return r
+	}, s)
+}
+
+// cloneQemuArgs replaces the source's RAM backend (a shared file in its
+// folder) with a private, read-only mapping of the snapshot's memory and
+// adds -incoming defer. Other pass-through arguments are kept.
+func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libvirtxml.DomainQEMUCommandlineArg, error) {
+	if cl == nil {
+		return nil, fmt.Errorf("%w: the snapshot's domain XML has no qemu:commandline with kvbox's RAM backend", domain.ErrInvalid)
+	}
+	in := make([]string, len(cl.Args))
+	for i, a := range cl.Args {
+		in[i] = a.Value
+	}
+	var out []string
+	size := int64(-1)
+	machine := false
+	for i := 0; i < len(in); i++ {
+		a := in[i]
+		next := ""
+		if i+1 < len(in) {
+			next = in[i+1]
+		}
+		switch {
+		case a == "-object" && hasOpt(next, "id", ramID):
+			v, ok := optValue(next, "size")
+			n, err := strconv.ParseInt(v, 10, 64)
+			if !ok || err != nil || n <= 0 {
+				return nil, fmt.Errorf("%w: kvbox's RAM backend in the snapshot's domain XML has no size in bytes: %q", domain.ErrInvalid, next)
+			}
+			size = n
+			i++
+		case a == "-incoming":
+			i++ // the clone's own comes below
+		case a == "-machine" && next == "memory-backend="+ramID:
+			machine = true
+			i++
+		default:
+			out = append(out, a)
+		}
+	}
+	if size < 0 || !machine {
+		return nil, fmt.Errorf("%w: the snapshot's domain XML lacks kvbox's RAM backend (-object memory-backend-file,id=%s and -machine memory-backend=%s)", domain.ErrInvalid, ramID, ramID)
+	}
+	if s.MemBytes > 0 && s.MemBytes != size {
+		return nil, fmt.Errorf("%w: the snapshot records %d bytes of RAM but its domain XML maps %d", domain.ErrInvalid, s.MemBytes, size)
+	}
+	obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, qemuOptEscape(s.MemPath))
+	if s.MemOffset != 0 {
+		obj += fmt.Sprintf(",offset=%d", s.MemOffset)
+	}
+	out = append(out, "-object", obj, "-machine", "memory-backend="+ramID, "-incoming", "defer")
+	args := make([]libvirtxml.DomainQEMUCommandlineArg, len(out))
+	for i, a := range out {
+		args[i] = libvirtxml.DomainQEMUCommandlineArg{Value: a}
+	}
+	return args, nil
+}
+
+// qemuOptEscape doubles commas, QEMU's escape inside an option value.
+func qemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// splitOpts splits a QEMU option string at single commas (",," is an
+// escaped comma).
+func splitOpts(s string) []string {
+	var parts []string
+	var cur strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == ',' {
+			if i+1 < len(s) && s[i+1] == ',' {
+				cur.WriteByte(',')
+				i++
+				continue
+			}
+			parts = append(parts, cur.String())
+			cur.Reset()
+			continue
+		}
+		cur.WriteByte(s[i])
+	}
+	return append(parts, cur.String())
+}
+
+func optValue(opts, key string) (string, bool) {
+	for _, p := range splitOpts(opts) {
+		if k, v, ok := strings.Cut(p, "="); ok && k == key {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+func hasOpt(opts, key, want string) bool {
+	v, ok := optValue(opts, key)
+	return ok && v == want
+}
+
+var aliasType = reflect.TypeOf(&libvirtxml.DomainAlias{})
+
+// stripRuntime walks the domain and drops what only a running domain has:
+// device aliases libvirt assigned (user aliases, "ua-...", stay) and
+// dynamic per-device security labels.
+func stripRuntime(v reflect.Value) {
+	switch v.Kind() {
+	case reflect.Pointer, reflect.Interface:
+		if v.IsNil() {
+			return
+		}
+		if v.Type() == aliasType {
+			return // handled by the parent, which can set it to nil
+		}
+		stripRuntime(v.Elem())
+	case reflect.Struct:
+		for i := 0; i < v.NumField(); i++ {
+			f := v.Field(i)
+			if !f.CanSet() {
+				continue
+			}
+			if f.Type() == aliasType {
+				if !f.IsNil() && !strings.HasPrefix(f.Interface().(*libvirtxml.DomainAlias).Name, "ua-") {
+					f.Set(reflect.Zero(f.Type()))
+				}
+				continue
+			}
+			if f.Type() == reflect.TypeOf([]libvirtxml.DomainDeviceSecLabel(nil)) {
+				f.Set(reflect.Zero(f.Type()))
+				continue
+			}
+			stripRuntime(f)
+		}
+	case reflect.Slice, reflect.Array:
+		for i := 0; i < v.Len(); i++ {
+			stripRuntime(v.Index(i))
+		}
+	}
+}
+
+// liveTap is the tap device of a running domain's interface.
+func liveTap(liveXML string) (string, error) {
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(liveXML); err != nil {
+		return "", fmt.Errorf("parse the clone's live domain XML: %w", err)
+	}
+	if d.Devices == nil || len(d.Devices.Interfaces) == 0 || d.Devices.Interfaces[0].Target == nil || d.Devices.Interfaces[0].Target.Dev == "" {
+		return "", errors.New("the clone's live domain XML names no tap device")
+	}
+	return d.Devices.Interfaces[0].Target.Dev, nil
+}
