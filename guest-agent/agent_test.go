@@ -293,8 +293,10 @@ func TestStaleBytesBeforeHello(t *testing.T) {
 	junk = append(junk, magic[:]...)
 	junk = appendFrame(junk, frameStdin, 99, []byte("old stdin"))
 	half := appendFrame(nil, frameRequest, 98, []byte(`{"method":"ping"}`))
-	junk = append(junk, half[:len(half)-5]...)                              // cut short
-	junk = appendFrame(junk, frameRequest, 97, []byte(`{"method":"ping"}`)) // an old ping: its answer is stale
+	junk = append(junk, half[:len(half)-5]...) // cut short
+	junk = appendFrame(junk, frameRequest, 97, []byte(`{"method":"ping"}`))
+	marker := t.TempDir() + "/ran"
+	junk = appendFrame(junk, frameRequest, 96, []byte(`{"method":"exec","params":{"argv":["touch","`+marker+`"]}}`))
 	if _, err := hc.Write(junk); err != nil {
 		t.Fatal(err)
 	}
@@ -305,6 +307,9 @@ func TestStaleBytesBeforeHello(t *testing.T) {
 	}
 	if out, _, _ := run(t, c, ExecRequest{Argv: []string{"echo", "ok"}}, nil); out != "ok\n" {
 		t.Fatalf("out = %q", out)
+	}
+	if _, err := os.Stat(marker); err == nil {
+		t.Error("a request from before the HELLO ran")
 	}
 }
 

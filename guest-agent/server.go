@@ -103,6 +103,7 @@ func (s *Server) serve(r io.Reader, w io.Writer, name string) error {
 		}
 		if errors.Is(err, errHostGone) {
 			ss.abort("host disconnected")
+			ss.greeted = false
 			d.reset()
 			continue
 		}
@@ -131,6 +132,10 @@ type session struct {
 
 	mu   sync.Mutex
 	proc *process
+
+	// greeted is set by a HELLO: frames before the first HELLO of a host
+	// are leftovers of an earlier one and are dropped. Reader goroutine only.
+	greeted bool
 }
 
 func (ss *session) send(gen uint64, t frameType, id uint32, payload []byte) error {
@@ -197,12 +202,15 @@ func (ss *session) handle(f frame) {
 			return
 		}
 		ss.abort("new host")
+		ss.greeted = true
 		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, struct {
 			Nonce []byte `json:"nonce"`
 			helloReply
 		}{f.Payload, helloReply{Version: Version}})
 	case frameRequest:
-		ss.request(f)
+		if ss.greeted {
+			ss.request(f)
+		}
 	case frameStdin, frameStdinEOF:
 		if p := ss.current(f.ID); p != nil {
 			p.stdin(f)
