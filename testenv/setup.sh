@@ -16,7 +16,7 @@ require_root
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
 # are too old for kvbox (see DESIGN.md), so "installed" is not enough for them.
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libvirt-dev"
-BASE_PKGS="busybox-static e2fsprogs cpio iptables iproute2 kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base"
+BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
@@ -197,6 +197,15 @@ stage_import() {
 	want="$(cat "$TINY_OUT/.stamp") $kfile ${KVBOX_STATE_DIR:-/var/lib/kvbox}"
 	if [ -z "${KVBOX_TESTENV_REIMPORT:-}" ] && [ "$(cat "$marker" 2>/dev/null)" = "$want" ]; then
 		log "image tiny already registered from this build (KVBOX_TESTENV_REIMPORT=1 to force)"
+		return 0
+	fi
+	# Replacing the base image under existing boxes (their overlays are backed by it) would
+	# corrupt them: only replace when kvbox's state dir has no boxes (best effort: kvbox layout).
+	local state=${KVBOX_STATE_DIR:-/var/lib/kvbox} boxes
+	boxes=$(ls -A "$state/boxes" 2>/dev/null | wc -l)
+	if [ -e "$state/images/tiny" ] && [ "$boxes" -gt 0 ] && [ -z "${KVBOX_TESTENV_REIMPORT:-}" ]; then
+		warn "image tiny is registered from another build, but $boxes box(es) exist in $state/boxes and"
+		warn "may be backed by it: not replacing it. Remove them (or set KVBOX_TESTENV_REIMPORT=1) and rerun."
 		return 0
 	fi
 	grep -q -- '--replace' <<<"$help" && extra+=(--replace)
