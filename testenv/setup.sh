@@ -221,7 +221,24 @@ stage_import() {
 	return 1
 }
 
+# What the guests can use here. kvbox's --domain-type auto picks kvm whenever libvirt offers it,
+# but a kvm_pvm /dev/kvm (nested PVM, no vmx/svm) only runs PVM-enabled guest kernels: the tiny
+# image's stock Debian kernel triple-faults in firmware there and never prints a line.
+stage_host() {
+	if [ ! -e /dev/kvm ]; then
+		log "no /dev/kvm: guests run under TCG (domain type qemu)"
+	elif grep -qw kvm_pvm /proc/modules 2>/dev/null || ! grep -qwE 'vmx|svm' /proc/cpuinfo; then
+		warn "/dev/kvm here is $(grep -ow kvm_pvm /proc/modules 2>/dev/null || echo 'KVM without vmx/svm') (nested PVM):"
+		warn "stock guest kernels hang under it. Use TCG: export KVBOX_DOMAIN_TYPE=qemu (tiny/boot-test.sh IMAGEDIR tcg)"
+	else
+		log "/dev/kvm present: guests can use KVM"
+	fi
+	[ -e /dev/vhost-vsock ] || log "no /dev/vhost-vsock: host-to-guest vsock unavailable, use the virtio-serial ports"
+	return 0
+}
+
 T0=$(now_ms)
+stage "host" stage_host
 stage "packages" stage_packages
 stage "network namespace $KVBOX_TESTENV_NS" stage_netns
 stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
