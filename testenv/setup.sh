@@ -227,8 +227,8 @@ stage_import() {
 stage_host() {
 	if [ ! -e /dev/kvm ]; then
 		log "no /dev/kvm: guests run under TCG (domain type qemu)"
-	elif grep -qw kvm_pvm /proc/modules 2>/dev/null || ! grep -qwE 'vmx|svm' /proc/cpuinfo; then
-		warn "/dev/kvm here is $(grep -ow kvm_pvm /proc/modules 2>/dev/null || echo 'KVM without vmx/svm') (nested PVM):"
+	elif [ -d /sys/module/kvm_pvm ] || ! grep -qwE 'vmx|svm' /proc/cpuinfo; then
+		warn "/dev/kvm here is $([ -d /sys/module/kvm_pvm ] && echo kvm_pvm || echo 'KVM without vmx/svm') (nested PVM?):"
 		warn "stock guest kernels hang under it. Use TCG: export KVBOX_DOMAIN_TYPE=qemu (tiny/boot-test.sh IMAGEDIR tcg)"
 	else
 		log "/dev/kvm present: guests can use KVM"

@@ -53,7 +53,7 @@ while ! grep -q 'kvbox-init: starting kvbox-agent' "$T/console.log" 2>/dev/null;
 	kill -0 "$QPID" 2>/dev/null || { cat "$T/console.log" >&2; die "QEMU exited before the agent started"; }
 	if [ $(($(now_ms) - t0)) -gt $((BOOT_TIMEOUT * 1000)) ]; then
 		cat "$T/console.log" >&2
-		[ "$ACCEL" = kvm ] && grep -qw kvm_pvm /proc/modules 2>/dev/null &&
+		[ "$ACCEL" = kvm ] && [ -d /sys/module/kvm_pvm ] &&
 			warn "this host's /dev/kvm is kvm_pvm (nested PVM): it only runs PVM-enabled guest kernels, use tcg"
 		die "no 'starting kvbox-agent' within ${BOOT_TIMEOUT}s"
 	fi
