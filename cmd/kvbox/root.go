@@ -13,6 +13,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/templates"
 )
 
@@ -117,7 +118,7 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.template, "template", os.Getenv("KVBOX_TEMPLATE"), "domain XML template file instead of the built-in one (KVBOX_TEMPLATE)")
 	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
-		a.newCmdStop(), a.newCmdRm(), a.newCmdImages())
+		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots())
 	return root
 }
 
@@ -163,6 +164,10 @@ func (a *app) Host() (*domain.Host, error) {
 		return nil, err
 	}
 	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType}
+	// Every command first finishes what a killed kvbox left half-done.
+	if err := snapshot.Recover(context.Background(), a.host, a.snapshots()); err != nil {
+		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted snapshot: %v\n", err)
+	}
 	return a.host, nil
 }
 

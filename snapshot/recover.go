@@ -1,0 +1,156 @@
+package snapshot
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/qmp"
+)
+
+// Recover cleans up after snapshots whose kvbox died half-way (killed, or
+// the host lost power): the source box gets its migration capabilities
+// back, loses the block job, node and bitmap kvbox added, and runs again if
+// kvbox had paused it; the half-built folder is removed. A folder that was
+// sealed but not yet renamed is complete and is put in place. Snapshots
+// still being taken by a live kvbox are left alone.
+func Recover(ctx context.Context, h *domain.Host, st Store) error {
+	ents, err := os.ReadDir(st.Dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), ".") && strings.HasSuffix(e.Name(), ".removing") {
+			errs = append(errs, os.RemoveAll(filepath.Join(st.Dir, e.Name()))) // a delete that was cut short
+			continue
+		}
+		name, ok := strings.CutSuffix(strings.TrimPrefix(e.Name(), "."), ".partial")
+		if !ok || !strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		if err := recoverOne(ctx, h, st, name); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func recoverOne(ctx context.Context, h *domain.Host, st Store, name string) error {
+	unlock, err := lockName(st, name)
+	if err != nil {
+		return nil // a live kvbox is still at it
+	}
+	defer unlock()
+	dir := st.partialDir(name)
+	if _, err := os.Stat(filepath.Join(dir, MetaFile)); err == nil {
+		if _, err := os.Stat(filepath.Join(st.Dir, name)); errors.Is(err, os.ErrNotExist) {
+			return os.Rename(dir, filepath.Join(st.Dir, name))
+		}
+	}
+	var p partial
+	if b, err := os.ReadFile(filepath.Join(dir, partialFile)); err == nil && json.Unmarshal(b, &p) == nil && p.Box != "" {
+		if err := undoOnBox(ctx, h, p); err != nil {
+			return fmt.Errorf("recover box %q from an interrupted snapshot %q: %w", p.Box, name, err)
+		}
+	}
+	return os.RemoveAll(dir)
+}
+
+// undoOnBox puts a box back as it was before an interrupted snapshot.
+func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
+	box, dom, err := h.Lookup(p.Box)
+	if errors.Is(err, domain.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer dom.Free()
+	if box.UUID != p.BoxUUID || (box.State != "running" && box.State != "paused") {
+		return nil // another box of that name now, or QEMU is gone with all it had
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	q := qmp.NewDomainClient(dom)
+	if s, err := q.QueryMigrate(ctx); err == nil && (s.Status == qmp.MigrationActive || s.Status == qmp.MigrationSetup) {
+		q.MigrateCancel(ctx)
+		q.WaitMigration(ctx, 10*time.Millisecond)
+	}
+	if jobs, err := q.QueryJobs(ctx); err == nil {
+		for _, j := range jobs {
+			if j.ID == backupJob {
+				q.JobCancel(ctx, backupJob)
+				q.WaitJob(ctx, backupJob, 10*time.Millisecond)
+			}
+		}
+	}
+	q.BlockdevDel(ctx, targetNode)
+	if top, err := q.TopNode(ctx, diskDevice); err == nil {
+		q.BlockDirtyBitmapRemove(ctx, top, p.Bitmap)
+	}
+	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
+		return err
+	}
+	if st, _, err := dom.GetState(); err == nil && st == libvirt.DOMAIN_PAUSED && p.Paused {
+		if err := q.BlockdevSetActive(ctx, "", true); err != nil {
+			return err
+		}
+		if err := dom.Resume(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Remove deletes a snapshot. It refuses while boxes depend on it: clones
+// map its memory file and their disks are overlays on its disk.
+func Remove(h *domain.Host, st Store, name string) error {
+	s, err := st.Get(name)
+	if err != nil {
+		return err
+	}
+	users, err := Clones(h, name)
+	if err != nil {
+		return err
+	}
+	if len(users) > 0 {
+		return fmt.Errorf("snapshot %q is in use by boxes %s (their memory and disks build on it); remove them first: %w",
+			name, strings.Join(users, ", "), domain.ErrBusy)
+	}
+	// Rename first: the snapshot disappears from listings at once, and a
+	// crash during the delete leaves only a hidden folder.
+	gone := filepath.Join(st.Dir, "."+name+".removing")
+	os.RemoveAll(gone)
+	if err := os.Rename(s.Dir, gone); err != nil {
+		return err
+	}
+	os.Remove(filepath.Join(st.Dir, "."+name+".lock"))
+	return os.RemoveAll(gone)
+}
+
+// Clones lists the boxes cloned from the named snapshot.
+func Clones(h *domain.Host, name string) ([]string, error) {
+	boxes, err := h.Boxes()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, b := range boxes {
+		if b.Snapshot == name {
+			out = append(out, b.Name)
+		}
+	}
+	return out, nil
+}
