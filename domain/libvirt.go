@@ -57,7 +57,7 @@ func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 		return hostFacts{}, fmt.Errorf("read libvirt capabilities: %s", libvirtMessage(err))
 	}
 	f := hostFacts{domainType: "qemu", uid: -1, gid: -1}
-	if _, err := os.Stat("/dev/kvm"); err == nil && strings.Contains(caps, "<domain type='kvm'") {
+	if kvmRunsStockKernels() && strings.Contains(caps, "<domain type='kvm'") {
 		f.domainType = "kvm"
 	}
 	for _, m := range baselabelRE.FindAllStringSubmatch(caps, -1) {
@@ -67,4 +67,21 @@ func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 		}
 	}
 	return f, nil
+}
+
+// kvmRunsStockKernels reports whether /dev/kvm is hardware virtualization
+// (kvm_intel or kvm_amd). A /dev/kvm from kvm_pvm (pagetable-based nested
+// virtualization, seen on cloud sandboxes whose CPUs lack vmx/svm) only runs
+// PVM-enabled guest kernels; Debian's kernels hang in it before printing a
+// line, so kvbox uses TCG there unless told otherwise.
+func kvmRunsStockKernels() bool {
+	if _, err := os.Stat("/dev/kvm"); err != nil {
+		return false
+	}
+	for _, m := range []string{"kvm_intel", "kvm_amd"} {
+		if _, err := os.Stat("/sys/module/" + m); err == nil {
+			return true
+		}
+	}
+	return false
 }
