@@ -66,6 +66,11 @@ pick_kernel_pkg() {
 	echo "$p"
 }
 KPKG=$(pick_kernel_pkg)
+if [ -z "$KPKG" ]; then   # e.g. a CI image with emptied /var/lib/apt/lists
+	log "no kernel package known to apt: apt-get update"
+	apt-get update -q >/dev/null || die "apt-get update failed"
+	KPKG=$(pick_kernel_pkg)
+fi
 [ -n "$KPKG" ] || die "no linux-image-6.1.0-N-amd64 package found (apt-get update? bookworm sources?)"
 KVER=${KPKG#linux-image-}
 DEB=$(ls "$KDIR/${KPKG}"_*.deb 2>/dev/null | sort -V | tail -1 || true)
