@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"log"
@@ -491,5 +492,42 @@ func TestBackpressure(t *testing.T) {
 	}
 	if w.n != size {
 		t.Fatalf("got %d bytes, want %d", w.n, size)
+	}
+}
+
+// TestAgentRestarted: a host still connected to a port when the agent
+// restarts gets ErrAgentRestarted for its call, and the next call works.
+func TestAgentRestarted(t *testing.T) {
+	hc, gc := socketpair(t)
+	c := NewClient(hc)
+	defer c.Close()
+	go func() { // a guest that answers the HELLO, then "restarts"
+		d := newDecoder(gc)
+		for {
+			f, err := d.next()
+			if err != nil {
+				return
+			}
+			var out []byte
+			switch f.Type {
+			case frameHello:
+				b, _ := json.Marshal(helloMsg{Nonce: f.Payload, Version: Version})
+				out = appendFrame(nil, frameHello, f.ID, b)
+			case frameRequest:
+				if f.ID == 2 {
+					b, _ := json.Marshal(helloMsg{Version: Version, Started: true})
+					out = appendFrame(nil, frameHello, 0, b)
+				} else {
+					out = appendFrame(nil, frameResponse, f.ID, []byte(`{"result":{"version":"x"}}`))
+				}
+			}
+			gc.Write(out)
+		}
+	}()
+	if _, err := c.Ping(tctx(t)); !errors.Is(err, ErrAgentRestarted) {
+		t.Fatalf("err = %v, want ErrAgentRestarted", err)
+	}
+	if in, err := c.Ping(tctx(t)); err != nil || in.Version != "x" {
+		t.Fatalf("after restart: %+v %v", in, err)
 	}
 }

@@ -22,6 +22,10 @@ import (
 // kvbox command.
 var ErrBusy = errors.New("every agent port is busy")
 
+// ErrAgentRestarted is returned by a call that was in flight on a port when
+// the agent restarted: the call is lost, the next one starts afresh.
+var ErrAgentRestarted = errors.New("the guest agent restarted")
+
 // Client is the host side of one connection to the agent. Calls are
 // serialised: one call at a time per Client (open several Clients, over
 // several ports, for concurrent work). A call whose context ends midway
@@ -152,6 +156,11 @@ func (c *Client) recv(ctx context.Context) (frame, error) {
 	case f, ok := <-c.frames:
 		if !ok {
 			return f, fmt.Errorf("agent connection: %w", c.rerr)
+		}
+		var h helloMsg
+		if f.Type == frameHello && json.Unmarshal(f.Payload, &h) == nil && h.Started {
+			c.dirty.Store(true)
+			return f, ErrAgentRestarted
 		}
 		return f, nil
 	case <-ctx.Done():

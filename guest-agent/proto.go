@@ -91,8 +91,13 @@ type response struct {
 	Result json.RawMessage `json:"result,omitempty"`
 }
 
-type helloReply struct {
+// helloMsg is the guest's HELLO: the echo of the host's nonce, or, with
+// Started and no nonce, the first frame of a freshly started agent on a
+// port, so that a host still connected from before learns its call is lost.
+type helloMsg struct {
+	Nonce   []byte `json:"nonce,omitempty"`
 	Version string `json:"version"`
+	Started bool   `json:"started,omitempty"`
 }
 
 type exitStatus struct {

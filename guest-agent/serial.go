@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -70,7 +71,7 @@ func (s *Server) ServePort(ctx context.Context, path string) error {
 		return err
 	}
 	s.logf("serving %s", path)
-	err = s.serve(pr, f, filepath.Base(path))
+	err = s.serve(pr, f, filepath.Base(path), true)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
@@ -176,8 +177,11 @@ func (p *portReader) readBlocking(b []byte) (int, error) {
 
 // ServeSerialPorts serves every agent port under sysClass/devDir, and
 // keeps looking for ports that appear later (virtio_console loaded late by
-// udev in a distro guest) until ctx ends.
+// udev in a distro guest) until ctx ends. It returns once every port is
+// closed and its exec killed.
 func (s *Server) ServeSerialPorts(ctx context.Context, sysClass, devDir string) {
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	serving := map[string]bool{}
 	done := make(chan string)
 	tick := time.NewTicker(time.Second)
@@ -192,7 +196,9 @@ func (s *Server) ServeSerialPorts(ctx context.Context, sysClass, devDir string) 
 				continue
 			}
 			serving[p] = true
+			wg.Add(1)
 			go func() {
+				defer wg.Done()
 				err := s.ServePort(ctx, p)
 				if err != nil && ctx.Err() == nil {
 					s.logf("%s: %v", p, err)

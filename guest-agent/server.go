@@ -53,17 +53,20 @@ func (s *Server) ServeConn(ctx context.Context, conn io.ReadWriteCloser) error {
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
 	defer conn.Close()
-	err := s.serve(conn, conn, "conn")
+	err := s.serve(conn, conn, "conn", false)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
 	return err
 }
 
-// Serve accepts host connections on l (the vsock listener) until ctx ends.
+// Serve accepts host connections on l (the vsock listener) until ctx ends,
+// then waits for their sessions to end (and their execs to be killed).
 func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	if l.Addr().Network() == "vsock" {
 		s.vsock.Store(true)
 		defer s.vsock.Store(false)
@@ -80,7 +83,9 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 			}
 			return err
 		}
+		wg.Add(1)
 		go func() {
+			defer wg.Done()
 			if err := s.ServeConn(ctx, c); err != nil && ctx.Err() == nil {
 				s.logf("vsock %v: %v", c.RemoteAddr(), err)
 			}
@@ -91,9 +96,16 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 // serve runs the frame loop of one byte stream. r may return errHostGone
 // (a virtio-serial port whose host went away): the running exec is killed
 // and the loop goes on with a fresh decoder.
-func (s *Server) serve(r io.Reader, w io.Writer, name string) error {
+//
+// With announce, the session starts by telling a host that may still be
+// connected (a port, across an agent restart) that the agent started anew.
+func (s *Server) serve(r io.Reader, w io.Writer, name string, announce bool) error {
 	ss := &session{srv: s, w: w, name: name}
 	defer ss.abort("connection closed")
+	if announce {
+		// Blocks until a host connects; dropped if a HELLO comes first.
+		go ss.sendJSON(0, frameHello, 0, helloMsg{Version: Version, Started: true})
+	}
 	d := newDecoder(r)
 	for {
 		f, err := d.next()
@@ -203,10 +215,7 @@ func (ss *session) handle(f frame) {
 		}
 		ss.abort("new host")
 		ss.greeted = true
-		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, struct {
-			Nonce []byte `json:"nonce"`
-			helloReply
-		}{f.Payload, helloReply{Version: Version}})
+		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, helloMsg{Nonce: f.Payload, Version: Version})
 	case frameRequest:
 		if ss.greeted {
 			ss.request(f)

@@ -3,6 +3,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -218,6 +219,28 @@ func TestVM(t *testing.T) {
 	}
 	if in, err := c.Ping(ctx); err != nil || !in.Capabilities.Identify || !in.Capabilities.Clock || !in.Capabilities.Entropy || !in.Capabilities.TTY {
 		t.Errorf("capabilities: %+v %v", in, err)
+	}
+
+	// The agent restarts (init respawns it) while this host stays
+	// connected: the call in flight fails with ErrAgentRestarted, the next
+	// one works, and the persisted identity is applied again.
+	_, err = c.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", "hostname other; kill $(pidof kvbox-agent); sleep 100"}}, nil, nil, nil, nil)
+	if !errors.Is(err, ErrAgentRestarted) {
+		t.Fatalf("exec across a restart: %v", err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		in, err := c.Ping(ctx)
+		if err == nil && in.Hostname == "clone1" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the restart: %+v %v", in, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if out, _ := sh(c, "ps -o pid,args | grep -c '[s]leep 100'"); out != "0\n" {
+		t.Errorf("the exec of the stopped agent survived: %q", out)
 	}
 }
 

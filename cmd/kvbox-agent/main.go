@@ -41,10 +41,15 @@ func main() {
 	// without holding up readiness; the NIC driver may still be loading.
 	go reapplyIdentity(ctx, srv)
 
-	if !*noVsock {
-		go serveVsock(ctx, srv)
-	}
+	vsockDone := make(chan struct{})
+	go func() {
+		defer close(vsockDone)
+		if !*noVsock {
+			serveVsock(ctx, srv)
+		}
+	}()
 	srv.ServeSerialPorts(ctx, *sysClass, *devDir)
+	<-vsockDone
 	log.Printf("stopping")
 }
 
