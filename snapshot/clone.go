@@ -27,6 +27,7 @@ type CloneTiming struct {
 	Agent      time.Duration // until the agent answers a ping
 	Reidentify time.Duration // hostname, MAC, address, clock, entropy
 	OpenPort   time.Duration // the tap joins the bridge
+	Persist    time.Duration // the definition for the next cold boot
 	Total      time.Duration
 }
 
@@ -36,7 +37,7 @@ func (t CloneTiming) String() string {
 	return strings.Join([]string{
 		"define " + ms(t.Define), "start " + ms(t.Start), "close-port " + ms(t.ClosePort),
 		"load " + ms(t.Load), "resume " + ms(t.Resume), "agent " + ms(t.Agent),
-		"reidentify " + ms(t.Reidentify), "open-port " + ms(t.OpenPort), "total " + ms(t.Total),
+		"reidentify " + ms(t.Reidentify), "open-port " + ms(t.OpenPort), "persist " + ms(t.Persist), "total " + ms(t.Total),
 	}, ", ")
 }
 
@@ -73,7 +74,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 
 	r := revert.New()
-	dom, meta, err := defineClone(ctx, h, snap, name, string(srcXML), r)
+	dom, meta, spec, err := defineClone(ctx, h, snap, name, string(srcXML), r)
 	if err != nil {
 		r.Fail()
 		return domain.Box{}, tm, err
@@ -115,6 +116,11 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	step(&tm.Resume)
 
 	b := domain.Box{Name: name, State: "running", Meta: meta, Tap: tap}
+	// The machine-id comes from the clone's own UUID, which libvirt
+	// picked at define.
+	if b.UUID, err = dom.GetUUIDString(); err != nil {
+		return domain.Box{}, tm, fmt.Errorf("read the UUID of clone %q: %s", name, libvirtErr(err))
+	}
 	actx, cancel := context.WithTimeout(ctx, agentTimeout)
 	defer cancel()
 	c, err := h.WaitAgent(actx, dom, b)
@@ -123,11 +129,6 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 	defer c.Close()
 	step(&tm.Agent)
-	// The machine-id comes from the clone's own UUID, which libvirt
-	// picked at define.
-	if uuid, err := dom.GetUUIDString(); err == nil {
-		b.UUID = uuid
-	}
 	if err := h.Reidentify(actx, c, b); err != nil {
 		return domain.Box{}, tm, err
 	}
@@ -136,6 +137,19 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 		return domain.Box{}, tm, err
 	}
 	step(&tm.OpenPort)
+	// The running clone was started from a definition that maps the
+	// snapshot and waits for -incoming: its next cold boot must not.
+	spec.UUID, spec.BootRAM = b.UUID, domain.MemoryFile(meta.Dir)
+	boot, err := CloneXML(string(srcXML), spec)
+	if err != nil {
+		return domain.Box{}, tm, err
+	}
+	if d2, err := h.Conn.DomainDefineXML(boot); err != nil {
+		return domain.Box{}, tm, fmt.Errorf("define clone %q for its next boot: %s", name, libvirtErr(err))
+	} else {
+		d2.Free()
+	}
+	step(&tm.Persist)
 	r.Success()
 	tm.Total = time.Since(t0)
 	out, err := h.Get(name)
@@ -146,46 +160,46 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 }
 
 func (t CloneTiming) sum() time.Duration {
-	return t.Define + t.Start + t.ClosePort + t.Load + t.Resume + t.Agent + t.Reidentify + t.OpenPort
+	return t.Define + t.Start + t.ClosePort + t.Load + t.Resume + t.Agent + t.Reidentify + t.OpenPort + t.Persist
 }
 
 // defineClone does the part of Clone that needs the host lock: pick a free
 // address, make the folder and overlay, and define the domain, which then
 // holds the address in its metadata.
-func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXML string, r *revert.Reverter) (*libvirt.Domain, domain.Meta, error) {
+func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXML string, r *revert.Reverter) (*libvirt.Domain, domain.Meta, CloneXMLSpec, error) {
 	unlock, err := h.Lock()
 	if err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	defer unlock()
 	if err := h.NameFree(name); err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	used, err := h.UsedAddrs()
 	if err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	ip, err := h.Net.Allocate(used)
 	if err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	dir := h.BoxDir(name)
 	// No domain has this name, so a folder left here is debris of a kvbox
 	// that was killed half-way.
 	os.RemoveAll(dir)
 	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	if err := os.Mkdir(dir, 0o750); err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	r.Add(func() { os.RemoveAll(dir) })
 	if err := h.ChownForQEMU(dir); err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	disk := filepath.Join(dir, CloneDisk)
 	if err := overlay.Create(ctx, disk, snap.Path(DiskFile), "qcow2"); err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	memFile := snap.Memory.File
 	if memFile == "" {
@@ -196,19 +210,20 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 		Gateway: h.Net.Gateway().String(), MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
-	xml, err := CloneXML(srcXML, CloneXMLSpec{
+	spec := CloneXMLSpec{
 		Name: name, Meta: meta, Disk: disk,
 		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
-	})
+	}
+	xml, err := CloneXML(srcXML, spec)
 	if err != nil {
-		return nil, domain.Meta{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	dom, err := h.Conn.DomainDefineXML(xml)
 	if err != nil {
-		return nil, domain.Meta{}, fmt.Errorf("define clone %q: %s", name, libvirtErr(err))
+		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("define clone %q: %s", name, libvirtErr(err))
 	}
 	r.Add(func() { undefine(dom) })
-	return dom, meta, nil
+	return dom, meta, spec, nil
 }
 
 // loadState loads the snapshot's CPU and device state into the paused

@@ -29,6 +29,14 @@ type CloneXMLSpec struct {
 	// MemBytes is the RAM size the snapshot recorded; 0 trusts the size
 	// in the source's memory backend.
 	MemBytes int64
+	// UUID is empty for the first define (libvirt picks one).
+	UUID string
+	// BootRAM, when set, asks for the clone's definition for its next
+	// cold boot instead: RAM in this shared file of its own (as any
+	// box), no -incoming. Clone redefines the running clone with it, so
+	// `kvbox stop` + `kvbox start` boots instead of waiting for a
+	// migration stream that never comes.
+	BootRAM string
 }
 
 // CloneXML derives a clone's domain XML from the source's saved domain XML
@@ -52,7 +60,7 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	}
 	d.ID = nil
 	d.Name = s.Name
-	d.UUID = ""
+	d.UUID = s.UUID
 	d.HWUUID = ""
 	d.GenID = &libvirtxml.DomainGenID{}
 	d.SecLabel = nil
@@ -287,11 +295,16 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 	if s.MemBytes > 0 && s.MemBytes != size {
 		return nil, fmt.Errorf("%w: the snapshot records %d bytes of RAM but its domain XML maps %d", domain.ErrInvalid, s.MemBytes, size)
 	}
-	obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, qemuOptEscape(s.MemPath))
-	if s.MemOffset != 0 {
-		obj += fmt.Sprintf(",offset=%d", s.MemOffset)
+	if s.BootRAM != "" {
+		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=on", ramID, size, qemuOptEscape(s.BootRAM))
+		out = append(out, "-object", obj, "-machine", "memory-backend="+ramID)
+	} else {
+		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, qemuOptEscape(s.MemPath))
+		if s.MemOffset != 0 {
+			obj += fmt.Sprintf(",offset=%d", s.MemOffset)
+		}
+		out = append(out, "-object", obj, "-machine", "memory-backend="+ramID, "-incoming", "defer")
 	}
-	out = append(out, "-object", obj, "-machine", "memory-backend="+ramID, "-incoming", "defer")
 	args := make([]libvirtxml.DomainQEMUCommandlineArg, len(out))
 	for i, a := range out {
 		args[i] = libvirtxml.DomainQEMUCommandlineArg{Value: a}

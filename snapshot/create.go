@@ -249,6 +249,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		return Result{}, err
 	}
 	t.step("copy disk")
+	copied, _ := overlay.Du(disk)
 	testpoint("disk-copied")
 	// Merge: the new disk then stands alone above the base image, so
 	// deleting an older snapshot never breaks this one.
@@ -269,7 +270,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		Name: name, Box: boxName, BoxUUID: box.UUID, Created: time.Now().UTC(), Image: box.Image,
 		BaseDisk: base.Filename, BaseFormat: base.Format, Parent: box.Snapshot, Memory: mem,
 		CPUs: box.CPUs, MemoryBytes: box.MemoryBytes, DiskBytes: box.DiskBytes, Bitmap: p.Bitmap,
-		Incremental: prev != nil, PauseMillis: pause.Milliseconds(),
+		Incremental: prev != nil, DiskCopiedBytes: copied, PauseMillis: pause.Milliseconds(),
 	}
 	if err := seal(tmp, snap); err != nil {
 		return Result{}, err

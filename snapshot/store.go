@@ -73,8 +73,10 @@ type Snapshot struct {
 	Bitmap string `json:"bitmap,omitempty"`
 	// Incremental says the disk part copied only blocks changed since
 	// the previous snapshot of the box (then merged to stand alone).
-	Incremental bool  `json:"incremental"`
-	PauseMillis int64 `json:"pause_ms"`
+	Incremental bool `json:"incremental"`
+	// DiskCopiedBytes is what the disk copy wrote (before the merge).
+	DiskCopiedBytes int64 `json:"disk_copied_bytes"`
+	PauseMillis     int64 `json:"pause_ms"`
 
 	Dir       string `json:"-"`
 	SizeBytes int64  `json:"size_bytes"` // real bytes on disk, computed on read

@@ -1,0 +1,343 @@
+//go:build e2e
+
+package testenv
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// snap is an element of `kvbox snapshots ls --json`.
+type snap struct {
+	Name            string   `json:"name"`
+	Box             string   `json:"box"`
+	SizeBytes       int64    `json:"size_bytes"`
+	Incremental     bool     `json:"incremental"`
+	DiskCopiedBytes int64    `json:"disk_copied_bytes"`
+	PauseMS         int64    `json:"pause_ms"`
+	Clones          []string `json:"clones"`
+	Memory          struct {
+		File string `json:"file"`
+	} `json:"memory"`
+}
+
+func listSnapshots(t testing.TB, extra ...string) []snap {
+	t.Helper()
+	var ss []snap
+	out := mustKvbox(t, append(extra, "snapshots", "ls", "--json")...)
+	if err := json.Unmarshal([]byte(out), &ss); err != nil {
+		t.Fatalf("snapshots ls --json: %v\n%s", err, out)
+	}
+	return ss
+}
+
+func getSnapshot(t testing.TB, n string) snap {
+	t.Helper()
+	for _, s := range listSnapshots(t) {
+		if s.Name == n {
+			return s
+		}
+	}
+	t.Fatalf("snapshot %s is not listed", n)
+	return snap{}
+}
+
+func newSnapshot(t testing.TB, boxName, n string) snap {
+	t.Helper()
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", n) })
+	out := mustKvbox(t, "snapshots", "new", boxName, n)
+	if !strings.HasPrefix(out, "✓ snapshot "+n+" saved from box "+boxName) {
+		t.Errorf("snapshots new printed %q", out)
+	}
+	return getSnapshot(t, n)
+}
+
+// startCounter starts a process in the box that counts in /tmp/counter.
+func startCounter(t testing.TB, n string) {
+	t.Helper()
+	inBox(t, n, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' </dev/null >/dev/null 2>&1 &`)
+}
+
+func counter(t testing.TB, n string) int {
+	t.Helper()
+	v, err := strconv.Atoi(strings.TrimSpace(inBox(t, n, "cat /tmp/counter")))
+	if err != nil {
+		t.Fatalf("counter: %v", err)
+	}
+	return v
+}
+
+// assertCounting checks the counter process in the box still advances.
+func assertCounting(t testing.TB, n string) {
+	t.Helper()
+	a := counter(t, n)
+	eventually(t, 10*time.Second, func() error {
+		if b := counter(t, n); b <= a {
+			return fmt.Errorf("counter stuck at %d", b)
+		}
+		return nil
+	})
+}
+
+// snapshotFile reads a file from the root filesystem in a snapshot's disk.
+func snapshotFile(t testing.TB, snapDir, path string) string {
+	t.Helper()
+	raw := filepath.Join(t.TempDir(), "disk.raw")
+	if out, err := exec.Command("qemu-img", "convert", "-O", "raw", filepath.Join(snapDir, "disk.qcow2"), raw).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-img convert: %v\n%s", err, out)
+	}
+	out, err := exec.Command("debugfs", "-R", "cat "+path, raw).Output()
+	if err != nil {
+		t.Fatalf("debugfs cat %s: %v", path, err)
+	}
+	return string(out)
+}
+
+func TestSnapshotWhileRunning(t *testing.T) {
+	n := name(t, "snapsrc")
+	b := newBox(t, n)
+	startCounter(t, n)
+	data := inBox(t, n, "head -c 4000000 /dev/urandom > /root/data; sync; md5sum /root/data | cut -d' ' -f1")
+
+	s := newSnapshot(t, n, name(t, "warm"))
+	// The box runs on: its processes, its network, its agent.
+	assertCounting(t, n)
+	if out, err := exec.Command("ping", "-c", "1", "-W", "5", b.IP).CombinedOutput(); err != nil {
+		t.Errorf("ping after the snapshot: %v\n%s", err, out)
+	}
+	if st := getBox(t, n).State; st != "running" {
+		t.Errorf("box is %s after the snapshot", st)
+	}
+	t.Logf("pause %d ms, %d bytes on disk", s.PauseMS, s.SizeBytes)
+	if s.PauseMS <= 0 || s.PauseMS > 5000 {
+		t.Errorf("pause of %d ms", s.PauseMS)
+	}
+	// The snapshot holds what the guest wrote before the pause, and not
+	// what it writes after.
+	inBox(t, n, "echo changed > /root/data; sync")
+	snapDir := filepath.Join(stateDir, "snapshots", s.Name)
+	if got := md5hex(snapshotFile(t, snapDir, "/root/data")); got+"\n" != data {
+		t.Errorf("snapshot's /root/data has md5 %s, the guest wrote %s", got, data)
+	}
+	// Size: far below RAM + disk, close to what the guest touched.
+	touched := du(t, filepath.Join(b.Dir, "memory")) + du(t, filepath.Join(b.Dir, "disk.qcow2"))
+	if s.SizeBytes > (256<<20+1<<30)/4 || s.SizeBytes > touched+8<<20 {
+		t.Errorf("snapshot takes %d bytes; the box touched %d of 256 MB RAM + 1 GB disk", s.SizeBytes, touched)
+	}
+	if du(t, filepath.Join(snapDir, "memory")) > du(t, filepath.Join(b.Dir, "memory")) {
+		t.Errorf("the memory copy is not sparse")
+	}
+	assertDomainClean(t, n)
+}
+
+func du(t testing.TB, path string) int64 {
+	t.Helper()
+	out, err := exec.Command("du", "-s", "-B1", path).Output()
+	if err != nil {
+		t.Fatalf("du %s: %v", path, err)
+	}
+	v, _ := strconv.ParseInt(strings.Fields(string(out))[0], 10, 64)
+	return v
+}
+
+// assertDomainClean checks kvbox left no trace in QEMU: migration
+// capabilities as libvirt set them, no block job, no extra node.
+func assertDomainClean(t testing.TB, n string) {
+	t.Helper()
+	var caps struct {
+		Return []struct {
+			Capability string `json:"capability"`
+			State      bool   `json:"state"`
+		} `json:"return"`
+	}
+	qmpJSON(t, n, `{"execute":"query-migrate-capabilities"}`, &caps)
+	for _, c := range caps.Return {
+		if c.State && c.Capability != "events" {
+			t.Errorf("migration capability %s left on", c.Capability)
+		}
+	}
+	var jobs struct{ Return []any }
+	qmpJSON(t, n, `{"execute":"query-jobs"}`, &jobs)
+	if len(jobs.Return) != 0 {
+		t.Errorf("block jobs left: %v", jobs.Return)
+	}
+	var nodes struct {
+		Return []struct {
+			NodeName string `json:"node-name"`
+		} `json:"return"`
+	}
+	qmpJSON(t, n, `{"execute":"query-named-block-nodes"}`, &nodes)
+	for _, nd := range nodes.Return {
+		if strings.HasPrefix(nd.NodeName, "kvbox") {
+			t.Errorf("block node %s left", nd.NodeName)
+		}
+	}
+	var status struct {
+		Return struct {
+			Status string `json:"status"`
+		} `json:"return"`
+	}
+	qmpJSON(t, n, `{"execute":"query-status"}`, &status)
+	if status.Return.Status != "running" {
+		t.Errorf("QEMU status %s", status.Return.Status)
+	}
+}
+
+func qmpJSON(t testing.TB, dom, cmd string, v any) {
+	t.Helper()
+	out, err := virsh("qemu-monitor-command", dom, cmd)
+	if err != nil {
+		t.Fatalf("qemu-monitor-command %s: %v %s", cmd, err, out)
+	}
+	if err := json.Unmarshal([]byte(out), v); err != nil {
+		t.Fatalf("qemu-monitor-command %s: %v %s", cmd, err, out)
+	}
+}
+
+func TestSnapshotIncrementalAndStandalone(t *testing.T) {
+	n := name(t, "incr")
+	newBox(t, n)
+	inBox(t, n, "head -c 16000000 /dev/urandom > /root/big; sync")
+	first := newSnapshot(t, n, name(t, "s1"))
+	inBox(t, n, "head -c 1000000 /dev/urandom > /root/small; sync")
+	sum := inBox(t, n, "md5sum /root/big /root/small")
+	second := newSnapshot(t, n, name(t, "s2"))
+	if first.Incremental || !second.Incremental {
+		t.Errorf("incremental: first %v, second %v", first.Incremental, second.Incremental)
+	}
+	t.Logf("disk copy: first %d bytes, second %d bytes", first.DiskCopiedBytes, second.DiskCopiedBytes)
+	if second.DiskCopiedBytes*4 > first.DiskCopiedBytes {
+		t.Errorf("the second disk copy (%d bytes) is not incremental next to the first (%d bytes)", second.DiskCopiedBytes, first.DiskCopiedBytes)
+	}
+	// The second stands alone: only the base image is behind its disk.
+	dir2 := filepath.Join(stateDir, "snapshots", second.Name)
+	out, err := exec.Command("qemu-img", "info", "--backing-chain", "--output=json", filepath.Join(dir2, "disk.qcow2")).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var chain []struct {
+		Filename string `json:"filename"`
+	}
+	json.Unmarshal(out, &chain)
+	if len(chain) != 2 || !strings.HasPrefix(chain[1].Filename, filepath.Join(stateDir, "images")) {
+		t.Errorf("the second snapshot's disk chain is %+v", chain)
+	}
+	mustKvbox(t, "snapshots", "rm", first.Name)
+	for _, s := range listSnapshots(t) {
+		if s.Name == first.Name {
+			t.Errorf("removed snapshot still listed")
+		}
+	}
+	got := md5hex(snapshotFile(t, dir2, "/root/big")) + "  /root/big\n" + md5hex(snapshotFile(t, dir2, "/root/small")) + "  /root/small\n"
+	if got != sum {
+		t.Errorf("after deleting the first snapshot the second holds\n%s\nwant\n%s", got, sum)
+	}
+	// A third after the first is gone is incremental from the second.
+	third := newSnapshot(t, n, name(t, "s3"))
+	if !third.Incremental {
+		t.Errorf("third snapshot is not incremental")
+	}
+	assertDomainClean(t, n)
+}
+
+func TestVirshSaveRestoreAfterSnapshot(t *testing.T) {
+	n := name(t, "save")
+	newBox(t, n)
+	startCounter(t, n)
+	newSnapshot(t, n, name(t, "beforesave"))
+	img := filepath.Join(t.TempDir(), "box.save")
+	if out, err := virsh("save", n, img); err != nil {
+		t.Fatalf("virsh save: %v %s", err, out)
+	}
+	if fi, err := os.Stat(img); err != nil || fi.Size() < 10<<20 {
+		t.Fatalf("virsh save wrote %v bytes (%v): RAM missing from the image?", fi.Size(), err)
+	}
+	if out, err := virsh("restore", img); err != nil {
+		t.Fatalf("virsh restore: %v %s", err, out)
+	}
+	assertCounting(t, n)
+	if out, err := virsh("managedsave", n); err != nil {
+		t.Fatalf("virsh managedsave: %v %s", err, out)
+	}
+	if out, err := virsh("start", n); err != nil {
+		t.Fatalf("virsh start after managedsave: %v %s", err, out)
+	}
+	assertCounting(t, n)
+}
+
+// Killing kvbox at any step of a snapshot leaves no half snapshot listed,
+// the box running and QEMU as it was; the next command cleans up.
+func TestSnapshotKilledAtEachStep(t *testing.T) {
+	n := name(t, "kill")
+	newBox(t, n)
+	startCounter(t, n)
+	for _, step := range []string{"prepared", "paused", "state-saved", "memory-copied", "backup-started", "resumed", "disk-copied", "merged", "sealed"} {
+		sn := name(t, "k-"+step)
+		cmd := exec.Command(kvboxBin, "snapshots", "new", n, sn)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
+		}
+		// The next command (any) cleans up.
+		listed := false
+		for _, s := range listSnapshots(t) {
+			listed = listed || s.Name == sn
+		}
+		// Once sealed, every file is complete and synced: the snapshot is
+		// finished instead of thrown away.
+		if listed != (step == "sealed") {
+			t.Errorf("kill at %s: snapshot listed = %v", step, listed)
+		}
+		if listed {
+			mustKvbox(t, "snapshots", "rm", sn)
+		}
+		ents, _ := os.ReadDir(filepath.Join(stateDir, "snapshots"))
+		for _, e := range ents {
+			if strings.Contains(e.Name(), sn) && !strings.HasSuffix(e.Name(), ".lock") {
+				t.Errorf("kill at %s: %s left behind", step, e.Name())
+			}
+		}
+		if st := getBox(t, n).State; st != "running" {
+			t.Fatalf("kill at %s: box is %s", step, st)
+		}
+		assertDomainClean(t, n)
+		assertCounting(t, n)
+	}
+	// And snapshots work again afterwards.
+	newSnapshot(t, n, name(t, "k-after"))
+}
+
+func TestSnapshotBadInput(t *testing.T) {
+	n := name(t, "snapbad")
+	newBox(t, n)
+	existing := newSnapshot(t, n, name(t, "taken"))
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"snapshots", "new", name(t, "missing"), name(t, "x")}, "does not exist"},
+		{[]string{"snapshots", "new", n, existing.Name}, "already exists"},
+		{[]string{"snapshots", "new", n, "a/b"}, "may only hold"},
+		{[]string{"snapshots", "new", n, ""}, "must not be empty"},
+		{[]string{"snapshots", "new", n, ".."}, `".."`},
+		{[]string{"snapshots", "rm", name(t, "missing")}, "does not exist"},
+		{[]string{"snapshots", "new", n}, "a box name and a snapshot name"},
+	} {
+		r := kvbox(t, tc.args...)
+		if r.code == 0 || !strings.Contains(r.stderr, tc.want) || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+			t.Errorf("kvbox %q: want one line saying %q, got %s", tc.args, tc.want, r)
+		}
+	}
+	if got := getBox(t, n).State; got != "running" {
+		t.Errorf("box is %s", got)
+	}
+	assertDomainClean(t, n)
+}
