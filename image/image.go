@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"time"
 
 	"kvbox.dev/kvbox/domain"
@@ -90,8 +91,11 @@ type ImportOptions struct {
 	Replace bool
 }
 
-// Import copies the files into the store under name. The image appears only
-// once it is complete: files go to a temporary folder that is renamed last.
+// Import copies the files into the store under name. Each import is a new
+// version folder (NAME/v-TIME/) that never changes afterwards: boxes and
+// snapshots are overlays on a version's disk, so replacing an image leaves
+// them on the version they were made from. The image switches to the new
+// version only once it is complete, by rewriting NAME/image.json.
 func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	if err := domain.ValidName(name); err != nil {
 		return Image{}, err
@@ -99,9 +103,9 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	if o.Initrd != "" && o.Kernel == "" {
 		return Image{}, fmt.Errorf("%w: --initrd needs --kernel", domain.ErrInvalid)
 	}
-	final := filepath.Join(s.Dir, name)
-	if _, err := os.Stat(filepath.Join(final, metaFile)); err == nil && !o.Replace {
-		return Image{}, fmt.Errorf("image %q %w", name, domain.ErrExists)
+	imageDir := filepath.Join(s.Dir, name)
+	if _, err := os.Stat(filepath.Join(imageDir, metaFile)); err == nil && !o.Replace {
+		return Image{}, fmt.Errorf("image %q %w (--replace makes a new version of it)", name, domain.ErrExists)
 	}
 	info, err := overlay.Info(context.Background(), o.Disk)
 	if err != nil {
@@ -113,15 +117,18 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	if info.BackingFile != "" {
 		return Image{}, fmt.Errorf("%w: disk %s has a backing file; flatten it first (qemu-img convert)", domain.ErrInvalid, o.Disk)
 	}
-	if err := os.MkdirAll(s.Dir, 0o755); err != nil {
+	if err := os.MkdirAll(imageDir, 0o755); err != nil {
 		return Image{}, err
 	}
-	tmp, err := os.MkdirTemp(s.Dir, "."+name+".import-")
-	if err != nil {
+	now := time.Now().UTC()
+	version := "v-" + now.Format("20060102T150405.000000000")
+	tmp := filepath.Join(imageDir, "."+version+".tmp")
+	if err := os.Mkdir(tmp, 0o755); err != nil {
 		return Image{}, err
 	}
 	defer os.RemoveAll(tmp)
-	im := Image{Name: name, Format: info.Format, Cmdline: o.Cmdline, VirtualSize: info.VirtualSize, Agent: o.Agent, Created: time.Now().UTC()}
+	final := filepath.Join(imageDir, version)
+	im := Image{Name: name, Format: info.Format, Cmdline: o.Cmdline, VirtualSize: info.VirtualSize, Agent: o.Agent, Created: now}
 	if im.Agent == "" {
 		im.Agent = "unknown"
 	}
@@ -142,32 +149,52 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 		}
 		*c.dst = filepath.Join(final, c.name)
 	}
-	b, _ := json.MarshalIndent(im, "", "  ")
-	if err := overlay.WriteFileAtomic(filepath.Join(tmp, metaFile), append(b, '\n'), 0o644); err != nil {
+	if err := overlay.SyncDir(tmp); err != nil {
 		return Image{}, err
-	}
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		return Image{}, err
-	}
-	if o.Replace {
-		old := filepath.Join(s.Dir, "."+name+".old")
-		os.RemoveAll(old)
-		if err := os.Rename(final, old); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return Image{}, err
-		}
-		defer os.RemoveAll(old)
 	}
 	if err := os.Rename(tmp, final); err != nil {
 		return Image{}, err
 	}
-	if err := overlay.SyncDir(s.Dir); err != nil {
+	b, _ := json.MarshalIndent(im, "", "  ")
+	if err := overlay.WriteFileAtomic(filepath.Join(imageDir, metaFile), append(b, '\n'), 0o644); err != nil {
+		os.RemoveAll(final)
 		return Image{}, err
 	}
 	return s.Get(name)
 }
 
-// Remove deletes an image. Boxes whose disks are overlays on it must be
-// gone first; the caller checks.
+// Prune deletes the versions of an image that are neither its current one
+// nor in use (inUse gets each version's disk path).
+func (s Store) Prune(name string, inUse func(disk string) bool) error {
+	im, err := s.Get(name)
+	if err != nil {
+		return err
+	}
+	ents, err := os.ReadDir(filepath.Join(s.Dir, name))
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		dir := filepath.Join(s.Dir, name, e.Name())
+		if !e.IsDir() || !strings.HasPrefix(e.Name(), "v-") || dir == filepath.Dir(im.Disk) {
+			continue
+		}
+		matches, _ := filepath.Glob(filepath.Join(dir, "disk.*"))
+		used := false
+		for _, m := range matches {
+			used = used || inUse(m)
+		}
+		if !used {
+			if err := os.RemoveAll(dir); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// Remove deletes an image with every version. The caller checks first that
+// no box or snapshot builds on any of them.
 func (s Store) Remove(name string) error {
 	if _, err := s.Get(name); err != nil {
 		return err

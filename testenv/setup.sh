@@ -199,15 +199,7 @@ stage_import() {
 		log "image tiny already registered from this build (KVBOX_TESTENV_REIMPORT=1 to force)"
 		return 0
 	fi
-	# Replacing the base image under existing boxes (their overlays are backed by it) would
-	# corrupt them: only replace when kvbox's state dir has no boxes (best effort: kvbox layout).
-	local state=${KVBOX_STATE_DIR:-/var/lib/kvbox} boxes
-	boxes=$(ls -A "$state/boxes" 2>/dev/null | wc -l)
-	if [ -e "$state/images/tiny" ] && [ "$boxes" -gt 0 ] && [ -z "${KVBOX_TESTENV_REIMPORT:-}" ]; then
-		warn "image tiny is registered from another build, but $boxes box(es) exist in $state/boxes and"
-		warn "may be backed by it: not replacing it. Remove them (or set KVBOX_TESTENV_REIMPORT=1) and rerun."
-		return 0
-	fi
+	# --replace makes a new version of the image: boxes and snapshots built on the old one keep it.
 	grep -q -- '--replace' <<<"$help" && extra+=(--replace)
 	grep -q -- '--agent' <<<"$help" && extra+=(--agent yes)
 	# vmlinux (PVH ELF) boots ~2.5x faster than vmlinuz under TCG; KVBOX_TINY_KERNEL_FILE=vmlinuz for the bzImage.

@@ -1,14 +1,19 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
+	"sort"
+	"strings"
 	"text/tabwriter"
 
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/overlay"
 )
 
 func (a *app) newCmdImages() *cobra.Command {
@@ -75,6 +80,16 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			// Older versions stay while boxes or snapshots build on them.
+			if o.Replace {
+				users, err := a.imageUsers(c.Context())
+				if err != nil {
+					return err
+				}
+				if err := a.images().Prune(im.Name, func(disk string) bool { return users[disk] != nil }); err != nil {
+					return err
+				}
+			}
 			fmt.Fprintf(a.io.Out, "✓ image %s registered (%s disk, %s on disk)\n", im.Name, domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
 			return nil
 		},
@@ -84,33 +99,34 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 	f.StringVar(&o.Initrd, "initrd", "", "initrd for --kernel")
 	f.StringVar(&o.Cmdline, "cmdline", "console=ttyS0 root=/dev/vda rw", "kernel command line for --kernel")
 	f.StringVar(&o.Agent, "agent", "unknown", "whether kvbox-agent is installed in the image: yes, no or unknown")
-	f.BoolVar(&o.Replace, "replace", false, "replace an image of the same name")
+	f.BoolVar(&o.Replace, "replace", false, "make this the new version of an existing image (boxes and snapshots keep the version they were made from)")
 	return c
 }
 
 func (a *app) newCmdImagesRm() *cobra.Command {
 	return &cobra.Command{
 		Use:     "rm NAME",
-		Short:   "Delete a base image no box uses",
+		Short:   "Delete a base image no box or snapshot builds on",
 		Example: "  kvbox images rm old",
 		Args:    exactArgs(1, "one image name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			im, err := a.images().Get(args[0])
 			if err != nil {
 				return err
 			}
-			boxes, err := h.Boxes()
+			users, err := a.imageUsers(c.Context())
 			if err != nil {
 				return err
 			}
-			var users []string
-			for _, b := range boxes {
-				if b.Image == args[0] && b.Snapshot == "" {
-					users = append(users, b.Name)
+			var names []string
+			for disk, us := range users {
+				if strings.HasPrefix(disk, filepath.Dir(filepath.Dir(im.Disk))+"/") {
+					names = append(names, us...)
 				}
 			}
-			if users != nil {
-				return fmt.Errorf("%w: image %q is the base of boxes %v; remove them first", domain.ErrBusy, args[0], users)
+			if names != nil {
+				sort.Strings(names)
+				return fmt.Errorf("%w: image %q is the base of %s; remove them first", domain.ErrBusy, args[0], strings.Join(names, ", "))
 			}
 			if err := a.images().Remove(args[0]); err != nil {
 				return err
@@ -119,4 +135,35 @@ func (a *app) newCmdImagesRm() *cobra.Command {
 			return nil
 		},
 	}
+}
+
+// imageUsers maps each base disk that boxes or snapshots build on to their
+// names ("box dev", "snapshot warm").
+func (a *app) imageUsers(ctx context.Context) (map[string][]string, error) {
+	h, err := a.Host()
+	if err != nil {
+		return nil, err
+	}
+	users := map[string][]string{}
+	boxes, err := h.Boxes()
+	if err != nil {
+		return nil, err
+	}
+	for _, b := range boxes {
+		chain, err := overlay.InfoChain(ctx, filepath.Join(b.Dir, "disk.qcow2"))
+		if err != nil {
+			continue // a box without its disk builds on nothing
+		}
+		for _, im := range chain[1:] {
+			users[im.Filename] = append(users[im.Filename], "box "+b.Name)
+		}
+	}
+	snaps, err := a.snapshots().List()
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range snaps {
+		users[s.BaseDisk] = append(users[s.BaseDisk], "snapshot "+s.Name)
+	}
+	return users, nil
 }
