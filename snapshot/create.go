@@ -3,7 +3,6 @@ package snapshot
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -260,7 +259,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		t.step("merge disk")
 	}
 	if mapped {
-		if mem.Offset, err = prepareMappedRAM(filepath.Join(tmp, StateFile)); err != nil {
+		if mem.Offset, err = prepareMappedRAM(filepath.Join(tmp, StateFile), box.MemoryBytes); err != nil {
 			return Result{}, err
 		}
 	}
@@ -409,12 +408,4 @@ func testpoint(name string) {
 	if os.Getenv("KVBOX_TEST_KILL_AT") == name {
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
 	}
-}
-
-var errNoMappedRAM = errors.New("mapped-ram snapshots are not supported yet")
-
-// prepareMappedRAM readies a mapped-ram state file for clones to map: it
-// returns the offset of the RAM pages in the file.
-func prepareMappedRAM(path string) (int64, error) {
-	return 0, errNoMappedRAM
 }

@@ -1,0 +1,73 @@
+package snapshot
+
+import (
+	"bytes"
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// fakeStream builds the head of a mapped-ram migration stream as QEMU
+// writes it: another block first, then kvbox.ram with its header.
+func fakeStream(ramSize int64, bitmapOff, pagesOff uint64) []byte {
+	var b bytes.Buffer
+	b.WriteString("QEVM\x00\x00\x00\x03junk")
+	for _, blk := range []struct {
+		id   string
+		size int64
+	}{{"pc.bios", 256 << 10}, {ramBlockID, ramSize}} {
+		b.WriteByte(byte(len(blk.id)))
+		b.WriteString(blk.id)
+		binary.Write(&b, binary.BigEndian, uint64(blk.size))
+		binary.Write(&b, binary.BigEndian, mappedRAMHeader{1, 4096, bitmapOff, pagesOff})
+	}
+	return b.Bytes()
+}
+
+func TestPrepareMappedRAM(t *testing.T) {
+	const ram = 64 << 20
+	const bitmapOff, pagesOff = 4096, 1 << 20
+	file := make([]byte, pagesOff+ram)
+	copy(file, fakeStream(ram, bitmapOff, pagesOff))
+	for i := bitmapOff; i < bitmapOff+ram/4096/8; i++ {
+		file[i] = 0xff
+	}
+	file[pagesOff] = 0xab
+	path := filepath.Join(t.TempDir(), "state")
+	if err := os.WriteFile(path, file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	off, err := prepareMappedRAM(path, ram)
+	if err != nil || off != pagesOff {
+		t.Fatalf("prepareMappedRAM = %d, %v; want %d", off, err, pagesOff)
+	}
+	got, _ := os.ReadFile(path)
+	for i := bitmapOff; i < bitmapOff+ram/4096/8; i++ {
+		if got[i] != 0 {
+			t.Fatalf("bitmap byte %d not cleared", i)
+		}
+	}
+	if got[pagesOff] != 0xab {
+		t.Fatal("a page was touched")
+	}
+}
+
+func TestPrepareMappedRAMRejectsOtherStreams(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state")
+	os.WriteFile(path, fakeStream(32<<20, 4096, 1<<20), 0o644) // another RAM size
+	if _, err := prepareMappedRAM(path, 64<<20); err == nil {
+		t.Fatal("found a block of the wrong size")
+	}
+	os.WriteFile(path, fakeStream(64<<20, 1<<20, 4096), 0o644) // offsets the wrong way round
+	if _, err := prepareMappedRAM(path, 64<<20); err == nil {
+		t.Fatal("accepted a header with the bitmap after the pages")
+	}
+}
+
+func FuzzFindRAMBlock(f *testing.F) {
+	f.Add(fakeStream(64<<20, 4096, 1<<20))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		findRAMBlock(bytes.NewReader(b), 64<<20, int64(len(b))+64<<20)
+	})
+}
