@@ -211,6 +211,7 @@ func cloneChardevs(devs *libvirtxml.DomainDeviceList, dir string) error {
 			seen++
 		}
 		ch.Source.UNIX.Path = path
+		ch.Target.VirtIO.State = "" // connected or not: runtime only
 		ch.Source.UNIX.SecLabel = nil
 		ch.Log = cloneLog(ch.Log, dir)
 	}
@@ -223,6 +224,7 @@ func cloneChardevs(devs *libvirtxml.DomainDeviceList, dir string) error {
 	}
 	for i := range devs.Consoles {
 		clearPty(devs.Consoles[i].Source)
+		devs.Consoles[i].TTY = ""
 		devs.Consoles[i].Log = cloneLog(devs.Consoles[i].Log, dir)
 	}
 	return nil
