@@ -78,8 +78,8 @@ func TestExec(t *testing.T) {
 	if r := kvboxIn(t, in, "exec", n, "--", "sh", "-c", "cat | md5sum"); r.code != 0 || !strings.HasPrefix(r.stdout, md5hex(in)) {
 		t.Errorf("stdin through cat | md5sum: %s", r)
 	}
-	if r := kvbox(t, "exec", n, "--", "/nonexistent"); r.code == 0 {
-		t.Errorf("a missing program exited 0: %s", r)
+	if r := kvbox(t, "exec", n, "--", "/nonexistent"); r.code != 127 || !strings.Contains(r.stderr, "/nonexistent") {
+		t.Errorf("a missing program: want exit 127 like a shell, got %s", r)
 	}
 	// Exit by signal: 128+9.
 	if r := kvbox(t, "exec", n, "--", "sh", "-c", "kill -9 $$"); r.code != 137 {

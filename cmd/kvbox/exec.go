@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -99,6 +100,13 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 		}()
 	}
 	code, err := client.Exec(c.Context(), req, a.io.In, a.io.Out, a.io.Err, resize)
+	var re *agent.RemoteError
+	if errors.As(err, &re) && re.Method == "exec" {
+		// The command could not be started (not found, not executable):
+		// report it the way a shell does.
+		fmt.Fprintf(a.io.Err, "kvbox: %s: %s\n", req.Argv[0], re.Message)
+		return exitCodeError{127}
+	}
 	if err != nil {
 		return fmt.Errorf("exec in box %q: %w", name, err)
 	}
