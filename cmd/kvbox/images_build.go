@@ -1,0 +1,52 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/image"
+)
+
+func (a *app) newCmdImagesBuild() *cobra.Command {
+	o := image.DebianOptions{}
+	c := &cobra.Command{
+		Use:   "build debian",
+		Short: "Build the default base image from Debian's packages (debootstrap; cached)",
+		Long: `Build the default base image, "debian": Debian 12 (bookworm) from deb.debian.org
+with debootstrap, the plain linux-image-amd64 kernel, systemd, apt, iproute2,
+ca-certificates, curl, git and python3, and kvbox-agent as an early systemd
+service that owns the network. The disk is an 8 GiB sparse qcow2 (ext4).
+
+Building again does nothing while the image exists; --force rebuilds it
+(downloaded packages are kept in --cache-dir, so that is faster). Nothing is
+registered unless the whole build succeeds.`,
+		Example: `  kvbox images build debian
+  kvbox images build debian --force --agent ./bin/kvbox-agent`,
+		Args: exactArgs(1, "the image to build: debian"),
+		RunE: func(c *cobra.Command, args []string) error {
+			if args[0] != "debian" {
+				return fmt.Errorf("%w: kvbox images build knows one image, debian (got %q); bring others with kvbox images import", errUsage, args[0])
+			}
+			o.Progress = &image.Progress{W: a.io.Out, TTY: a.io.TTY}
+			im, built, err := image.BuildDebian(c.Context(), a.images(), o)
+			if err != nil {
+				return err
+			}
+			if !built {
+				fmt.Fprintf(a.io.Out, "✓ image %s is already built (%s, %s disk, %s on disk); --force rebuilds it\n", im.Name,
+					im.Created.Local().Format("2006-01-02 15:04"), domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
+			}
+			return nil
+		},
+	}
+	f := c.Flags()
+	f.BoolVar(&o.Force, "force", false, "rebuild even if the image exists")
+	f.StringVar(&o.Name, "name", image.DefaultImage, "register the image under this name")
+	f.StringVar(&o.Agent, "agent", "", "kvbox-agent binary to install (default: $KVBOX_AGENT, else next to kvbox)")
+	f.StringVar(&o.Suite, "suite", "bookworm", "Debian suite")
+	f.StringVar(&o.Mirror, "mirror", "http://deb.debian.org/debian", "Debian mirror")
+	f.StringVar(&o.CacheDir, "cache-dir", "/var/cache/kvbox/debootstrap", "keep downloaded packages here for the next build ('-' for none)")
+	return c
+}
