@@ -91,6 +91,20 @@ ensure_daemon() {
 		return 1
 	fi
 	if [ -n "$inns" ]; then
+		# QEMU (and virtlogd, which writes the consoles) must see the small filesystem too: a
+		# daemon started before it was mounted has its own copy of the mount table without it.
+		# Restarting libvirtd leaves running domains alone.
+		for pid in $inns; do
+			if ! grep -q " $SMALL_FS " "/proc/$pid/mountinfo" 2>/dev/null; then
+				log "$name (pid $pid) was started before $SMALL_FS was mounted: restarting it"
+				kill "$pid"
+				for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+				kill -0 "$pid" 2>/dev/null && { warn "$name (pid $pid) did not exit within 60s"; return 1; }
+				inns=""
+			fi
+		done
+	fi
+	if [ -n "$inns" ]; then
 		log "$name already running in $KVBOX_TESTENV_NS (pid$inns)"
 		return 0
 	fi
@@ -229,10 +243,23 @@ stage_host() {
 	return 0
 }
 
+# A small filesystem for the tests that fill a disk. It is mounted before libvirtd starts:
+# `ip netns exec` gives libvirtd (and so QEMU) and the tests each a copy of the mount table
+# taken at that moment, and the copies share this tmpfs, so both sides see the same files.
+SMALL_FS=${KVBOX_TESTENV_SMALL_FS:-/var/lib/kvbox-small}
+stage_small_fs() {
+	mkdir -p "$SMALL_FS" || return 1
+	if ! mountpoint -q "$SMALL_FS"; then
+		mount -t tmpfs -o size=1g,mode=0755 kvbox-small "$SMALL_FS" || return 1
+	fi
+	log "$SMALL_FS: $(df -h --output=size,used "$SMALL_FS" | tail -1 | tr -s ' ')"
+}
+
 T0=$(now_ms)
 stage "host" stage_host
 stage "packages" stage_packages
 stage "network namespace $KVBOX_TESTENV_NS" stage_netns
+stage "small filesystem $SMALL_FS" stage_small_fs
 stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // snap is an element of `kvbox snapshots ls --json`.
@@ -340,4 +342,69 @@ func TestSnapshotBadInput(t *testing.T) {
 		t.Errorf("box is %s", got)
 	}
 	assertDomainClean(t, n)
+}
+
+// smallFS is a tmpfs testenv/setup.sh mounts before it starts libvirtd, so
+// that QEMU and the tests see the same small filesystem.
+const smallFS = "/var/lib/kvbox-small"
+
+func TestSnapshotDiskFull(t *testing.T) {
+	if out, err := exec.Command("mountpoint", "-q", smallFS).CombinedOutput(); err != nil {
+		t.Fatalf("%s is not mounted (testenv/setup.sh mounts it): %v %s", smallFS, err, out)
+	}
+	sd := filepath.Join(smallFS, runID)
+	t.Cleanup(func() { os.RemoveAll(sd) })
+	k := func(args ...string) result { return kvbox(t, append([]string{"--state-dir", sd}, args...)...) }
+	var ims []struct {
+		Disk, Kernel, Initrd, Cmdline string
+		Name                          string `json:"name"`
+	}
+	if err := json.Unmarshal([]byte(mustKvbox(t, "images", "ls", "--json")), &ims); err != nil {
+		t.Fatal(err)
+	}
+	for _, im := range ims {
+		if im.Name == "tiny" {
+			if r := k("images", "import", "tiny", im.Disk, "--kernel", im.Kernel, "--initrd", im.Initrd, "--cmdline", im.Cmdline, "--agent", "yes"); r.code != 0 {
+				t.Fatalf("import tiny into %s: %s", sd, r)
+			}
+		}
+	}
+	n := name(t, "full")
+	t.Cleanup(func() { k("rm", "--force", n) })
+	if r := k(append(append([]string{"new"}, smallBox...), n)...); r.code != 0 {
+		t.Fatalf("new on the small filesystem: %s", r)
+	}
+	startCounter(t, n)
+	// Leave room for the box to run, not for a copy of its memory.
+	var st unix.Statfs_t
+	unix.Statfs(smallFS, &st)
+	used := int64(st.Blocks-st.Bfree) * st.Bsize
+	resize := func(size int64) {
+		if out, err := exec.Command("mount", "-o", fmt.Sprintf("remount,size=%d", size), smallFS).CombinedOutput(); err != nil {
+			t.Fatalf("resize %s: %v %s", smallFS, err, out)
+		}
+	}
+	resize(used + 16<<20)
+	t.Cleanup(func() { resize(1 << 30) })
+
+	r := k("snapshots", "new", n, "full")
+	if r.code == 0 || !strings.Contains(r.stderr, "no space left on device") || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+		t.Fatalf("snapshot on a full disk: want one line saying no space left, got %s", r)
+	}
+	resize(1 << 30)
+	if ls := k("snapshots", "ls", "--json"); ls.code != 0 || strings.TrimSpace(ls.stdout) != "[]" {
+		t.Errorf("after the failed snapshot: %s", ls)
+	}
+	ents, _ := os.ReadDir(filepath.Join(sd, "snapshots"))
+	for _, e := range ents {
+		if !strings.HasSuffix(e.Name(), ".lock") {
+			t.Errorf("left behind: %s", e.Name())
+		}
+	}
+	assertDomainClean(t, n)
+	assertCounting(t, n)
+	// With room again, the snapshot works.
+	if r := k("snapshots", "new", n, "full"); r.code != 0 {
+		t.Errorf("snapshot after freeing space: %s", r)
+	}
 }
