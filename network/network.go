@@ -76,6 +76,28 @@ func (c Config) Ensure() error {
 	return nil
 }
 
+// Status is what `kvbox network show` reports.
+type Status struct {
+	Bridge  string `json:"bridge"`
+	Subnet  string `json:"subnet"`
+	Gateway string `json:"gateway"`
+	Present bool   `json:"present"` // the bridge exists
+	NAT     bool   `json:"nat"`     // kvbox's masquerade rule is in place
+}
+
+// Status reads the state of the network on this host.
+func (c Config) Status() Status {
+	st := Status{Bridge: c.Bridge, Subnet: c.Subnet.String(), Gateway: c.Gateway().String()}
+	if l, err := netlink.LinkByName(c.Bridge); err == nil && l.Type() == "bridge" {
+		st.Present = true
+	}
+	if ipt, err := iptables.New(); err == nil {
+		r := c.natRules()[0]
+		st.NAT, _ = ipt.Exists(r.table, r.chain, r.spec...)
+	}
+	return st
+}
+
 // Remove deletes the bridge and kvbox's firewall rules.
 func (c Config) Remove() error {
 	var errs []error

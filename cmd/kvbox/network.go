@@ -1,0 +1,99 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/network"
+)
+
+func (a *app) newCmdNetwork() *cobra.Command {
+	c := &cobra.Command{
+		Use:   "network",
+		Short: "Show, set up or remove kvbox's bridge and NAT rules",
+	}
+	c.AddCommand(&cobra.Command{
+		Use:     "up",
+		Short:   "Create the bridge (and NAT where the host has an uplink); kvbox new does this too",
+		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up",
+		Args:    exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, args []string) error {
+			nc, err := a.network()
+			if err != nil {
+				return err
+			}
+			if err := nc.Ensure(); err != nil {
+				return err
+			}
+			asJSON, _ := c.Flags().GetBool("json")
+			return a.printNetwork(nc, asJSON)
+		},
+	}, &cobra.Command{
+		Use:     "show",
+		Short:   "Show the bridge, its subnet and whether NAT is on",
+		Example: "  kvbox network show --json",
+		Args:    exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, args []string) error {
+			nc, err := a.network()
+			if err != nil {
+				return err
+			}
+			asJSON, _ := c.Flags().GetBool("json")
+			return a.printNetwork(nc, asJSON)
+		},
+	}, &cobra.Command{
+		Use:     "rm",
+		Short:   "Remove the bridge and kvbox's firewall rules (no box may use them)",
+		Example: "  kvbox network rm",
+		Args:    exactArgs(0, "no arguments"),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			boxes, err := h.Boxes()
+			if err != nil {
+				return err
+			}
+			var users []string
+			for _, b := range boxes {
+				if b.Bridge == h.Net.Bridge {
+					users = append(users, b.Name)
+				}
+			}
+			if users != nil {
+				return fmt.Errorf("%w: boxes %s are on %s; remove them first", domain.ErrBusy, strings.Join(users, ", "), h.Net.Bridge)
+			}
+			if err := h.Net.Remove(); err != nil {
+				return err
+			}
+			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", h.Net.Bridge)
+			return nil
+		},
+	})
+	c.PersistentFlags().Bool("json", false, "print JSON")
+	return c
+}
+
+func (a *app) network() (network.Config, error) {
+	nc, err := network.Parse(a.bridge, a.subnet)
+	if err != nil {
+		return network.Config{}, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+	}
+	return nc, nil
+}
+
+func (a *app) printNetwork(nc network.Config, asJSON bool) error {
+	st := nc.Status()
+	if asJSON {
+		e := json.NewEncoder(a.io.Out)
+		e.SetIndent("", "  ")
+		return e.Encode(st)
+	}
+	fmt.Fprintf(a.io.Out, "bridge %s (%s), gateway %s, present %v, NAT %v\n", st.Bridge, st.Subnet, st.Gateway, st.Present, st.NAT)
+	return nil
+}
