@@ -124,7 +124,15 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if err != nil {
 		return Result{}, err
 	}
-	mapped := box.Snapshot != "" // a clone's RAM is a private mapping: not a shared file
+	liveXML, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE)
+	if err != nil {
+		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
+	}
+	// A box booted from an image has its RAM in a file of its own, shared
+	// with QEMU: x-ignore-shared skips it and kvbox copies the file. A
+	// running clone maps a snapshot's file privately: its RAM goes into the
+	// state file in mapped-ram layout instead.
+	mapped := !strings.Contains(liveXML, "mem-path="+domain.MemoryFile(box.Dir)+",share=on")
 	caps := map[string]bool{qmp.CapIgnoreShared: !mapped, "mapped-ram": mapped}
 	saved, err := q.QueryMigrateCapabilities(ctx)
 	if err != nil {
@@ -155,10 +163,6 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	}
 	if err := h.ChownForQEMU(disk); err != nil {
 		return Result{}, err
-	}
-	liveXML, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE)
-	if err != nil {
-		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
 	if err := overlay.WriteFileAtomic(filepath.Join(tmp, DomainXMLFile), []byte(liveXML), 0o644); err != nil {
 		return Result{}, err
