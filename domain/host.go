@@ -153,7 +153,7 @@ func stateName(s libvirt.DomainState) string {
 func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 	x, err := d.GetXMLDesc(0)
 	if err != nil {
-		return Box{}, false, fmt.Errorf("read domain XML: %s", libvirtMessage(err))
+		return Box{}, false, fmt.Errorf("read domain XML: %w", err)
 	}
 	dx, err := parseDomainXML(x)
 	if err != nil {
@@ -164,7 +164,7 @@ func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 	}
 	st, _, err := d.GetState()
 	if err != nil {
-		return Box{}, false, fmt.Errorf("read domain state: %s", libvirtMessage(err))
+		return Box{}, false, fmt.Errorf("read domain state: %w", err)
 	}
 	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateName(st), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
 	if dx.Devices.Vsock != nil {

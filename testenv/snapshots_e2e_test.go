@@ -408,3 +408,27 @@ func TestSnapshotDiskFull(t *testing.T) {
 		t.Errorf("snapshot after freeing space: %s", r)
 	}
 }
+
+// A stopped box has no memory to freeze: kvbox boots it, snapshots the
+// running machine so clones start warm, and stops it again.
+func TestSnapshotOfStoppedBox(t *testing.T) {
+	n := name(t, "stopped")
+	newBox(t, n)
+	inBox(t, n, "echo kept > /root/kept; sync")
+	mustKvbox(t, "stop", n)
+	r := kvbox(t, "snapshots", "new", n, name(t, "fromstopped"))
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", name(t, "fromstopped")) })
+	if r.code != 0 || !strings.Contains(r.stderr, "booting it for the snapshot") {
+		t.Fatalf("snapshot of a stopped box: %s", r)
+	}
+	s := getSnapshot(t, name(t, "fromstopped"))
+	if s.Memory.File != "memory" || s.SizeBytes < 1<<20 {
+		t.Errorf("snapshot of a stopped box: %+v", s)
+	}
+	if got := snapshotFile(t, filepath.Join(stateDir, "snapshots", s.Name), "/root/kept"); got != "kept\n" {
+		t.Errorf("snapshot disk has %q", got)
+	}
+	if st := getBox(t, n).State; st != "stopped" {
+		t.Errorf("box is %s after the snapshot, want stopped again", st)
+	}
+}
