@@ -121,6 +121,27 @@ func (a *app) newCmdLs() *cobra.Command {
 	return c
 }
 
+func (a *app) newCmdIP() *cobra.Command {
+	return &cobra.Command{
+		Use:     "ip NAME",
+		Short:   "Print a box's address (for scripts)",
+		Example: "  curl http://$(kvbox ip dev):8000/",
+		Args:    exactArgs(1, "one box name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			b, err := h.Get(args[0])
+			if err != nil {
+				return err
+			}
+			fmt.Fprintln(a.io.Out, b.IP)
+			return nil
+		},
+	}
+}
+
 func age(t time.Time) string {
 	d := time.Since(t)
 	switch {

@@ -118,7 +118,7 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.template, "template", os.Getenv("KVBOX_TEMPLATE"), "domain XML template file instead of the built-in one (KVBOX_TEMPLATE)")
 	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
-		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork())
+		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP())
 	return root
 }
 
