@@ -30,5 +30,10 @@ e2e:
 
 test: testenv check unit e2e
 
+# The README's main job: set-up, then the warm-pool story on the Debian image,
+# all inside the kvbox-test network namespace.
+demo: build
+	bash testenv/demo.sh
+
 clean:
 	rm -rf bin e2e.log
