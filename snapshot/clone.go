@@ -228,14 +228,19 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 
 // loadState loads the snapshot's CPU and device state into the paused
 // clone. x-ignore-shared makes QEMU skip RAM that lives in a named file;
-// mapped-ram reads a state file whose RAM sits at fixed offsets (a snapshot
-// of a clone) without copying it. Both are put back afterwards: a box left
+// with mapped-ram, RAM sits at fixed offsets in the state file (a snapshot
+// of a clone) and, its page bitmap being zeroed, none of it is read: the
+// clone maps it. Both are put back afterwards: a box left
 // with x-ignore-shared on writes RAM-less images on `virsh save`.
 func loadState(ctx context.Context, dom *libvirt.Domain, snap Snapshot) error {
 	c := qmp.NewDomainClient(dom)
+	// The stream records which capabilities wrote it and QEMU refuses
+	// a mismatch ("Capability x-ignore-shared is on, but received
+	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM
+	// is private) was written without x-ignore-shared.
 	caps := map[string]bool{qmp.CapIgnoreShared: true}
 	if snap.Memory.MappedRAM {
-		caps[qmp.CapMappedRAM] = true
+		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
 	}
 	restore, err := c.ApplyMigrationSettings(ctx, caps, nil)
 	if err != nil {

@@ -375,7 +375,8 @@ func TestCloneAgentTimeoutRollsBack(t *testing.T) {
 	mustKvbox(t, "rm", "--force", srcName) // it can't be used any more; its address is free now
 	stop := capture(t, "-i", cloneBridge)
 	start := time.Now()
-	r := newClone(t, snap, c)
+	t.Cleanup(func() { kvbox(t, "rm", "--force", c) })
+	r := kvbox(t, "new", "--from", snap, "--timeout", "5s", c)
 	lines := stop()
 	if r.code == 0 {
 		t.Fatalf("kvbox new --from a snapshot with a dead agent succeeded: %s", r)
