@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
 )
 
 // DefaultImage is the image `kvbox new` uses unless told otherwise.
@@ -32,7 +33,11 @@ var DebianPackages = []string{
 }
 
 // DebianCmdline is the kernel command line of the Debian image.
-const DebianCmdline = "console=ttyS0 root=/dev/vda rw quiet"
+//
+// net.ifnames=0: the NIC is eth0 on every boot; with predictable names
+// udev renames it or not depending on whether the agent brought it up
+// first.
+const DebianCmdline = "console=ttyS0 root=/dev/vda rw quiet net.ifnames=0"
 
 // DebianOptions says how to build the Debian image.
 type DebianOptions struct {
@@ -137,6 +142,12 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	st := p.Start(fmt.Sprintf("debootstrap Debian %s (minbase + %d packages) from %s", o.Suite, len(DebianPackages), o.Mirror))
 	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
 		"--include=" + strings.Join(DebianPackages, ","), "--components=main"}
+	if err := preseedInitramfs(root); err != nil {
+		return Image{}, false, st.End(err)
+	}
+	if err := writeFiles(root, map[string]string{"etc/dpkg/dpkg.cfg.d/kvbox-slim": dpkgSlim}); err != nil {
+		return Image{}, false, st.End(err)
+	}
 	if o.CacheDir != "-" {
 		if err := os.MkdirAll(o.CacheDir, 0o755); err != nil {
 			return Image{}, false, st.End(err)
@@ -182,8 +193,9 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	if err := st.End(err); err != nil {
 		return Image{}, false, err
 	}
+	used, _ := overlay.Du(filepath.Dir(im.Disk)) // this version; older ones may stay for boxes on them
 	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
-		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
+		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(used))
 	return im, true, nil
 }
 
@@ -227,6 +239,67 @@ var maskedUnits = []string{
 	// First-boot prompts on the console would hold up boot: the image
 	// ships an empty machine-id the agent fills.
 	"systemd-firstboot.service",
+}
+
+// preseedInitramfs makes initramfs-tools build a small initrd: only what
+// mounting root on a virtio disk needs (a small initrd boots faster,
+// markedly so under TCG). Written before debootstrap, so the kernel's
+// postinst builds the initrd once, with these settings (neither file is a
+// conffile: dpkg leaves them alone).
+func preseedInitramfs(root string) error {
+	return writeFiles(root, map[string]string{
+		"etc/initramfs-tools/conf.d/kvbox.conf": "# kvbox images build: only the modules listed in ../modules\nMODULES=list\nCOMPRESS=zstd\n",
+		"etc/initramfs-tools/modules":           "# kvbox: root on a virtio disk\nvirtio_pci\nvirtio_blk\next4\ncrc32c_generic\n",
+	})
+}
+
+// dpkgSlim keeps out of the image what a box does not use: documentation,
+// translations, and the kernel drivers for hardware a virtual machine does
+// not have (~230 MB together). Written before debootstrap, so dpkg never
+// unpacks them; also applies to what users install later. Kernel packages
+// ship /lib/modules (merged into /usr/lib by usrmerge): both are listed.
+const dpkgSlim = `# kvbox images build: leave out what a box does not use. Delete this file
+# to get man pages, docs, translations and these drivers back on the next install.
+path-exclude=/usr/share/man/*
+path-exclude=/usr/share/doc/*
+path-include=/usr/share/doc/*/copyright
+path-exclude=/usr/share/locale/*
+path-include=/usr/share/locale/locale.alias
+path-exclude=/lib/modules/*/kernel/sound/*
+path-exclude=/usr/lib/modules/*/kernel/sound/*
+path-exclude=/lib/modules/*/kernel/drivers/media/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/media/*
+path-exclude=/lib/modules/*/kernel/drivers/net/wireless/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/net/wireless/*
+path-exclude=/lib/modules/*/kernel/drivers/gpu/drm/amd/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/gpu/drm/amd/*
+path-exclude=/lib/modules/*/kernel/drivers/gpu/drm/i915/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/gpu/drm/i915/*
+path-exclude=/lib/modules/*/kernel/drivers/gpu/drm/nouveau/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/gpu/drm/nouveau/*
+path-exclude=/lib/modules/*/kernel/drivers/gpu/drm/radeon/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/gpu/drm/radeon/*
+path-exclude=/lib/modules/*/kernel/drivers/infiniband/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/infiniband/*
+path-exclude=/lib/modules/*/kernel/drivers/iio/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/iio/*
+path-exclude=/lib/modules/*/kernel/drivers/bluetooth/*
+path-exclude=/usr/lib/modules/*/kernel/drivers/bluetooth/*
+path-exclude=/lib/modules/*/kernel/net/bluetooth/*
+path-exclude=/usr/lib/modules/*/kernel/net/bluetooth/*
+`
+
+func writeFiles(root string, files map[string]string) error {
+	for name, content := range files {
+		p := filepath.Join(root, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func configureDebian(ctx context.Context, st *Stage, root, agent string, o DebianOptions) (kver string, err error) {
@@ -274,6 +347,11 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 	for _, u := range maskedUnits {
 		symlink("/dev/null", "etc/systemd/system/"+u)
 	}
+	// No unattended downloads: a box (and every clone of it) updates when
+	// its user says so.
+	for _, t := range []string{"apt-daily.timer", "apt-daily-upgrade.timer"} {
+		os.Remove(p("etc/systemd/system/timers.target.wants/" + t))
+	}
 	write("etc/network/interfaces", "# The kvbox agent configures the network; nothing else should.\nauto lo\niface lo inet loopback\n", 0o644)
 	write("etc/resolv.conf", "", 0o644) // debootstrap copied the build host's; the agent writes the box's
 
@@ -297,27 +375,27 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 		return "", err
 	}
 
-	// Initramfs: only what mounting root on a virtio disk needs; a small
-	// initrd boots faster, markedly so under TCG.
-	st.Status("initramfs")
-	write("etc/initramfs-tools/conf.d/kvbox.conf", "# kvbox images build: the modules listed in ../modules only\nMODULES=list\nCOMPRESS=zstd\n", 0o644)
-	write("etc/initramfs-tools/modules", "# kvbox: root on a virtio disk\nvirtio_pci\nvirtio_blk\next4\ncrc32c_generic\n", 0o644)
-	if err != nil {
-		return "", err
-	}
 	kver, err = kernelVersion(root)
 	if err != nil {
 		return "", err
 	}
-	if err := runTool(ctx, st, nil, "unshare", "--mount", "--propagation", "private", "sh", "-ec",
-		`mount -t proc proc "$1/proc"; mount -t sysfs sysfs "$1/sys"; mount -t devtmpfs dev "$1/dev" 2>/dev/null || mount --bind /dev "$1/dev"
+	// The initramfs was made during debootstrap with preseedInitramfs's
+	// settings; make it again only if it cannot mount root.
+	if ok, _ := initrdHas(ctx, root, kver, "virtio_blk.ko", "ext4.ko"); !ok {
+		st.Status("update-initramfs")
+		if err := preseedInitramfs(root); err != nil {
+			return "", err
+		}
+		if err := runTool(ctx, st, nil, "unshare", "--mount", "--propagation", "private", "sh", "-ec",
+			`mount -t proc proc "$1/proc"; mount -t sysfs sysfs "$1/sys"
 chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
-		return "", fmt.Errorf("update-initramfs: %w", err)
+			return "", fmt.Errorf("update-initramfs: %w", err)
+		}
 	}
 
 	// Leave no downloads, indexes or logs of the build in the image.
 	st.Status("clean up")
-	for _, g := range []string{"var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*_*", "var/log/*.log", "var/log/apt/*", "var/cache/debconf/*-old", "var/lib/dpkg/*-old", "root/.bash_history"} {
+	for _, g := range []string{"usr/share/man/*", "usr/share/locale/*/LC_MESSAGES", "var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*_*", "var/log/*.log", "var/log/apt/*", "var/cache/debconf/*-old", "var/lib/dpkg/*-old", "root/.bash_history"} {
 		m, _ := filepath.Glob(p(g))
 		for _, f := range m {
 			os.RemoveAll(f)
@@ -362,8 +440,8 @@ func extractBoot(ctx context.Context, root, work, kver string) (kernel, initrd s
 	if err := copyFile(initrd, filepath.Join(root, "boot", "initrd.img-"+kver), 0o644); err != nil {
 		return "", "", fmt.Errorf("initrd: %w", err)
 	}
-	if ok, err := initrdHas(ctx, initrd, "virtio_blk.ko", "ext4.ko"); err == nil && !ok {
-		return "", "", errors.New("initrd lacks virtio_blk or ext4: root on /dev/vda would not mount")
+	if ok, err := initrdHas(ctx, root, kver, "virtio_blk.ko", "ext4.ko"); !ok {
+		return "", "", fmt.Errorf("initrd lacks virtio_blk or ext4: root on /dev/vda would not mount (%v)", err)
 	}
 	kernel = filepath.Join(work, "vmlinuz")
 	if err := copyFile(kernel, vmlinuz, 0o644); err != nil {
@@ -375,16 +453,12 @@ func extractBoot(ctx context.Context, root, work, kver string) (kernel, initrd s
 	return kernel, initrd, nil
 }
 
-// initrdHas lists the initramfs (lsinitramfs from the host or the image is
-// not needed: the unpacked tree is checked by name through the image's
-// /boot) and reports whether every module is in it.
-func initrdHas(ctx context.Context, initrd string, mods ...string) (bool, error) {
-	if _, err := exec.LookPath("lsinitramfs"); err != nil {
-		return true, err // cannot tell; trust MODULES=list
-	}
-	out, err := exec.CommandContext(ctx, "lsinitramfs", initrd).Output()
+// initrdHas lists the image's initramfs with the image's own lsinitramfs
+// and reports whether every module is in it.
+func initrdHas(ctx context.Context, root, kver string, mods ...string) (bool, error) {
+	out, err := exec.CommandContext(ctx, "chroot", root, "lsinitramfs", "/boot/initrd.img-"+kver).Output()
 	if err != nil {
-		return true, err
+		return false, fmt.Errorf("lsinitramfs: %w", err)
 	}
 	for _, m := range mods {
 		if !bytes.Contains(out, []byte("/"+m)) {

@@ -34,7 +34,16 @@ registered unless the whole build succeeds.`,
 			if err != nil {
 				return err
 			}
-			if !built {
+			if built {
+				// Older versions stay while boxes or snapshots build on them.
+				users, err := a.imageUsers(c.Context())
+				if err == nil {
+					err = a.images().Prune(im.Name, func(disk string) bool { return users[disk] != nil })
+				}
+				if err != nil {
+					fmt.Fprintf(a.io.Err, "kvbox: warning: older versions of image %s not pruned: %v\n", im.Name, err)
+				}
+			} else {
 				fmt.Fprintf(a.io.Out, "✓ image %s is already built (%s, %s disk, %s on disk); --force rebuilds it\n", im.Name,
 					im.Created.Local().Format("2006-01-02 15:04"), domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
 			}
