@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/snapshot"
 )
 
 type newOptions struct {
@@ -37,6 +38,7 @@ func (a *app) newCmdNew() *cobra.Command {
 		},
 	}
 	f := c.Flags()
+	f.StringVar(&o.from, "from", "", "start a warm clone of this snapshot (kvbox snapshots ls) instead of booting an image")
 	f.StringVar(&o.image, "image", "debian", "base image (kvbox images ls)")
 	f.IntVar(&o.cpus, "cpus", 2, "vCPUs")
 	f.StringVar(&o.memory, "memory", "4G", "RAM, like 512M or 4G")
@@ -48,6 +50,9 @@ func (a *app) newCmdNew() *cobra.Command {
 func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if err := domain.ValidName(o.name); err != nil {
 		return err
+	}
+	if o.from != "" {
+		return a.runNewFrom(c, o)
 	}
 	mem, err := domain.ParseSize(o.memory)
 	if err != nil {
@@ -80,6 +85,34 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)\n",
 		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
+	return nil
+}
+
+// runNewFrom starts a warm clone of a snapshot. Size flags do not apply: a
+// clone has its snapshot's vCPUs, RAM and disk.
+func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
+	start := time.Now()
+	for _, f := range []string{"image", "cpus", "memory", "disk"} {
+		if c.Flags().Changed(f) {
+			return fmt.Errorf("%w: --%s does not apply to --from: a clone has its snapshot's image, vCPUs, RAM and disk", errUsage, f)
+		}
+	}
+	h, err := a.Host()
+	if err != nil {
+		return err
+	}
+	snap, err := a.snapshots().Get(o.from)
+	if err != nil {
+		return err
+	}
+	b, tm, err := snapshot.Clone(c.Context(), h, snap, o.name, o.timeout)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)\n",
+		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
+	fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
 	return nil
 }
 
