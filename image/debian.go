@@ -158,6 +158,9 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	// A private mount namespace: whatever debootstrap mounts in the
 	// target (proc, sys, devpts) goes away with it, even if it is killed.
 	if err := st.End(runTool(ctx, st, nil, "unshare", args...)); err != nil {
+		if ctx.Err() != nil {
+			return Image{}, false, fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
+		}
 		return Image{}, false, fmt.Errorf("debootstrap: %w", err)
 	}
 
