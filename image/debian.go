@@ -161,6 +161,9 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 		if ctx.Err() != nil {
 			return Image{}, false, fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
 		}
+		if strings.Contains(err.Error(), "Failed getting release file") {
+			return Image{}, false, fmt.Errorf("%w: cannot download from %s: building an image needs that mirror (run kvbox images build outside a network namespace without an uplink): %v", domain.ErrUnavailable, o.Mirror, err)
+		}
 		return Image{}, false, fmt.Errorf("debootstrap: %w", err)
 	}
 
