@@ -35,5 +35,10 @@ test: testenv check unit e2e
 demo: build
 	bash testenv/demo.sh
 
+# Benchmarks are a program, not timed assertions in tests: one run, medians
+# and ratios (cold boot, snapshot pause, warm clone step by step).
+bench: build
+	ip netns exec $(NS) $(GO) run ./testenv/bench
+
 clean:
 	rm -rf bin e2e.log

@@ -14,7 +14,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -118,7 +117,6 @@ func guestClock(t *testing.T, n string) (float64, time.Time, time.Time) {
 
 func unixSec(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 
-var timingRE = regexp.MustCompile(`(\S[\w-]*) (\d+)ms`)
 
 // TestWarmClones: a box runs a web server, is snapshotted, and clones of
 // the snapshot come up with the server running, each with its own
@@ -432,6 +430,22 @@ func TestCloneOfAClone(t *testing.T) {
 	if got := inBox(t, leaf, "hostname"); got != leaf+"\n" {
 		t.Errorf("grandchild hostname %q", got)
 	}
+	// The first snapshot cannot go while a clone maps it; once its clone is
+	// gone it can, and the second snapshot (merged, standalone) lives on.
+	r = kvbox(t, "snapshots", "rm", snap1)
+	if r.code == 0 || !strings.Contains(r.stderr, mid) {
+		t.Fatalf("snapshots rm of a snapshot with a running clone: %s", r)
+	}
+	mustKvbox(t, "rm", "--force", mid, leaf)
+	mustKvbox(t, "snapshots", "rm", snap1)
+	again := name(t, "gleaf2")
+	if r := newClone(t, snap2, again); r.code != 0 {
+		t.Fatalf("clone of %s after %s was deleted: %s", snap2, snap1, r)
+	}
+	a := getBox(t, again)
+	if body, err := httpGet("http://" + a.IP + ":8080/mid.html"); err != nil || strings.TrimSpace(body) != "from-mid" {
+		t.Errorf("clone of the second snapshot after the first was deleted: %q %v", body, err)
+	}
 }
 
 // cloneBridge is the bridge the test boxes are on (kvbox's default).
@@ -439,50 +453,3 @@ const cloneBridge = "kvbox0"
 
 // cloneGateway is the host's address on it.
 const cloneGateway = "172.30.0.1"
-
-// median of the clone step timings printed by `kvbox new --from`.
-func medianTimings(t *testing.T, lines []string) string {
-	steps := map[string][]int{}
-	var order []string
-	for _, l := range lines {
-		for _, m := range timingRE.FindAllStringSubmatch(l, -1) {
-			v, _ := strconv.Atoi(m[2])
-			if _, ok := steps[m[1]]; !ok {
-				order = append(order, m[1])
-			}
-			steps[m[1]] = append(steps[m[1]], v)
-		}
-	}
-	var out []string
-	for _, k := range order {
-		v := steps[k]
-		sort.Ints(v)
-		out = append(out, fmt.Sprintf("%s %dms", k, v[len(v)/2]))
-	}
-	return strings.Join(out, ", ")
-}
-
-// TestCloneTiming: ten clones one after the other; the median of each step
-// is logged (the issue asks for it; it is not asserted on a shared
-// 2-core machine).
-func TestCloneTiming(t *testing.T) {
-	srcName, snap := name(t, "msrc"), name(t, "mwarm")
-	newBox(t, srcName)
-	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
-	mustKvbox(t, "snapshots", "new", srcName, snap)
-	var lines []string
-	var wall []time.Duration
-	for i := range 10 {
-		n := name(t, fmt.Sprintf("m%d", i))
-		start := time.Now()
-		r := newClone(t, snap, n)
-		wall = append(wall, time.Since(start))
-		if r.code != 0 {
-			t.Fatalf("clone %s: %s", n, r)
-		}
-		lines = append(lines, r.stderr)
-		mustKvbox(t, "rm", "--force", n)
-	}
-	sort.Slice(wall, func(i, j int) bool { return wall[i] < wall[j] })
-	t.Logf("median of 10 (command start to ready, whole process %v): %s", wall[5], medianTimings(t, lines))
-}
