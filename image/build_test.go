@@ -1,0 +1,115 @@
+package image
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestProgressNotATerminal(t *testing.T) {
+	var b bytes.Buffer
+	p := &Progress{W: &b}
+	st := p.Start("first")
+	st.Status("ignored off a terminal")
+	st.End(nil)
+	p.Start("second").End(os.ErrNotExist)
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	if len(lines) != 2 || !strings.HasPrefix(lines[0], "✓ first (") || !strings.HasPrefix(lines[1], "✗ second (") {
+		t.Errorf("output %q", b.String())
+	}
+	if strings.Contains(b.String(), "\r") || strings.Contains(b.String(), "ignored") {
+		t.Errorf("terminal output off a terminal: %q", b.String())
+	}
+	var nilP *Progress
+	nilP.Start("nowhere").End(nil) // a nil Progress prints nothing and does not panic
+	nilP.Printf("x")
+}
+
+func TestProgressTerminal(t *testing.T) {
+	var b bytes.Buffer
+	p := &Progress{W: &b, TTY: true}
+	st := p.Start("stage")
+	st.Status("I: Retrieving apt")
+	st.End(nil)
+	if out := b.String(); !strings.Contains(out, "\r") || !strings.Contains(out, "\r\x1b[K✓ stage (") {
+		t.Errorf("output %q", out)
+	}
+}
+
+func TestRunToolErrorHasTail(t *testing.T) {
+	err := runTool(context.Background(), nil, nil, "sh", "-c", "echo one; echo two >&2; exit 3")
+	if err == nil || !strings.Contains(err.Error(), "exit status 3") || !strings.Contains(err.Error(), "one\n  two") {
+		t.Errorf("err %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := runTool(ctx, nil, nil, "sleep", "5"); err != context.Canceled {
+		t.Errorf("cancelled: %v", err)
+	}
+}
+
+func TestClearRootPassword(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "shadow")
+	os.WriteFile(p, []byte("root:*:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"), 0o640)
+	if err := clearRootPassword(p); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(p)
+	if string(b) != "root::19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n" {
+		t.Errorf("shadow %q", b)
+	}
+}
+
+func TestMounts(t *testing.T) {
+	if got := unescapeMount(`/a\040b/c`); got != "/a b/c" {
+		t.Errorf("unescape: %q", got)
+	}
+	if m := mountsUnder("/proc"); len(m) == 0 {
+		t.Skip("no /proc mount visible")
+	}
+	dir := t.TempDir()
+	if m := mountsUnder(dir); m != nil {
+		t.Errorf("mounts under a fresh temp dir: %v", m)
+	}
+	if err := removeBuildDir(dir); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAgentChecks(t *testing.T) {
+	dir := t.TempDir()
+	script := filepath.Join(dir, "kvbox-agent")
+	os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755)
+	if _, err := FindAgent(script); err == nil {
+		t.Error("a script passed as the agent")
+	}
+	if _, err := FindAgent(filepath.Join(dir, "missing")); err == nil {
+		t.Error("a missing agent passed")
+	}
+	if hasPVHNote(script) {
+		t.Error("a script has a PVH note")
+	}
+}
+
+func TestDebianDefaults(t *testing.T) {
+	var o DebianOptions
+	o.defaults()
+	if o.Name != "debian" || o.Suite != "bookworm" || o.DiskSize != 8<<30 || !strings.HasPrefix(o.Mirror, "http://deb.debian.org/") {
+		t.Errorf("defaults %+v", o)
+	}
+	for _, p := range []string{"linux-image-amd64", "systemd", "apt", "iproute2", "ca-certificates", "curl", "git", "python3"} {
+		found := false
+		for _, q := range DebianPackages {
+			found = found || p == q
+		}
+		if !found {
+			t.Errorf("package %s missing", p)
+		}
+	}
+	if !strings.Contains(agentUnit, "Restart=always") || strings.Contains(agentUnit, "network-online") {
+		t.Errorf("agent unit:\n%s", agentUnit)
+	}
+}
