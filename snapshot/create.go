@@ -377,19 +377,27 @@ func writeJSON(path string, v any) error {
 	return overlay.WriteFileAtomic(path, append(b, '\n'), 0o644)
 }
 
-// lockName holds a snapshot name while a snapshot of that name is built.
+// lockName holds a snapshot name while a snapshot of that name is built or
+// recovered. The lock file is removed on unlock; a kvbox that opened it just
+// before sees, once it holds the lock, that the path now names another file
+// (or none), and tries again, so two never hold one name.
 func lockName(st Store, name string) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(st.Dir, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+	path := filepath.Join(st.Dir, "."+name+".lock")
+	for {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("snapshot %q is being taken by another kvbox: %w", name, domain.ErrBusy)
+		}
+		var held, now syscall.Stat_t
+		if syscall.Fstat(int(f.Fd()), &held) == nil && syscall.Stat(path, &now) == nil && held.Ino == now.Ino && held.Dev == now.Dev {
+			return func() { os.Remove(path); f.Close() }, nil
+		}
 		f.Close()
-		return nil, fmt.Errorf("snapshot %q is being taken by another kvbox: %w", name, domain.ErrBusy)
 	}
-	// The lock file stays: removing it would let a later kvbox lock a new
-	// file while an earlier one still holds the old.
-	return func() { f.Close() }, nil
 }
 
 type timer struct {

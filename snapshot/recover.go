@@ -136,7 +136,6 @@ func Remove(h *domain.Host, st Store, name string) error {
 	if err := os.Rename(s.Dir, gone); err != nil {
 		return err
 	}
-	os.Remove(filepath.Join(st.Dir, "."+name+".lock"))
 	return os.RemoveAll(gone)
 }
 
