@@ -181,7 +181,7 @@ func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 func (h *Host) Boxes() ([]Box, error) {
 	doms, err := h.Conn.ListAllDomains(0)
 	if err != nil {
-		return nil, fmt.Errorf("list domains: %s", libvirtMessage(err))
+		return nil, fmt.Errorf("list domains: %s", LibvirtMessage(err))
 	}
 	var out []Box
 	for i := range doms {
@@ -211,7 +211,7 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 		return Box{}, nil, fmt.Errorf("box %q does not exist (kvbox ls lists boxes): %w", name, ErrNotFound)
 	}
 	if err != nil {
-		return Box{}, nil, fmt.Errorf("look up %q: %s", name, libvirtMessage(err))
+		return Box{}, nil, fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
 	}
 	b, ok, err := boxOf(d)
 	if err != nil {
@@ -258,7 +258,7 @@ func (h *Host) NameFree(name string) error {
 		return fmt.Errorf("a box or domain named %q %w (pick another name, or kvbox rm %s)", name, ErrExists, name)
 	}
 	if !isNoDomain(err) {
-		return fmt.Errorf("look up %q: %s", name, libvirtMessage(err))
+		return fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
 	}
 	return nil
 }

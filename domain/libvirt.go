@@ -24,13 +24,13 @@ func DefaultURI() string {
 func Connect(uri string) (*libvirt.Connect, error) {
 	c, err := libvirt.NewConnect(uri)
 	if err != nil {
-		return nil, fmt.Errorf("%w: cannot reach libvirt at %s (is libvirtd running?): %s", ErrUnavailable, uri, libvirtMessage(err))
+		return nil, fmt.Errorf("%w: cannot reach libvirt at %s (is libvirtd running?): %s", ErrUnavailable, uri, LibvirtMessage(err))
 	}
 	return c, nil
 }
 
-// libvirtMessage is the message of a libvirt error without its code prefix.
-func libvirtMessage(err error) string {
+// LibvirtMessage is the message of a libvirt error without its code prefix.
+func LibvirtMessage(err error) string {
 	var le libvirt.Error
 	if errors.As(err, &le) {
 		return le.Message
@@ -54,7 +54,7 @@ var baselabelRE = regexp.MustCompile(`<baselabel type='(\w+)'>\+?(\d+):\+?(\d+)<
 func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 	caps, err := c.GetCapabilities()
 	if err != nil {
-		return hostFacts{}, fmt.Errorf("read libvirt capabilities: %s", libvirtMessage(err))
+		return hostFacts{}, fmt.Errorf("read libvirt capabilities: %s", LibvirtMessage(err))
 	}
 	f := hostFacts{domainType: "qemu", uid: -1, gid: -1}
 	if kvmRunsStockKernels() && strings.Contains(caps, "<domain type='kvm'") {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"time"
@@ -88,7 +89,7 @@ func (h *Host) Create(ctx context.Context, s Spec) (Box, error) {
 	defer dom.Free()
 	defer r.Fail() // runs before Free: the undo steps use dom
 	if err := dom.Create(); err != nil {
-		return Box{}, fmt.Errorf("start box %q: %s", s.Name, libvirtMessage(err))
+		return Box{}, fmt.Errorf("start box %q: %s", s.Name, LibvirtMessage(err))
 	}
 	r.Add(func() { dom.Destroy() })
 	if b, err = h.ready(ctx, dom, b, s.AgentTimeout); err != nil {
@@ -107,29 +108,8 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 		return nil, Box{}, err
 	}
 	defer unlock()
-	if err := h.NameFree(s.Name); err != nil {
-		return nil, Box{}, err
-	}
-	used, err := h.UsedAddrs()
+	ip, dir, err := h.Reserve(s.Name, r)
 	if err != nil {
-		return nil, Box{}, err
-	}
-	ip, err := h.Net.Allocate(used)
-	if err != nil {
-		return nil, Box{}, err
-	}
-	dir := h.BoxDir(s.Name)
-	// No domain has this name, so a folder left here is debris of a kvbox
-	// that was killed half-way; it holds nothing of value.
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
-		return nil, Box{}, err
-	}
-	if err := os.Mkdir(dir, 0o750); err != nil {
-		return nil, Box{}, err
-	}
-	r.Add(func() { os.RemoveAll(dir) })
-	if err := h.ChownForQEMU(dir); err != nil {
 		return nil, Box{}, err
 	}
 	disk := filepath.Join(dir, "disk.qcow2")
@@ -156,15 +136,48 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 	}
 	dom, err := h.Conn.DomainDefineXML(xml)
 	if err != nil {
-		return nil, Box{}, fmt.Errorf("define box %q: %s", s.Name, libvirtMessage(err))
+		return nil, Box{}, fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
 	}
-	r.Add(func() { undefine(dom) })
+	r.Add(func() { Undefine(dom) })
 	b, _, err := boxOf(dom)
 	if err != nil {
 		dom.Free()
 		return nil, Box{}, err
 	}
 	return dom, b, nil
+}
+
+// Reserve checks that no domain has the name, picks a free address and
+// makes the box's folder (given to QEMU's user), adding the folder's removal
+// to r. Call it under Lock and define the domain before unlocking: the
+// domain's metadata is what holds the address.
+func (h *Host) Reserve(name string, r *revert.Reverter) (netip.Addr, string, error) {
+	if err := h.NameFree(name); err != nil {
+		return netip.Addr{}, "", err
+	}
+	used, err := h.UsedAddrs()
+	if err != nil {
+		return netip.Addr{}, "", err
+	}
+	ip, err := h.Net.Allocate(used)
+	if err != nil {
+		return netip.Addr{}, "", err
+	}
+	dir := h.BoxDir(name)
+	// No domain has this name, so a folder left here is debris of a kvbox
+	// that was killed half-way; it holds nothing of value.
+	os.RemoveAll(dir)
+	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
+		return netip.Addr{}, "", err
+	}
+	if err := os.Mkdir(dir, 0o750); err != nil {
+		return netip.Addr{}, "", err
+	}
+	r.Add(func() { os.RemoveAll(dir) })
+	if err := h.ChownForQEMU(dir); err != nil {
+		return netip.Addr{}, "", err
+	}
+	return ip, dir, nil
 }
 
 // render fills the domain template.
@@ -237,7 +250,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 		return Box{}, err
 	}
 	if err := dom.Create(); err != nil {
-		return Box{}, fmt.Errorf("start box %q: %s", name, libvirtMessage(err))
+		return Box{}, fmt.Errorf("start box %q: %s", name, LibvirtMessage(err))
 	}
 	return h.ready(ctx, dom, b, timeout)
 }
@@ -264,7 +277,7 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 		}
 	}
 	if err := dom.Destroy(); err != nil && !isNotRunning(err) {
-		return fmt.Errorf("stop box %q: %s", name, libvirtMessage(err))
+		return fmt.Errorf("stop box %q: %s", name, LibvirtMessage(err))
 	}
 	return emptyMemory(b.Dir)
 }
@@ -287,11 +300,11 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
 		}
 		if err := dom.Destroy(); err != nil && !isNotRunning(err) {
-			return fmt.Errorf("stop box %q: %s", name, libvirtMessage(err))
+			return fmt.Errorf("stop box %q: %s", name, LibvirtMessage(err))
 		}
 	}
-	if err := undefine(dom); err != nil {
-		return fmt.Errorf("undefine box %q: %s", name, libvirtMessage(err))
+	if err := Undefine(dom); err != nil {
+		return fmt.Errorf("undefine box %q: %s", name, LibvirtMessage(err))
 	}
 	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
 		if err := os.RemoveAll(b.Dir); err != nil {
@@ -302,7 +315,8 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 	return nil
 }
 
-func undefine(dom *libvirt.Domain) error {
+// Undefine removes a domain's definition with whatever libvirt keeps beside it.
+func Undefine(dom *libvirt.Domain) error {
 	return dom.UndefineFlags(libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
 		libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA | libvirt.DOMAIN_UNDEFINE_NVRAM)
 }

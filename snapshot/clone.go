@@ -84,7 +84,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	step(&tm.Define)
 
 	if err := dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
-		return domain.Box{}, tm, fmt.Errorf("start clone %q: %s", name, libvirtErr(err))
+		return domain.Box{}, tm, fmt.Errorf("start clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	r.Add(func() { dom.Destroy() })
 	step(&tm.Start)
@@ -95,7 +95,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	// when the incoming migration ends.
 	live, err := dom.GetXMLDesc(0)
 	if err != nil {
-		return domain.Box{}, tm, fmt.Errorf("read clone %q: %s", name, libvirtErr(err))
+		return domain.Box{}, tm, fmt.Errorf("read clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	tap, err := liveTap(live)
 	if err != nil {
@@ -111,7 +111,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 	step(&tm.Load)
 	if err := dom.Resume(); err != nil {
-		return domain.Box{}, tm, fmt.Errorf("resume clone %q: %s", name, libvirtErr(err))
+		return domain.Box{}, tm, fmt.Errorf("resume clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	step(&tm.Resume)
 
@@ -119,7 +119,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	// The machine-id comes from the clone's own UUID, which libvirt
 	// picked at define.
 	if b.UUID, err = dom.GetUUIDString(); err != nil {
-		return domain.Box{}, tm, fmt.Errorf("read the UUID of clone %q: %s", name, libvirtErr(err))
+		return domain.Box{}, tm, fmt.Errorf("read the UUID of clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	actx, cancel := context.WithTimeout(ctx, agentTimeout)
 	defer cancel()
@@ -145,7 +145,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 		return domain.Box{}, tm, err
 	}
 	if d2, err := h.Conn.DomainDefineXML(boot); err != nil {
-		return domain.Box{}, tm, fmt.Errorf("define clone %q for its next boot: %s", name, libvirtErr(err))
+		return domain.Box{}, tm, fmt.Errorf("define clone %q for its next boot: %s", name, domain.LibvirtMessage(err))
 	} else {
 		d2.Free()
 	}
@@ -172,29 +172,8 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	defer unlock()
-	if err := h.NameFree(name); err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
-	}
-	used, err := h.UsedAddrs()
+	ip, dir, err := h.Reserve(name, r)
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
-	}
-	ip, err := h.Net.Allocate(used)
-	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
-	}
-	dir := h.BoxDir(name)
-	// No domain has this name, so a folder left here is debris of a kvbox
-	// that was killed half-way.
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
-	}
-	if err := os.Mkdir(dir, 0o750); err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
-	}
-	r.Add(func() { os.RemoveAll(dir) })
-	if err := h.ChownForQEMU(dir); err != nil {
 		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	disk := filepath.Join(dir, CloneDisk)
@@ -220,9 +199,9 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 	}
 	dom, err := h.Conn.DomainDefineXML(xml)
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("define clone %q: %s", name, libvirtErr(err))
+		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("define clone %q: %s", name, domain.LibvirtMessage(err))
 	}
-	r.Add(func() { undefine(dom) })
+	r.Add(func() { domain.Undefine(dom) })
 	return dom, meta, spec, nil
 }
 
@@ -262,16 +241,4 @@ func errJoin(err, more error) error {
 		return err
 	}
 	return fmt.Errorf("%w (and: %v)", err, more)
-}
-
-func undefine(dom *libvirt.Domain) error {
-	return dom.UndefineFlags(libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
-		libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA | libvirt.DOMAIN_UNDEFINE_NVRAM)
-}
-
-func libvirtErr(err error) string {
-	if le, ok := err.(libvirt.Error); ok {
-		return le.Message
-	}
-	return err.Error()
 }
