@@ -140,11 +140,13 @@ func runTool(ctx context.Context, st *Stage, env []string, name string, args ...
 	cmd.Env = append(os.Environ(), "LC_ALL=C", "DEBIAN_FRONTEND=noninteractive",
 		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 	cmd.Env = append(cmd.Env, env...)
-	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	// The whole process group: debootstrap's dpkg and maintainer scripts too.
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
 	cmd.WaitDelay = 10 * time.Second
 	// Own process group: a Ctrl-C on the terminal reaches kvbox, which
 	// then stops the tool itself, in order.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// If kvbox is killed outright, the tool is told to stop too.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
 	pr, pw := io.Pipe()
 	cmd.Stdout, cmd.Stderr = pw, pw
 	var tail []string
@@ -171,6 +173,9 @@ func runTool(ctx context.Context, st *Stage, env []string, name string, args ...
 	}
 	pw.Close()
 	<-scanned
+	if ctx.Err() != nil && cmd.Process != nil {
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) // stragglers of the group
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()

@@ -139,7 +139,8 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	root := filepath.Join(work, "root")
 
 	// 1. debootstrap
-	st := p.Start(fmt.Sprintf("debootstrap Debian %s (minbase + %d packages) from %s", o.Suite, len(DebianPackages), o.Mirror))
+	p.Printf("building image %s: Debian %s from %s, kvbox-agent %s\n", o.Name, o.Suite, o.Mirror, agent)
+	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(DebianPackages)))
 	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
 		"--include=" + strings.Join(DebianPackages, ","), "--components=main"}
 	if err := preseedInitramfs(root); err != nil {
@@ -168,7 +169,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 
 	// 2. configure the guest
-	st = p.Start("configure: kvbox-agent service, modules, network left to the agent, initramfs")
+	st = p.Start("configure: agent service, modules, network to the agent")
 	kver, err := configureDebian(ctx, st, root, agent, o)
 	if err := st.End(err); err != nil {
 		return Image{}, false, fmt.Errorf("configure: %w", err)
@@ -182,7 +183,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 
 	// 4. the disk
-	st = p.Start(fmt.Sprintf("ext4 filesystem (mkfs.ext4 -d, %s virtual) and qcow2", domain.FormatSize(o.DiskSize)))
+	st = p.Start(fmt.Sprintf("disk: ext4 (mkfs.ext4 -d), %s qcow2", domain.FormatSize(o.DiskSize)))
 	disk := filepath.Join(work, "disk.qcow2")
 	raw := filepath.Join(work, "disk.raw")
 	if err := st.End(makeExt4Qcow2(ctx, st, root, raw, disk, "kvbox-root", o.DiskSize)); err != nil {
