@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestProgressNotATerminal(t *testing.T) {
@@ -111,5 +112,27 @@ func TestDebianDefaults(t *testing.T) {
 	}
 	if !strings.Contains(agentUnit, "Restart=always") || strings.Contains(agentUnit, "network-online") {
 		t.Errorf("agent unit:\n%s", agentUnit)
+	}
+}
+
+func TestAgentStamp(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	agent := filepath.Join(t.TempDir(), "kvbox-agent")
+	os.WriteFile(agent, []byte("one"), 0o755)
+	im := Image{Name: "debian", Created: time.Now().UTC()}
+	if agentChanged(s, im, agent) {
+		t.Error("changed without a stamp")
+	}
+	writeAgentStamp(s, im, agent)
+	if agentChanged(s, im, agent) {
+		t.Error("changed right after the build")
+	}
+	os.WriteFile(agent, []byte("two"), 0o755)
+	if !agentChanged(s, im, agent) {
+		t.Error("a new agent went unnoticed")
+	}
+	im.Created = im.Created.Add(time.Second) // another build: the stamp is not its
+	if agentChanged(s, im, agent) {
+		t.Error("stamp of another build used")
 	}
 }

@@ -4,10 +4,14 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"debug/elf"
 	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -98,6 +102,9 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 	if !o.Force {
 		if im, err := s.Get(o.Name); err == nil {
+			if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
+				o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
+			}
 			return im, false, nil
 		}
 	}
@@ -200,6 +207,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	if err := st.End(err); err != nil {
 		return Image{}, false, err
 	}
+	writeAgentStamp(s, im, agent)
 	used, _ := overlay.Du(filepath.Dir(im.Disk)) // this version; older ones may stay for boxes on them
 	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
 		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(used))
@@ -619,4 +627,47 @@ func unescapeMount(s string) string {
 		b.WriteByte(s[i])
 	}
 	return b.String()
+}
+
+// The agent stamp records which agent went into which build of an image
+// (by the image's creation time), so a cached build can say it is stale.
+type agentStamp struct {
+	Created time.Time `json:"created"`
+	SHA256  string    `json:"agent_sha256"`
+}
+
+func agentStampPath(s Store, name string) string {
+	return filepath.Join(s.Dir, ".build-"+name+".agent.json")
+}
+
+func fileSHA256(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return ""
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+func writeAgentStamp(s Store, im Image, agent string) {
+	b, _ := json.Marshal(agentStamp{Created: im.Created, SHA256: fileSHA256(agent)})
+	os.WriteFile(agentStampPath(s, im.Name), b, 0o644)
+}
+
+// agentChanged says whether agent differs from the one built into im;
+// false when that is not known.
+func agentChanged(s Store, im Image, agent string) bool {
+	b, err := os.ReadFile(agentStampPath(s, im.Name))
+	if err != nil {
+		return false
+	}
+	var st agentStamp
+	if json.Unmarshal(b, &st) != nil || !st.Created.Equal(im.Created) || st.SHA256 == "" {
+		return false
+	}
+	return fileSHA256(agent) != st.SHA256
 }
