@@ -16,7 +16,7 @@ require_root
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
 # are too old for kvbox (see DESIGN.md), so "installed" is not enough for them.
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libvirt-dev"
-BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base"
+BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
@@ -227,6 +227,17 @@ stage_import() {
 	return 1
 }
 
+# The default image. Built here, in the root namespace: debootstrap downloads from
+# deb.debian.org and the test namespace has no uplink. A no-op while the image exists.
+stage_debian() {
+	local kvbox=$REPO_DIR/bin/kvbox
+	if [ ! -x "$kvbox" ] || ! "$kvbox" images --help 2>&1 | grep -q '^  build'; then
+		log "bin/kvbox has no 'images build' yet: skipping the Debian image"
+		return 0
+	fi
+	"$kvbox" images build debian --agent "$REPO_DIR/bin/kvbox-agent"
+}
+
 # What the guests can use here. kvbox's --domain-type auto picks kvm whenever libvirt offers it,
 # but a kvm_pvm /dev/kvm (nested PVM, no vmx/svm) only runs PVM-enabled guest kernels: the tiny
 # image's stock Debian kernel triple-faults in firmware there and never prints a line.
@@ -267,5 +278,10 @@ if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 else
 	stage "tiny image ($TINY_OUT)" stage_image
 	stage "register image tiny" stage_import
+fi
+if [ -n "${KVBOX_TESTENV_SKIP_DEBIAN:-}" ]; then
+	log "KVBOX_TESTENV_SKIP_DEBIAN set: skipping the Debian image"
+else
+	stage "Debian image (kvbox images build debian)" stage_debian
 fi
 log "done in $(fmt_ms $(($(now_ms) - T0))). Run tests inside the namespace: ip netns exec $KVBOX_TESTENV_NS go test ..."

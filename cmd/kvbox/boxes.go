@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"text/tabwriter"
@@ -10,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -67,6 +69,11 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	im, err := a.images().Get(o.image)
+	if errors.Is(err, domain.ErrNotFound) && o.image == image.DefaultImage {
+		// The default image is built on first use, once.
+		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
+		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.io.Err, TTY: a.io.TTY}})
+	}
 	if err != nil {
 		return err
 	}

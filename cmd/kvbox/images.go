@@ -22,7 +22,7 @@ func (a *app) newCmdImages() *cobra.Command {
 		Aliases: []string{"image"},
 		Short:   "Manage base images",
 	}
-	c.AddCommand(a.newCmdImagesLs(), a.newCmdImagesImport(), a.newCmdImagesRm())
+	c.AddCommand(a.newCmdImagesLs(), a.newCmdImagesImport(), a.newCmdImagesBuild(), a.newCmdImagesRm())
 	return c
 }
 
