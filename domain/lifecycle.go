@@ -226,18 +226,36 @@ func (h *Host) ready(ctx context.Context, dom *libvirt.Domain, b Box, timeout ti
 	return b, nil
 }
 
-// Start boots a stopped box and waits until its agent answers.
-func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (Box, error) {
+// LockedLookup takes the box's lock and looks the box up; release frees the
+// domain and drops the lock.
+func (h *Host) LockedLookup(name string) (b Box, dom *libvirt.Domain, release func(), err error) {
 	unlock, err := h.LockBox(name)
 	if err != nil {
-		return Box{}, err
+		return Box{}, nil, nil, err
 	}
-	defer unlock()
-	b, dom, err := h.Lookup(name)
+	b, dom, err = h.Lookup(name)
+	if err != nil {
+		unlock()
+		return Box{}, nil, nil, err
+	}
+	return b, dom, func() { dom.Free(); unlock() }, nil
+}
+
+// powerOff pulls the plug of a running domain; one already off is fine.
+func powerOff(dom *libvirt.Domain, name string) error {
+	if err := dom.Destroy(); err != nil && !isNotRunning(err) {
+		return fmt.Errorf("stop box %q: %s", name, LibvirtMessage(err))
+	}
+	return nil
+}
+
+// Start boots a stopped box and waits until its agent answers.
+func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
 	if err != nil {
 		return Box{}, err
 	}
-	defer dom.Free()
+	defer release()
 	if b.State != "stopped" && b.State != "crashed" {
 		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
 	}
@@ -258,16 +276,11 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 // Stop shuts a box down through ACPI, and pulls the plug after timeout (or
 // at once with force). The RAM file is emptied: its pages are garbage now.
 func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, force bool) error {
-	unlock, err := h.LockBox(name)
+	b, dom, release, err := h.LockedLookup(name)
 	if err != nil {
 		return err
 	}
-	defer unlock()
-	b, dom, err := h.Lookup(name)
-	if err != nil {
-		return err
-	}
-	defer dom.Free()
+	defer release()
 	if b.State == "stopped" {
 		return nil
 	}
@@ -276,8 +289,8 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 			return emptyMemory(b.Dir)
 		}
 	}
-	if err := dom.Destroy(); err != nil && !isNotRunning(err) {
-		return fmt.Errorf("stop box %q: %s", name, LibvirtMessage(err))
+	if err := powerOff(dom, name); err != nil {
+		return err
 	}
 	return emptyMemory(b.Dir)
 }
@@ -285,22 +298,17 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 // Remove deletes a box: its domain, folder (disk, memory, sockets) and with
 // them its address. A running box is only removed with force.
 func (h *Host) Remove(ctx context.Context, name string, force bool) error {
-	unlock, err := h.LockBox(name)
+	b, dom, release, err := h.LockedLookup(name)
 	if err != nil {
 		return err
 	}
-	defer unlock()
-	b, dom, err := h.Lookup(name)
-	if err != nil {
-		return err
-	}
-	defer dom.Free()
+	defer release()
 	if b.State != "stopped" && b.State != "crashed" {
 		if !force {
 			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
 		}
-		if err := dom.Destroy(); err != nil && !isNotRunning(err) {
-			return fmt.Errorf("stop box %q: %s", name, LibvirtMessage(err))
+		if err := powerOff(dom, name); err != nil {
+			return err
 		}
 	}
 	if err := Undefine(dom); err != nil {

@@ -67,16 +67,11 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if err := domain.ValidName(name); err != nil {
 		return Result{}, err
 	}
-	unlock, err := h.LockBox(boxName)
+	box, dom, release, err := h.LockedLookup(boxName)
 	if err != nil {
 		return Result{}, err
 	}
-	defer unlock()
-	box, dom, err := h.Lookup(boxName)
-	if err != nil {
-		return Result{}, err
-	}
-	defer dom.Free()
+	defer release()
 	if box.State != "running" {
 		return Result{}, fmt.Errorf("box %q is %s; kvbox snapshots a running box: %w", boxName, box.State, domain.ErrBusy)
 	}

@@ -1,11 +1,9 @@
 package main
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -141,15 +139,9 @@ func (a *app) newCmdLs() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				if boxes == nil {
-					boxes = []domain.Box{}
-				}
-				e := json.NewEncoder(a.io.Out)
-				e.SetIndent("", "  ")
-				return e.Encode(boxes)
+				return a.printJSON(boxes)
 			}
-			w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "NAME\tSTATE\tIP\tFROM/IMAGE\tCPUS\tMEMORY\tDISK\tAGE")
+			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE")
 			for _, b := range boxes {
 				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", b.Name, b.State, b.IP, b.From(), b.CPUs,
 					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created))

@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"path/filepath"
 	"sort"
 	"strings"
-	"text/tabwriter"
 
 	"github.com/spf13/cobra"
 
@@ -39,15 +37,9 @@ func (a *app) newCmdImagesLs() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				if ims == nil {
-					ims = []image.Image{}
-				}
-				e := json.NewEncoder(a.io.Out)
-				e.SetIndent("", "  ")
-				return e.Encode(ims)
+				return a.printJSON(ims)
 			}
-			w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "NAME\tDISK\tSIZE-ON-DISK\tBOOT\tAGENT\tCREATED")
+			w := a.table("NAME", "DISK", "SIZE-ON-DISK", "BOOT", "AGENT", "CREATED")
 			for _, im := range ims {
 				boot := "disk"
 				if im.Kernel != "" {

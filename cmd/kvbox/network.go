@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"strings"
 
@@ -90,9 +89,7 @@ func (a *app) network() (network.Config, error) {
 func (a *app) printNetwork(nc network.Config, asJSON bool) error {
 	st := nc.Status()
 	if asJSON {
-		e := json.NewEncoder(a.io.Out)
-		e.SetIndent("", "  ")
-		return e.Encode(st)
+		return a.printJSON(st)
 	}
 	fmt.Fprintf(a.io.Out, "bridge %s (%s), gateway %s, present %v, NAT %v\n", st.Bridge, st.Subnet, st.Gateway, st.Present, st.NAT)
 	return nil

@@ -1,10 +1,8 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -125,12 +123,9 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 				rows = append(rows, r)
 			}
 			if asJSON {
-				e := json.NewEncoder(a.io.Out)
-				e.SetIndent("", "  ")
-				return e.Encode(rows)
+				return a.printJSON(rows)
 			}
-			w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "NAME\tBOX\tSIZE-ON-DISK\tCREATED\tCLONES")
+			w := a.table("NAME", "BOX", "SIZE-ON-DISK", "CREATED", "CLONES")
 			for _, r := range rows {
 				clones := "-"
 				if len(r.Clones) > 0 {
