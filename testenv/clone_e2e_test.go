@@ -117,7 +117,6 @@ func guestClock(t *testing.T, n string) (float64, time.Time, time.Time) {
 
 func unixSec(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
 
-
 // TestWarmClones: a box runs a web server, is snapshotted, and clones of
 // the snapshot come up with the server running, each with its own
 // identity, without a frame reaching the bridge before they are
