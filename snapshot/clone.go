@@ -172,6 +172,11 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 		return nil, domain.Meta{}, CloneXMLSpec{}, err
 	}
 	defer unlock()
+	// The snapshot may have been deleted since it was read; under the lock
+	// snapshots rm cannot delete it until this clone is defined.
+	if _, err := os.Stat(snap.Path(MetaFile)); err != nil {
+		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("snapshot %q is gone: %w", snap.Name, domain.ErrNotFound)
+	}
 	ip, dir, err := h.Reserve(name, r)
 	if err != nil {
 		return nil, domain.Meta{}, CloneXMLSpec{}, err

@@ -117,6 +117,13 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 // Remove deletes a snapshot. It refuses while boxes depend on it: clones
 // map its memory file and their disks are overlays on its disk.
 func Remove(h *domain.Host, st Store, name string) error {
+	// Under the host lock: a clone being defined right now holds it, so
+	// it is either listed below or sees the snapshot gone.
+	unlock, err := h.Lock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	s, err := st.Get(name)
 	if err != nil {
 		return err

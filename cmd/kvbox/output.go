@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"strings"
 	"text/tabwriter"
+
+	"github.com/spf13/cobra"
 )
 
 // printJSON writes v for programs: indented JSON, a nil slice as [].
@@ -24,4 +26,46 @@ func (a *app) table(cols ...string) *tabwriter.Writer {
 	w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, strings.Join(cols, "\t"))
 	return w
+}
+
+// completeBoxes completes box names for the shell.
+func (a *app) completeBoxes(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	var names []string
+	if h, err := a.Host(); err == nil {
+		boxes, _ := h.Boxes()
+		for _, b := range boxes {
+			names = append(names, b.Name)
+		}
+	}
+	return names, cobra.ShellCompDirectiveNoFileComp
+}
+
+// completeSnapshots completes snapshot names for the shell.
+func (a *app) completeSnapshots(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	var names []string
+	snaps, _ := a.snapshots().List()
+	for _, s := range snaps {
+		names = append(names, s.Name)
+	}
+	return names, cobra.ShellCompDirectiveNoFileComp
+}
+
+// completeImages completes image names for the shell.
+func (a *app) completeImages(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	var names []string
+	ims, _ := a.images().List()
+	for _, im := range ims {
+		names = append(names, im.Name)
+	}
+	return names, cobra.ShellCompDirectiveNoFileComp
+}
+
+// firstArg limits a completion to the first argument.
+func firstArg(f cobra.CompletionFunc) cobra.CompletionFunc {
+	return func(c *cobra.Command, args []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
+		if len(args) > 0 {
+			return nil, cobra.ShellCompDirectiveNoFileComp
+		}
+		return f(c, args, toComplete)
+	}
 }

@@ -119,7 +119,31 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP())
+	a.addCompletions(root)
 	return root
+}
+
+// addCompletions teaches the shell completion (kvbox completion bash) the
+// names of boxes, snapshots and images.
+func (a *app) addCompletions(root *cobra.Command) {
+	find := func(path ...string) *cobra.Command {
+		c, _, err := root.Find(path)
+		if err != nil {
+			panic(err)
+		}
+		return c
+	}
+	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}} {
+		find(p...).ValidArgsFunction = firstArg(a.completeBoxes)
+	}
+	for _, p := range [][]string{{"stop"}, {"rm"}} {
+		find(p...).ValidArgsFunction = a.completeBoxes
+	}
+	find("snapshots", "rm").ValidArgsFunction = a.completeSnapshots
+	find("images", "rm").ValidArgsFunction = firstArg(a.completeImages)
+	newCmd := find("new")
+	newCmd.RegisterFlagCompletionFunc("from", a.completeSnapshots)
+	newCmd.RegisterFlagCompletionFunc("image", a.completeImages)
 }
 
 func envOr(k, def string) string {
