@@ -79,11 +79,13 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		return fmt.Errorf("%w: image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", domain.ErrInvalid, im.Name)
 	}
 	start := time.Now()
+	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
 	b, err := h.Create(c.Context(), domain.Spec{
 		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout,
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
 	})
+	stop()
 	if err != nil {
 		return err
 	}
@@ -201,7 +203,9 @@ func (a *app) newCmdStart() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			stop := a.spin("booting " + args[0] + ", waiting for its agent")
 			b, err := h.Start(c.Context(), args[0], timeout)
+			stop()
 			if err != nil {
 				return err
 			}

@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"strings"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -68,4 +69,29 @@ func firstArg(f cobra.CompletionFunc) cobra.CompletionFunc {
 		}
 		return f(c, args, toComplete)
 	}
+}
+
+// spin shows what kvbox is waiting for, with a spinner and the time spent,
+// on a terminal only; stop clears the line.
+func (a *app) spin(what string) (stop func()) {
+	if !a.io.TTY {
+		return func() {}
+	}
+	done, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		start := time.Now()
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for i := 0; ; i++ {
+			fmt.Fprintf(a.io.Err, "\r%c %s %.1fs\x1b[K", `|/-\`[i%4], what, time.Since(start).Seconds())
+			select {
+			case <-done:
+				fmt.Fprint(a.io.Err, "\r\x1b[K")
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return func() { close(done); <-finished }
 }

@@ -58,12 +58,17 @@ clones start warm) and stopped again afterwards.`,
 			}
 			if b.State == "stopped" {
 				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
-				if _, err := h.Start(c.Context(), boxName, 90*time.Second); err != nil {
+				stop := a.spin("booting " + boxName)
+				_, err := h.Start(c.Context(), boxName, 90*time.Second)
+				stop()
+				if err != nil {
 					return err
 				}
 				defer h.Stop(c.Context(), boxName, 30*time.Second, false)
 			}
+			stop := a.spin("saving " + boxName + " as " + name)
 			res, err := snapshot.Create(c.Context(), h, a.snapshots(), boxName, name)
+			stop()
 			if err != nil {
 				return err
 			}
