@@ -163,6 +163,7 @@ func (h *Host) Reserve(name string, r *revert.Reverter) (netip.Addr, string, err
 	if err != nil {
 		return netip.Addr{}, "", err
 	}
+	h.Net.ForgetNeighbor(ip)
 	dir := h.BoxDir(name)
 	// No domain has this name, so a folder left here is debris of a kvbox
 	// that was killed half-way; it holds nothing of value.

@@ -180,6 +180,10 @@ func applyNetwork(id Identity) error {
 			return fmt.Errorf("%s add %s: %w", name, id.Address, err)
 		}
 	}
+	// Announce the address when the link comes up (gratuitous ARP): the
+	// host and other boxes may still map it to the MAC of a box that had
+	// it before, or to the source of a clone.
+	os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/arp_notify", []byte("1\n"), 0o644)
 	if err := netlink.LinkSetUp(link); err != nil {
 		return fmt.Errorf("%s up: %w", name, err)
 	}

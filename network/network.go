@@ -192,6 +192,18 @@ func lastAddr(p netip.Prefix) netip.Addr {
 	return netip.AddrFrom4(b)
 }
 
+// ForgetNeighbor drops the host's ARP entry for an address on the bridge.
+// An address handed to a new box may still map to the MAC of the box that
+// had it before; until that entry times out the host could not reach the
+// new box.
+func (c Config) ForgetNeighbor(ip netip.Addr) {
+	br, err := netlink.LinkByName(c.Bridge)
+	if err != nil {
+		return
+	}
+	netlink.NeighDel(&netlink.Neigh{LinkIndex: br.Attrs().Index, Family: netlink.FAMILY_V4, IP: ip.AsSlice()})
+}
+
 // NewMAC returns a random MAC address in QEMU's 52:54:00 range.
 func NewMAC() string {
 	var b [3]byte

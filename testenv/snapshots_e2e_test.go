@@ -64,7 +64,7 @@ func newSnapshot(t testing.TB, boxName, n string) snap {
 // startCounter starts a process in the box that counts in /tmp/counter.
 func startCounter(t testing.TB, n string) {
 	t.Helper()
-	inBox(t, n, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done' </dev/null >/dev/null 2>&1 &`)
+	inBox(t, n, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' </dev/null >/dev/null 2>&1 &`)
 }
 
 func counter(t testing.TB, n string) int {
