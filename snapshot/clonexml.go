@@ -218,6 +218,11 @@ func cloneChardevs(devs *libvirtxml.DomainDeviceList, dir string) error {
 	if seen == 0 && domain.Transport() != "vsock" {
 		return fmt.Errorf("%w: the snapshot's domain XML has no kvbox agent channel", domain.ErrInvalid)
 	}
+	// The source's vsock CID is taken while it runs: the clone gets its
+	// own (the agent listens on any CID, so the guest needs no change).
+	if devs.VSock != nil {
+		devs.VSock.CID = &libvirtxml.DomainVSockCID{Auto: "yes"}
+	}
 	for i := range devs.Serials {
 		clearPty(devs.Serials[i].Source)
 		devs.Serials[i].Log = cloneLog(devs.Serials[i].Log, dir)

@@ -314,3 +314,18 @@ func TestLiveTap(t *testing.T) {
 		t.Errorf("liveTap of an inactive XML: no error")
 	}
 }
+
+// A source on a vsock host holds a CID while it runs; the clone must ask
+// libvirt for its own.
+func TestCloneXMLVsockGetsItsOwnCID(t *testing.T) {
+	src := strings.Replace(readTestdata(t, "domain-live.xml"), "</devices>",
+		"<vsock model='virtio'><cid auto='yes' address='3'/></vsock></devices>", 1)
+	out, err := CloneXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := parseDomain(t, out)
+	if d.Devices.VSock == nil || d.Devices.VSock.CID == nil || d.Devices.VSock.CID.Auto != "yes" || d.Devices.VSock.CID.Address != "" {
+		t.Fatalf("clone vsock: %+v", d.Devices.VSock)
+	}
+}
