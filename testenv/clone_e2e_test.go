@@ -57,7 +57,7 @@ func httpGet(url string) (string, error) {
 func newClone(t *testing.T, snap, n string) result {
 	t.Helper()
 	t.Cleanup(func() { kvbox(t, "rm", "--force", n) })
-	return kvbox(t, "new", "--from", snap, n)
+	return kvbox(t, "new", "-v", "--from", snap, n)
 }
 
 // capture runs tcpdump in this namespace until stop is called and returns

@@ -59,8 +59,8 @@ PY
 	done
 	echo "dev server listening"'
 step "freeze it: memory, CPU state and disk, while dev keeps running" "${K[@]}" snapshots new -v dev warm
-step "a warm clone" "${K[@]}" new --from warm agent-1
-step "another warm clone" "${K[@]}" new --from warm agent-2
+step "a warm clone" "${K[@]}" new -v --from warm agent-1
+step "another warm clone" "${K[@]}" new -v --from warm agent-2
 
 show_box() {
 	local b=$1 ip

@@ -21,6 +21,7 @@ type newOptions struct {
 	memory  string
 	disk    string
 	timeout time.Duration
+	verbose bool
 }
 
 func (a *app) newCmdNew() *cobra.Command {
@@ -44,6 +45,7 @@ func (a *app) newCmdNew() *cobra.Command {
 	f.StringVar(&o.memory, "memory", "4G", "RAM, like 512M or 4G")
 	f.StringVar(&o.disk, "disk", "8G", "disk size, like 8G")
 	f.DurationVar(&o.timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time of a clone went, step by step")
 	return c
 }
 
@@ -119,7 +121,9 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)\n",
 		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
-	fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
+	if o.verbose {
+		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
+	}
 	return nil
 }
 
