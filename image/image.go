@@ -87,7 +87,7 @@ type ImportOptions struct {
 	Kernel  string // optional: boot this kernel directly
 	Initrd  string
 	Cmdline string
-	Agent   string // yes, no or unknown
+	Agent   string // yes, no or unknown; empty: look inside the disk
 	Replace bool
 }
 
@@ -130,7 +130,9 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	final := filepath.Join(imageDir, version)
 	im := Image{Name: name, Format: info.Format, Cmdline: o.Cmdline, VirtualSize: info.VirtualSize, Agent: o.Agent, Created: now}
 	if im.Agent == "" {
-		im.Agent = "unknown"
+		if im.Agent, err = DetectAgent(context.Background(), o.Disk, info.Format, tmp); err != nil {
+			return Image{}, fmt.Errorf("look for kvbox-agent in %s: %w", o.Disk, err)
+		}
 	}
 	copies := []struct {
 		src, name string

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"crypto/md5"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -359,4 +360,28 @@ func (l *lockedBuffer) String() string {
 func md5hex(s string) string {
 	sum := md5.Sum([]byte(s))
 	return hex.EncodeToString(sum[:])
+}
+
+// An image without the agent is known as such at import, and new refuses
+// it with a message that says how to add the agent.
+func TestImageWithoutAgent(t *testing.T) {
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Join(dir, "root/etc"), 0o755)
+	disk := filepath.Join(dir, "noagent.raw")
+	if out, err := exec.Command("mkfs.ext4", "-q", "-d", filepath.Join(dir, "root"), disk, "32M").CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v %s", err, out)
+	}
+	sd := []string{"--state-dir", filepath.Join(dir, "state")}
+	if r := kvbox(t, append(sd, "images", "import", "noagent", disk)...); r.code != 0 {
+		t.Fatalf("import: %s", r)
+	}
+	var ims []struct{ Name, Agent string }
+	json.Unmarshal([]byte(mustKvbox(t, append(sd, "images", "ls", "--json")...)), &ims)
+	if len(ims) != 1 || ims[0].Agent != "no" {
+		t.Fatalf("images ls: %+v", ims)
+	}
+	r := kvbox(t, append(sd, "new", "--image", "noagent", "--memory", "256M", name(t, "noagent"))...)
+	if r.code == 0 || !strings.Contains(r.stderr, "has no kvbox-agent") || !strings.Contains(r.stderr, "--agent yes") {
+		t.Errorf("new on an image without the agent: %s", r)
+	}
 }
