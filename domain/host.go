@@ -1,3 +1,8 @@
+// Package domain owns boxes as libvirt domains: their XML (rendered from a
+// template, with kvbox's facts in the domain's metadata), their folders on
+// the host, and their life cycle (create, start, stop, remove), including
+// waiting for a box's guest agent and giving the guest its identity. It
+// also holds kvbox's sentinel errors and name and size rules.
 package domain
 
 import (

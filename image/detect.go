@@ -63,7 +63,9 @@ type toolError struct {
 	output string
 }
 
-func (e *toolError) Error() string { return e.tool + ": " + e.err.Error() + ": " + string(bytes.TrimSpace([]byte(e.output))) }
+func (e *toolError) Error() string {
+	return e.tool + ": " + e.err.Error() + ": " + string(bytes.TrimSpace([]byte(e.output)))
+}
 
 // isExt reports whether an ext2/3/4 superblock starts 1024 bytes past off.
 func isExt(path string, off int64) bool {

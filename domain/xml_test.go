@@ -1,0 +1,84 @@
+package domain
+
+import (
+	"encoding/xml"
+	"strings"
+	"testing"
+	"time"
+
+	"kvbox.dev/kvbox/templates"
+)
+
+func testData() TemplateData {
+	md, _ := MarshalMeta(Meta{Image: "tiny", IP: "172.30.0.2", Prefix: 24, MAC: "52:54:00:01:02:03", Dir: "/b/x",
+		Created: time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)})
+	return TemplateData{
+		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
+		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
+		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", ConsoleLog: "/b/x/console.log",
+		AgentPorts: AgentSockets("/b/x"), QemuArgs: ramArgs(256<<20, "/b/x/memory"),
+	}
+}
+
+// The built-in template renders a domain whose facts read back through the
+// same parser kvbox lists boxes with.
+func TestRenderRoundTrip(t *testing.T) {
+	out, err := Render(templates.Box, testData())
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := parseDomainXML(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Type != "qemu" || d.Name != "x" || d.VCPU != 1 || d.memoryBytes() != 256<<20 {
+		t.Errorf("parsed back %+v", d)
+	}
+	if d.Metadata == nil || d.Metadata.IP != "172.30.0.2" || d.Metadata.Image != "tiny" || !d.Metadata.Created.Equal(time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)) {
+		t.Errorf("metadata read back as %+v", d.Metadata)
+	}
+	for _, want := range []string{
+		"console=ttyS0 root=/dev/vda &amp; more", // escaped
+		"<target type='virtio' name='org.kvbox.agent.3'/>",
+		"mem-path=/b/x/memory,share=on",
+		"<genid/>",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("rendered XML lacks %q", want)
+		}
+	}
+	if strings.Contains(out, "<vsock") || strings.Contains(out, "host-passthrough") {
+		t.Errorf("a qemu domain without vsock got vsock or a host CPU:\n%s", out)
+	}
+	kvm := testData()
+	kvm.Type, kvm.Vsock, kvm.Kernel = "kvm", true, ""
+	out, err = Render(templates.Box, kvm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"<vsock model='virtio'>", "host-passthrough", "<boot dev='hd'/>"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("kvm, vsock, disk boot: lacks %q", want)
+		}
+	}
+}
+
+func TestRenderRejectsBadTemplates(t *testing.T) {
+	for _, tmpl := range []string{"<domain>{{.Nope}}</domain>", "<domain>{{.Name}</domain>", "<domain><name>{{.Name}}</domain>"} {
+		if _, err := Render(tmpl, testData()); err == nil {
+			t.Errorf("template %q rendered", tmpl)
+		}
+	}
+}
+
+func TestMemoryUnits(t *testing.T) {
+	for unit, want := range map[string]int64{"KiB": 2 << 10, "": 2 << 10, "MiB": 2 << 20, "GiB": 2 << 30, "b": 2, "MB": 2e6} {
+		var d domainXML
+		if err := xml.Unmarshal([]byte("<domain><memory unit='"+unit+"'>2</memory></domain>"), &d); err != nil {
+			t.Fatal(err)
+		}
+		if got := d.memoryBytes(); got != want {
+			t.Errorf("unit %q: %d, want %d", unit, got, want)
+		}
+	}
+}
