@@ -17,7 +17,7 @@ testenv:
 	bash testenv/setup.sh
 
 check:
-	test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); exit 1; }
+	test -z "$$(gofmt -l $$(git ls-files --cached --others --exclude-standard '*.go'))" || { gofmt -l $$(git ls-files --cached --others --exclude-standard '*.go'); exit 1; }
 	$(GO) vet ./...
 
 unit:
