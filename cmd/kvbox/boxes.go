@@ -136,11 +136,7 @@ func (a *app) newCmdLs() *cobra.Command {
 		Example: "  kvbox ls\n  kvbox ls --json | jq -r '.[].ip'",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
-			if err != nil {
-				return err
-			}
-			boxes, err := h.Boxes()
+			boxes, err := a.boxes()
 			if err != nil {
 				return err
 			}

@@ -132,12 +132,8 @@ func (a *app) newCmdImagesRm() *cobra.Command {
 // imageUsers maps each base disk that boxes or snapshots build on to their
 // names ("box dev", "snapshot warm").
 func (a *app) imageUsers(ctx context.Context) (map[string][]string, error) {
-	h, err := a.Host()
-	if err != nil {
-		return nil, err
-	}
 	users := map[string][]string{}
-	boxes, err := h.Boxes()
+	boxes, err := a.boxes()
 	if err != nil {
 		return nil, err
 	}

@@ -32,11 +32,9 @@ func (a *app) table(cols ...string) *tabwriter.Writer {
 // completeBoxes completes box names for the shell.
 func (a *app) completeBoxes(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
 	var names []string
-	if h, err := a.Host(); err == nil {
-		boxes, _ := h.Boxes()
-		for _, b := range boxes {
-			names = append(names, b.Name)
-		}
+	boxes, _ := a.boxes()
+	for _, b := range boxes {
+		names = append(names, b.Name)
 	}
 	return names, cobra.ShellCompDirectiveNoFileComp
 }

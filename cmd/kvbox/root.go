@@ -195,6 +195,15 @@ func (a *app) Host() (*domain.Host, error) {
 	return a.host, nil
 }
 
+// boxes connects and lists every box.
+func (a *app) boxes() ([]domain.Box, error) {
+	h, err := a.Host()
+	if err != nil {
+		return nil, err
+	}
+	return h.Boxes()
+}
+
 func (a *app) images() image.Store {
 	return image.Store{Dir: a.stateDir + "/images"}
 }

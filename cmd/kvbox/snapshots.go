@@ -105,15 +105,11 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 		Example: "  kvbox snapshots ls\n  kvbox snapshots ls --json",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			boxes, err := a.boxes()
 			if err != nil {
 				return err
 			}
 			snaps, err := a.snapshots().List()
-			if err != nil {
-				return err
-			}
-			boxes, err := h.Boxes()
 			if err != nil {
 				return err
 			}
