@@ -452,3 +452,34 @@ const cloneBridge = "kvbox0"
 
 // cloneGateway is the host's address on it.
 const cloneGateway = "172.30.0.1"
+
+// A clone is a box like any other: stopped and started again it cold-boots
+// from its own disk (not the snapshot's memory) and keeps its identity.
+func TestCloneStopStart(t *testing.T) {
+	src, snap, c := name(t, "sssrc"), name(t, "sswarm"), name(t, "ssclone")
+	newBox(t, src)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src, snap)
+	if r := newClone(t, snap, c); r.code != 0 {
+		t.Fatalf("clone: %s", r)
+	}
+	before := getBox(t, c)
+	inBox(t, c, "echo from-clone > /root/mark; sync")
+	mustKvbox(t, "stop", c)
+	mustKvbox(t, "start", c)
+	after := getBox(t, c)
+	if after.State != "running" || after.IP != before.IP || after.MAC != before.MAC || after.Snapshot != snap {
+		t.Fatalf("after stop/start: %+v, before %+v", after, before)
+	}
+	got := inBox(t, c, "hostname; cat /root/mark; cat /sys/class/net/eth0/address; cut -d' ' -f1 /proc/uptime")
+	for _, want := range []string{c + "\n", "from-clone\n", before.MAC} {
+		if !strings.Contains(got, want) {
+			t.Errorf("cold-booted clone shows %q, lacks %q", got, want)
+		}
+	}
+	// And it still keeps the snapshot from being deleted: its disk is an
+	// overlay on the snapshot's.
+	if r := kvbox(t, "snapshots", "rm", snap); r.code == 0 {
+		t.Errorf("snapshots rm while a stopped clone builds on it succeeded")
+	}
+}
