@@ -355,17 +355,28 @@ func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box) error {
 	return nil
 }
 
-// hostNameservers are the host's resolvers a box can reach through NAT:
-// loopback resolvers (systemd-resolved, dnsmasq) are useless inside a box.
+// hostNameservers are the host's resolvers a box can reach through NAT.
+// Loopback resolvers (systemd-resolved's stub, a local dnsmasq) are useless
+// inside a box; behind systemd-resolved the upstream servers are in its own
+// resolv.conf.
 func hostNameservers() []string {
-	data, err := os.ReadFile("/etc/resolv.conf")
+	for _, f := range []string{"/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"} {
+		if ns := nameservers(f); len(ns) > 0 {
+			return ns
+		}
+	}
+	return nil
+}
+
+func nameservers(file string) []string {
+	data, err := os.ReadFile(file)
 	if err != nil {
 		return nil
 	}
 	var ns []string
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Fields(line)
-		if len(f) == 2 && f[0] == "nameserver" {
+		if len(f) >= 2 && f[0] == "nameserver" {
 			if a, err := netip.ParseAddr(f[1]); err == nil && !a.IsLoopback() {
 				ns = append(ns, a.String())
 			}
