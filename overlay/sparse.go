@@ -28,6 +28,17 @@ var useCopyFileRange = true
 // back to writing the bytes already read. written counts the bytes copied
 // into dst (0 for a reflink). dst has src's size.
 func CopySparse(dst, src string) (written int64, err error) {
+	return copySparse(dst, src, true)
+}
+
+// CopySparseNoSync is CopySparse without the final fsync, for a caller that
+// must return quickly (kvbox copies a paused box's RAM) and syncs the copy
+// later, before it counts on it.
+func CopySparseNoSync(dst, src string) (written int64, err error) {
+	return copySparse(dst, src, false)
+}
+
+func copySparse(dst, src string, sync bool) (written int64, err error) {
 	in, err := os.Open(src)
 	if err != nil {
 		return 0, err
@@ -54,7 +65,7 @@ func CopySparse(dst, src string) (written int64, err error) {
 	}()
 
 	if unix.IoctlFileClone(int(out.Fd()), int(in.Fd())) == nil {
-		return 0, syncFile(out, dst)
+		return 0, syncFile(out, dst, sync)
 	}
 	// The clone failed (EOPNOTSUPP, EXDEV, EINVAL on ext4/tmpfs ...); dst
 	// is still empty.
@@ -66,10 +77,13 @@ func CopySparse(dst, src string) (written int64, err error) {
 	if err != nil {
 		return written, fmt.Errorf("overlay: copy %s to %s: %w", src, dst, err)
 	}
-	return written, syncFile(out, dst)
+	return written, syncFile(out, dst, sync)
 }
 
-func syncFile(f *os.File, name string) error {
+func syncFile(f *os.File, name string, sync bool) error {
+	if !sync {
+		return nil
+	}
 	if err := f.Sync(); err != nil {
 		return fmt.Errorf("overlay: fsync %s: %w", name, err)
 	}

@@ -197,7 +197,8 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	mem := Memory{File: StateFile, MappedRAM: true}
 	if !mapped {
 		mem = Memory{File: MemoryFile}
-		if _, err := overlay.CopySparse(filepath.Join(tmp, MemoryFile), domain.MemoryFile(box.Dir)); err != nil {
+		// Not synced here: seal syncs every file once the box runs again.
+		if _, err := overlay.CopySparseNoSync(filepath.Join(tmp, MemoryFile), domain.MemoryFile(box.Dir)); err != nil {
 			return Result{}, fmt.Errorf("copy the memory of box %q: %w", boxName, err)
 		}
 		t.step("copy memory")
