@@ -60,22 +60,75 @@ func (h *Host) Lock() (unlock func(), err error) {
 
 // LockBox takes the lock of one box, held by commands that change it.
 func (h *Host) LockBox(name string) (unlock func(), err error) {
-	return lockFile(filepath.Join(h.StateDir, "locks", name+".lock"))
-}
-
-func lockFile(path string) (func(), error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, err
-	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+	l, err := h.lockBox(name)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("lock %s: %w", path, err)
+	return l.Unlock, nil
+}
+
+func (h *Host) lockBox(name string) (*FileLock, error) {
+	return LockFile(filepath.Join(h.StateDir, "locks", name+".lock"), true)
+}
+
+func lockFile(path string) (func(), error) {
+	l, err := LockFile(path, true)
+	if err != nil {
+		return nil, err
 	}
-	return func() { f.Close() }, nil
+	return l.Unlock, nil
+}
+
+// FileLock is an exclusive flock on a lock file.
+type FileLock struct {
+	f    *os.File
+	path string
+}
+
+// ErrLocked is returned by LockFile without wait when another holds the lock.
+var ErrLocked = errors.New("locked by another kvbox")
+
+// LockFile locks path, creating it; without wait it fails with ErrLocked
+// instead of waiting. Once locked, it checks that path still names the file
+// it locked: a holder may remove the lock file on release (RemoveAndUnlock),
+// and a kvbox that opened it just before must then try again rather than
+// hold a lock on a file nobody else can see.
+func LockFile(path string, wait bool) (*FileLock, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	how := syscall.LOCK_EX
+	if !wait {
+		how |= syscall.LOCK_NB
+	}
+	for {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+		if err != nil {
+			return nil, err
+		}
+		if err := syscall.Flock(int(f.Fd()), how); err != nil {
+			f.Close()
+			if errors.Is(err, syscall.EWOULDBLOCK) {
+				return nil, ErrLocked
+			}
+			return nil, fmt.Errorf("lock %s: %w", path, err)
+		}
+		var held, now syscall.Stat_t
+		if syscall.Fstat(int(f.Fd()), &held) == nil && syscall.Stat(path, &now) == nil && held.Ino == now.Ino && held.Dev == now.Dev {
+			return &FileLock{f: f, path: path}, nil
+		}
+		f.Close()
+	}
+}
+
+// Unlock releases the lock and keeps the lock file.
+func (l *FileLock) Unlock() { l.f.Close() }
+
+// RemoveAndUnlock deletes the lock file (what it guarded is gone) and
+// releases the lock.
+func (l *FileLock) RemoveAndUnlock() {
+	os.Remove(l.path)
+	l.f.Close()
 }
 
 func (h *Host) hostFacts() (hostFacts, error) {

@@ -230,16 +230,28 @@ func (h *Host) ready(ctx context.Context, dom *libvirt.Domain, b Box, timeout ti
 // LockedLookup takes the box's lock and looks the box up; release frees the
 // domain and drops the lock.
 func (h *Host) LockedLookup(name string) (b Box, dom *libvirt.Domain, release func(), err error) {
-	unlock, err := h.LockBox(name)
+	l, err := h.lockBox(name)
 	if err != nil {
 		return Box{}, nil, nil, err
 	}
 	b, dom, err = h.Lookup(name)
 	if err != nil {
-		unlock()
+		// No such box: its lock file guards nothing.
+		l.RemoveAndUnlock()
 		return Box{}, nil, nil, err
 	}
-	return b, dom, func() { dom.Free(); unlock() }, nil
+	return b, dom, func() {
+		dom.Free()
+		d, err := h.Conn.LookupDomainByName(name)
+		if err == nil {
+			d.Free()
+		}
+		if isNoDomain(err) {
+			l.RemoveAndUnlock() // the box was removed under the lock
+			return
+		}
+		l.Unlock()
+	}, nil
 }
 
 // powerOff pulls the plug of a running domain; one already off is fine.
@@ -320,7 +332,6 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 			return err
 		}
 	}
-	os.Remove(filepath.Join(h.StateDir, "locks", name+".lock"))
 	return nil
 }
 

@@ -3,6 +3,7 @@ package snapshot
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -374,26 +375,16 @@ func writeJSON(path string, v any) error {
 }
 
 // lockName holds a snapshot name while a snapshot of that name is built or
-// recovered. The lock file is removed on unlock; a kvbox that opened it just
-// before sees, once it holds the lock, that the path now names another file
-// (or none), and tries again, so two never hold one name.
+// recovered; the lock file goes with the unlock.
 func lockName(st Store, name string) (func(), error) {
-	path := filepath.Join(st.Dir, "."+name+".lock")
-	for {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
-		if err != nil {
-			return nil, err
-		}
-		if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-			f.Close()
-			return nil, fmt.Errorf("snapshot %q is being taken by another kvbox: %w", name, domain.ErrBusy)
-		}
-		var held, now syscall.Stat_t
-		if syscall.Fstat(int(f.Fd()), &held) == nil && syscall.Stat(path, &now) == nil && held.Ino == now.Ino && held.Dev == now.Dev {
-			return func() { os.Remove(path); f.Close() }, nil
-		}
-		f.Close()
+	l, err := domain.LockFile(filepath.Join(st.Dir, "."+name+".lock"), false)
+	if errors.Is(err, domain.ErrLocked) {
+		return nil, fmt.Errorf("snapshot %q is being taken by another kvbox: %w", name, domain.ErrBusy)
 	}
+	if err != nil {
+		return nil, err
+	}
+	return l.RemoveAndUnlock, nil
 }
 
 type timer struct {
