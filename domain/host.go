@@ -55,28 +55,16 @@ func (h *Host) BoxDir(name string) string { return filepath.Join(h.BoxesDir(), n
 // which boxes exist and which addresses they hold: two `kvbox new` run at
 // the same moment from two shells never pick the same address.
 func (h *Host) Lock() (unlock func(), err error) {
-	return lockFile(filepath.Join(h.StateDir, "lock"))
-}
-
-// LockBox takes the lock of one box, held by commands that change it.
-func (h *Host) LockBox(name string) (unlock func(), err error) {
-	l, err := h.lockBox(name)
+	l, err := LockFile(filepath.Join(h.StateDir, "lock"), true)
 	if err != nil {
 		return nil, err
 	}
 	return l.Unlock, nil
 }
 
+// lockBox takes the lock of one box, held by commands that change it.
 func (h *Host) lockBox(name string) (*FileLock, error) {
 	return LockFile(filepath.Join(h.StateDir, "locks", name+".lock"), true)
-}
-
-func lockFile(path string) (func(), error) {
-	l, err := LockFile(path, true)
-	if err != nil {
-		return nil, err
-	}
-	return l.Unlock, nil
 }
 
 // FileLock is an exclusive flock on a lock file.
