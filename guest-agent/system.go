@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 	"unsafe"
 
@@ -23,6 +24,10 @@ import (
 type LinuxSystem struct {
 	// Root is where /etc lives ("/" in a guest; a temp dir in tests).
 	Root string
+	// mu serializes identity changes: the identity saved at boot is
+	// re-applied in the background while the host may already be sending
+	// its own, and two flush-then-add sequences must not interleave.
+	mu sync.Mutex
 }
 
 // NewLinuxSystem returns the System of the running guest.
@@ -114,6 +119,8 @@ func (s *LinuxSystem) ApplyIdentity(id Identity) error {
 	if err := id.Validate(); err != nil {
 		return err
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if id.MAC != "" || id.Address != "" {
 		if err := applyNetwork(id); err != nil {
 			return err
@@ -176,7 +183,7 @@ func applyNetwork(id Identity) error {
 		if err != nil {
 			return fmt.Errorf("address %q: %w", id.Address, err)
 		}
-		if err := netlink.AddrAdd(link, addr); err != nil {
+		if err := netlink.AddrReplace(link, addr); err != nil {
 			return fmt.Errorf("%s add %s: %w", name, id.Address, err)
 		}
 	}
