@@ -46,6 +46,7 @@ for b in agent-1 agent-2 dev; do "${K[@]}" rm --force "$b" >/dev/null 2>&1 && lo
 
 step "a new box from the Debian image" "${K[@]}" new dev
 step "set it up: a git repo, a dev server on :8000, caches warm" "${K[@]}" exec dev -- sh -ec '
+	printf "systemd: %s\n" "$(systemctl is-system-running --wait)"
 	mkdir -p /srv/app && cd /srv/app
 	git init -q -b main . && git config user.email demo@kvbox && git config user.name demo
 	echo "<h1>hello from the app</h1>" > index.html
