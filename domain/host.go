@@ -48,6 +48,13 @@ type Host struct {
 // sockets, console log.
 func (h *Host) BoxesDir() string { return filepath.Join(h.StateDir, "boxes") }
 
+// FailedConsoleLog is where the console log of a box whose creation failed
+// is kept after its folder is removed: the next failure of that name
+// replaces it.
+func (h *Host) FailedConsoleLog(name string) string {
+	return filepath.Join(h.StateDir, "logs", name+".console.log")
+}
+
 // BoxDir is the folder of the named box.
 func (h *Host) BoxDir(name string) string { return filepath.Join(h.BoxesDir(), name) }
 
@@ -342,7 +349,7 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
-			return nil, fmt.Errorf("box %q stopped while booting (%s); its console log is %s", b.Name, stateName(st), filepath.Join(b.Dir, "console.log"))
+			return nil, fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
 		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
@@ -358,7 +365,8 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 		last = err
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("the agent of box %q did not answer in time (last error: %v); is kvbox-agent in the image? console log: %s", b.Name, last, filepath.Join(b.Dir, "console.log"))
+			return nil, fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
+				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.FailedConsoleLog(b.Name))
 		case <-time.After(50 * time.Millisecond):
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"libvirt.org/go/libvirt"
@@ -81,49 +82,53 @@ func (h *Host) Create(ctx context.Context, s Spec) (Box, error) {
 		return Box{}, err
 	}
 	r := revert.New()
-	dom, b, err := h.define(ctx, s, r)
+	dom, b, res, err := h.define(ctx, s, r)
 	if err != nil {
 		r.Fail()
 		return Box{}, err
 	}
 	defer dom.Free()
 	defer r.Fail() // runs before Free: the undo steps use dom
+	Testpoint("box-defined")
 	if err := dom.Create(); err != nil {
 		return Box{}, fmt.Errorf("start box %q: %s", s.Name, LibvirtMessage(err))
 	}
 	r.Add(func() { dom.Destroy() })
+	Testpoint("box-started")
 	if b, err = h.ready(ctx, dom, b, s.AgentTimeout); err != nil {
 		return Box{}, err
 	}
 	r.Success()
+	res.Done()
 	return b, nil
 }
 
 // define does the part of Create that needs the host lock: pick a free
 // address and define the domain, which then holds the address in its
 // metadata.
-func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt.Domain, Box, error) {
+func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt.Domain, Box, Reservation, error) {
 	unlock, err := h.Lock()
 	if err != nil {
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
 	defer unlock()
-	ip, dir, err := h.Reserve(s.Name, r)
+	res, err := h.Reserve(s.Name, r)
 	if err != nil {
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
+	ip, dir := res.IP, res.Dir
 	disk := filepath.Join(dir, "disk.qcow2")
 	if err := overlay.Create(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat); err != nil {
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
 	if s.DiskBytes > s.Boot.VirtualSize {
 		if err := overlay.Resize(ctx, disk, s.DiskBytes); err != nil {
-			return nil, Box{}, err
+			return nil, Box{}, Reservation{}, err
 		}
 	}
 	typ, err := h.DomainType()
 	if err != nil {
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
 	meta := Meta{
 		Image: s.Boot.Image, IP: ip.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
@@ -132,36 +137,51 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 	}
 	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, ramArgs(s.MemoryBytes, MemoryFile(dir)))
 	if err != nil {
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
 	dom, err := h.Conn.DomainDefineXML(xml)
 	if err != nil {
-		return nil, Box{}, fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
+		return nil, Box{}, Reservation{}, fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
 	}
 	r.Add(func() { Undefine(dom) })
 	b, _, err := boxOf(dom)
 	if err != nil {
 		dom.Free()
-		return nil, Box{}, err
+		return nil, Box{}, Reservation{}, err
 	}
-	return dom, b, nil
+	return dom, b, res, nil
 }
 
+// Reservation is a box being created: its address and folder. Until Done,
+// a marker lock in the folder says a live kvbox is still at it; RecoverBoxes
+// removes what a kvbox killed half-way left.
+type Reservation struct {
+	IP     netip.Addr
+	Dir    string
+	marker *FileLock
+}
+
+// Done marks the box as complete.
+func (r Reservation) Done() { r.marker.RemoveAndUnlock() }
+
+// creatingMarker is the lock file in a folder of a box being created.
+const creatingMarker = ".creating.lock"
+
 // Reserve checks that no domain has the name, picks a free address and
-// makes the box's folder (given to QEMU's user), adding the folder's removal
-// to r. Call it under Lock and define the domain before unlocking: the
-// domain's metadata is what holds the address.
-func (h *Host) Reserve(name string, r *revert.Reverter) (netip.Addr, string, error) {
+// makes the box's folder (given to QEMU's user), adding its removal to r.
+// Call it under Lock and define the domain before unlocking: the domain's
+// metadata is what holds the address. Call Done once the box is complete.
+func (h *Host) Reserve(name string, r *revert.Reverter) (Reservation, error) {
 	if err := h.NameFree(name); err != nil {
-		return netip.Addr{}, "", err
+		return Reservation{}, err
 	}
 	used, err := h.UsedAddrs()
 	if err != nil {
-		return netip.Addr{}, "", err
+		return Reservation{}, err
 	}
 	ip, err := h.Net.Allocate(used)
 	if err != nil {
-		return netip.Addr{}, "", err
+		return Reservation{}, err
 	}
 	h.Net.ForgetNeighbor(ip)
 	dir := h.BoxDir(name)
@@ -169,16 +189,88 @@ func (h *Host) Reserve(name string, r *revert.Reverter) (netip.Addr, string, err
 	// that was killed half-way; it holds nothing of value.
 	os.RemoveAll(dir)
 	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
-		return netip.Addr{}, "", err
+		return Reservation{}, err
 	}
 	if err := os.Mkdir(dir, 0o750); err != nil {
-		return netip.Addr{}, "", err
+		return Reservation{}, err
 	}
 	r.Add(func() { os.RemoveAll(dir) })
-	if err := h.ChownForQEMU(dir); err != nil {
-		return netip.Addr{}, "", err
+	r.Add(func() { h.keepConsoleLog(name, dir) })
+	marker, err := LockFile(filepath.Join(dir, creatingMarker), false)
+	if err != nil {
+		return Reservation{}, err
 	}
-	return ip, dir, nil
+	r.Add(marker.Unlock)
+	if err := h.ChownForQEMU(dir); err != nil {
+		return Reservation{}, err
+	}
+	return Reservation{IP: ip, Dir: dir, marker: marker}, nil
+}
+
+// keepConsoleLog saves the console log of a box whose creation failed
+// before its folder goes: it tells why the guest never answered.
+func (h *Host) keepConsoleLog(name, dir string) {
+	b, err := os.ReadFile(filepath.Join(dir, "console.log"))
+	if err != nil {
+		return
+	}
+	if os.MkdirAll(filepath.Dir(h.FailedConsoleLog(name)), 0o755) == nil {
+		os.WriteFile(h.FailedConsoleLog(name), b, 0o644)
+	}
+}
+
+// RecoverBoxes removes boxes whose creation a killed kvbox left half-done:
+// the domain (destroyed and undefined) and the folder, and with them the
+// address. Boxes a live kvbox is still creating are left alone. It returns
+// the names it removed.
+func (h *Host) RecoverBoxes() ([]string, error) {
+	ents, err := os.ReadDir(h.BoxesDir())
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var removed []string
+	var errs []error
+	for _, e := range ents {
+		dir := filepath.Join(h.BoxesDir(), e.Name())
+		path := filepath.Join(dir, creatingMarker)
+		if _, err := os.Stat(path); err != nil {
+			continue
+		}
+		l, err := LockFile(path, false)
+		if err != nil {
+			continue // a live kvbox is creating it
+		}
+		if d, err := h.Conn.LookupDomainByName(e.Name()); err == nil {
+			if b, ok, _ := boxOf(d); ok && b.Dir == dir {
+				powerOff(d, e.Name())
+				if err := Undefine(d); err != nil && !isNoDomain(err) {
+					errs = append(errs, fmt.Errorf("remove half-created box %q: %s", e.Name(), LibvirtMessage(err)))
+					d.Free()
+					l.Unlock()
+					continue
+				}
+			}
+			d.Free()
+		}
+		l.Unlock()
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		removed = append(removed, e.Name())
+	}
+	return removed, errors.Join(errs...)
+}
+
+// Testpoint lets end-to-end tests kill kvbox at a named step
+// (KVBOX_TEST_KILL_AT=step) to prove a crash there loses nothing.
+func Testpoint(name string) {
+	if os.Getenv("KVBOX_TEST_KILL_AT") == name {
+		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	}
 }
 
 // render fills the domain template.

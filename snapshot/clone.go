@@ -74,7 +74,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 
 	r := revert.New()
-	dom, meta, spec, err := defineClone(ctx, h, snap, name, string(srcXML), r)
+	dom, meta, spec, res, err := defineClone(ctx, h, snap, name, string(srcXML), r)
 	if err != nil {
 		r.Fail()
 		return domain.Box{}, tm, err
@@ -83,6 +83,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	defer r.Fail() // runs before Free: the undo steps use dom
 	step(&tm.Define)
 
+	domain.Testpoint("clone-defined")
 	if err := dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
 		return domain.Box{}, tm, fmt.Errorf("start clone %q: %s", name, domain.LibvirtMessage(err))
 	}
@@ -105,6 +106,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 		return domain.Box{}, tm, err
 	}
 	step(&tm.ClosePort)
+	domain.Testpoint("clone-port-closed")
 
 	if err := loadState(ctx, dom, snap); err != nil {
 		return domain.Box{}, tm, fmt.Errorf("load snapshot %q into clone %q: %w", snap.Name, name, err)
@@ -114,6 +116,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 		return domain.Box{}, tm, fmt.Errorf("resume clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	step(&tm.Resume)
+	domain.Testpoint("clone-resumed")
 
 	b := domain.Box{Name: name, State: "running", Meta: meta, Tap: tap}
 	// The machine-id comes from the clone's own UUID, which libvirt
@@ -151,6 +154,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 	step(&tm.Persist)
 	r.Success()
+	res.Done()
 	tm.Total = time.Since(t0)
 	out, err := h.Get(name)
 	if err != nil {
@@ -166,24 +170,25 @@ func (t CloneTiming) sum() time.Duration {
 // defineClone does the part of Clone that needs the host lock: pick a free
 // address, make the folder and overlay, and define the domain, which then
 // holds the address in its metadata.
-func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXML string, r *revert.Reverter) (*libvirt.Domain, domain.Meta, CloneXMLSpec, error) {
+func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXML string, r *revert.Reverter) (*libvirt.Domain, domain.Meta, CloneXMLSpec, domain.Reservation, error) {
 	unlock, err := h.Lock()
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, err
 	}
 	defer unlock()
 	// The snapshot may have been deleted since it was read; under the lock
 	// snapshots rm cannot delete it until this clone is defined.
 	if _, err := os.Stat(snap.Path(MetaFile)); err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("snapshot %q is gone: %w", snap.Name, domain.ErrNotFound)
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, fmt.Errorf("snapshot %q is gone: %w", snap.Name, domain.ErrNotFound)
 	}
-	ip, dir, err := h.Reserve(name, r)
+	res, err := h.Reserve(name, r)
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, err
 	}
+	ip, dir := res.IP, res.Dir
 	disk := filepath.Join(dir, CloneDisk)
 	if err := overlay.Create(ctx, disk, snap.Path(DiskFile), "qcow2"); err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, err
 	}
 	memFile := snap.Memory.File
 	if memFile == "" {
@@ -200,14 +205,14 @@ func defineClone(ctx context.Context, h *domain.Host, snap Snapshot, name, srcXM
 	}
 	xml, err := CloneXML(srcXML, spec)
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, err
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, err
 	}
 	dom, err := h.Conn.DomainDefineXML(xml)
 	if err != nil {
-		return nil, domain.Meta{}, CloneXMLSpec{}, fmt.Errorf("define clone %q: %s", name, domain.LibvirtMessage(err))
+		return nil, domain.Meta{}, CloneXMLSpec{}, domain.Reservation{}, fmt.Errorf("define clone %q: %s", name, domain.LibvirtMessage(err))
 	}
 	r.Add(func() { domain.Undefine(dom) })
-	return dom, meta, spec, nil
+	return dom, meta, spec, res, nil
 }
 
 // loadState loads the snapshot's CPU and device state into the paused

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"libvirt.org/go/libvirt"
@@ -164,7 +163,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		return Result{}, err
 	}
 	t.step("prepare")
-	testpoint("prepared")
+	domain.Testpoint("prepared")
 
 	// The pause: everything from here to Resume is time the box stands still.
 	pauseStart := time.Now()
@@ -182,7 +181,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		}
 	}
 	r.Add(resume)
-	testpoint("paused")
+	domain.Testpoint("paused")
 	if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
 		return Result{}, err
 	}
@@ -194,7 +193,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
 	}
 	t.step("save device state")
-	testpoint("state-saved")
+	domain.Testpoint("state-saved")
 	mem := Memory{File: StateFile, MappedRAM: true}
 	if !mapped {
 		mem = Memory{File: MemoryFile}
@@ -204,7 +203,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		}
 		t.step("copy memory")
 	}
-	testpoint("memory-copied")
+	domain.Testpoint("memory-copied")
 	if err := q.BlockdevSetActive(ctx, "", true); err != nil {
 		return Result{}, err
 	}
@@ -231,14 +230,14 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		q.WaitJob(bg, backupJob, 10*time.Millisecond)
 		q.BlockDirtyBitmapRemove(bg, top, p.Bitmap)
 	})
-	testpoint("backup-started")
+	domain.Testpoint("backup-started")
 	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
 		return Result{}, err
 	}
 	resume()
 	pause := time.Since(pauseStart)
 	t.step("resume")
-	testpoint("resumed")
+	domain.Testpoint("resumed")
 
 	// The box runs again; the backup job copies the disk as it was at the
 	// pause (copy-before-write).
@@ -250,7 +249,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	}
 	t.step("copy disk")
 	copied, _ := overlay.Du(disk)
-	testpoint("disk-copied")
+	domain.Testpoint("disk-copied")
 	// Merge: the new disk then stands alone above the base image, so
 	// deleting an older snapshot never breaks this one.
 	if targetBacking != base.Filename {
@@ -264,7 +263,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 			return Result{}, err
 		}
 	}
-	testpoint("merged")
+	domain.Testpoint("merged")
 
 	snap := Snapshot{
 		Name: name, Box: boxName, BoxUUID: box.UUID, Created: time.Now().UTC(), Image: box.Image,
@@ -275,7 +274,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if err := seal(tmp, snap); err != nil {
 		return Result{}, err
 	}
-	testpoint("sealed")
+	domain.Testpoint("sealed")
 	if err := os.Rename(tmp, filepath.Join(st.Dir, name)); err != nil {
 		return Result{}, err
 	}
@@ -399,12 +398,4 @@ func (t *timer) step(name string) {
 	}
 	t.steps = append(t.steps, Step{name, now.Sub(t.last)})
 	t.last = now
-}
-
-// testpoint lets end-to-end tests kill kvbox at a named step of a snapshot
-// (KVBOX_TEST_KILL_AT=step) to prove a crash there loses nothing.
-func testpoint(name string) {
-	if os.Getenv("KVBOX_TEST_KILL_AT") == name {
-		syscall.Kill(os.Getpid(), syscall.SIGKILL)
-	}
 }

@@ -254,6 +254,10 @@ func TestNewRollsBackWhenAgentIsLate(t *testing.T) {
 	if after := boxDirs(t); after != before {
 		t.Errorf("box folders before %q, after %q", before, after)
 	}
+	// Why the guest never answered stays readable after the rollback.
+	if _, err := os.Stat(filepath.Join(stateDir, "logs", n+".console.log")); err != nil {
+		t.Errorf("the failed box's console log was not kept: %v", err)
+	}
 }
 
 func boxDirs(t testing.TB) string {

@@ -483,3 +483,45 @@ func TestCloneStopStart(t *testing.T) {
 		t.Errorf("snapshots rm while a stopped clone builds on it succeeded")
 	}
 }
+
+// A kvbox killed while creating a box or a clone leaves nothing that
+// lasts: the next command removes the half-made box, its folder and its
+// address.
+func TestKilledCreationIsCleanedUp(t *testing.T) {
+	src, snap := name(t, "kcsrc"), name(t, "kcwarm")
+	newBox(t, src)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src, snap)
+	for _, tc := range []struct {
+		step string
+		args []string
+	}{
+		{"box-defined", smallBox},
+		{"box-started", smallBox},
+		{"clone-defined", []string{"--from", snap}},
+		{"clone-port-closed", []string{"--from", snap}},
+		{"clone-resumed", []string{"--from", snap}},
+	} {
+		n := name(t, "k-"+tc.step)
+		t.Cleanup(func() { kvbox(t, "rm", "--force", n) })
+		cmd := exec.Command(kvboxBin, append(append([]string{"new"}, tc.args...), n)...)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+tc.step)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", tc.step, err, out)
+		}
+		r := kvbox(t, "ls", "--json")
+		if r.code != 0 || strings.Contains(r.stdout, `"`+n+`"`) || !strings.Contains(r.stderr, "removed box "+n) {
+			t.Errorf("kill at %s: the next command did not clean up: %s", tc.step, r)
+		}
+		if out, err := virsh("dominfo", n); err == nil {
+			t.Errorf("kill at %s: domain left: %s", tc.step, out)
+		}
+		if _, err := os.Stat(filepath.Join(stateDir, "boxes", n)); !os.IsNotExist(err) {
+			t.Errorf("kill at %s: folder left: %v", tc.step, err)
+		}
+	}
+	if got := getBox(t, src).State; got != "running" {
+		t.Errorf("the source is %s", got)
+	}
+}

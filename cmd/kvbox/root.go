@@ -192,6 +192,13 @@ func (a *app) Host() (*domain.Host, error) {
 	if err := snapshot.Recover(context.Background(), a.host, a.snapshots()); err != nil {
 		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted snapshot: %v\n", err)
 	}
+	removed, err := a.host.RecoverBoxes()
+	for _, n := range removed {
+		fmt.Fprintf(a.io.Err, "kvbox: removed box %s, whose creation a killed kvbox left half-done\n", n)
+	}
+	if err != nil {
+		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted box creation: %v\n", err)
+	}
 	return a.host, nil
 }
 
