@@ -118,13 +118,8 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 	}
 	ip, dir := res.IP, res.Dir
 	disk := filepath.Join(dir, "disk.qcow2")
-	if err := overlay.Create(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat); err != nil {
+	if err := overlay.CreateLarger(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat, max(s.DiskBytes, s.Boot.VirtualSize)); err != nil {
 		return nil, Box{}, Reservation{}, err
-	}
-	if s.DiskBytes > s.Boot.VirtualSize {
-		if err := overlay.Resize(ctx, disk, s.DiskBytes); err != nil {
-			return nil, Box{}, Reservation{}, err
-		}
 	}
 	typ, err := h.DomainType()
 	if err != nil {

@@ -366,3 +366,23 @@ func TestWriteFileAtomic(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+func TestCreateLarger(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	if err := CreateSized(ctx, base, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ size, want int64 }{{0, 1 << 20}, {8 << 20, 8 << 20}} {
+		o := filepath.Join(dir, "o.qcow2")
+		os.Remove(o)
+		if err := CreateLarger(ctx, o, base, "qcow2", tc.size); err != nil {
+			t.Fatal(err)
+		}
+		info, err := Info(ctx, o)
+		if err != nil || info.VirtualSize != tc.want || info.BackingFile != base {
+			t.Errorf("size %d: %+v, %v", tc.size, info, err)
+		}
+	}
+}

@@ -56,10 +56,20 @@ func (e *ImgError) Unwrap() error { return e.Err }
 // overlay's directory when the image is opened. The overlay gets the
 // backing file's virtual size.
 func Create(ctx context.Context, path, backingPath, backingFmt string) error {
+	return CreateLarger(ctx, path, backingPath, backingFmt, 0)
+}
+
+// CreateLarger is Create with a virtual size of its own (0: the backing
+// file's), in one qemu-img run.
+func CreateLarger(ctx context.Context, path, backingPath, backingFmt string, size int64) error {
 	if backingPath == "" || backingFmt == "" {
 		return fmt.Errorf("overlay: create %s: backing path and format are required", path)
 	}
-	_, err := runQemuImg(ctx, "create", "-q", "-f", "qcow2", "-F", backingFmt, "-b", backingPath, path)
+	args := []string{"create", "-q", "-f", "qcow2", "-F", backingFmt, "-b", backingPath, path}
+	if size > 0 {
+		args = append(args, strconv.FormatInt(size, 10))
+	}
+	_, err := runQemuImg(ctx, args...)
 	return err
 }
 

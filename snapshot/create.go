@@ -150,10 +150,8 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		targetBacking, targetFmt = prev.Path(DiskFile), "qcow2"
 	}
 	disk := filepath.Join(tmp, DiskFile)
-	if err := overlay.Create(ctx, disk, targetBacking, targetFmt); err != nil {
-		return Result{}, err
-	}
-	if err := overlay.Resize(ctx, disk, chain[0].VirtualSize); err != nil && chain[0].VirtualSize != chain[1].VirtualSize {
+	// The backup target must have the source's size exactly.
+	if err := overlay.CreateLarger(ctx, disk, targetBacking, targetFmt, chain[0].VirtualSize); err != nil {
 		return Result{}, err
 	}
 	if err := h.ChownForQEMU(disk); err != nil {
