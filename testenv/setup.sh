@@ -58,8 +58,10 @@ stage_packages() {
 		apt-get install -y -q --no-install-recommends $missing_base || return 1
 	fi
 	if [ -n "$missing_bpo" ]; then
+		# With their recommends, as DESIGN.md's proven install: libvirt-daemon only recommends its
+		# drivers (storage, network, secret, ...), and a libvirtd without them is not what users run.
 		# shellcheck disable=SC2086
-		apt-get install -y -q --no-install-recommends "${target[@]}" $missing_bpo || return 1
+		apt-get install -y -q "${target[@]}" $missing_bpo || return 1
 	fi
 	for p in $BPO_PKGS $BASE_PKGS; do
 		pkg_ok "$p" || { warn "$p still missing or older than ${MIN_VERSION[$p]:-any} after apt"; return 1; }
