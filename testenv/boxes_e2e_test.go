@@ -240,6 +240,7 @@ func TestRmLeavesNothing(t *testing.T) {
 // A failure half-way through new leaves nothing behind.
 func TestNewRollsBackWhenAgentIsLate(t *testing.T) {
 	n := name(t, "late")
+	t.Cleanup(func() { os.Remove(filepath.Join(stateDir, "logs", n+".console.log")) })
 	before := boxDirs(t)
 	r := kvbox(t, append(append([]string{"new", "--timeout", "1ms"}, smallBox...), n)...)
 	if r.code == 0 || !strings.Contains(r.stderr, "did not answer in time") {

@@ -360,6 +360,7 @@ func mappingKB(t *testing.T, smaps, file string) (rss, pss int64) {
 // gives a clone that fails with a clear error and leaves nothing behind.
 func TestCloneAgentTimeoutRollsBack(t *testing.T) {
 	srcName, snap, c := name(t, "tsrc"), name(t, "tdead"), name(t, "tc")
+	t.Cleanup(func() { os.Remove(filepath.Join(stateDir, "logs", c+".console.log")) })
 	src := newBox(t, srcName)
 	// Freeze the agent a moment after this command returns; the snapshot
 	// then holds a guest whose agent never answers.
