@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -62,15 +63,23 @@ func (s Spec) Validate() error {
 // maps shared, so a snapshot can copy it.
 func MemoryFile(dir string) string { return filepath.Join(dir, "memory") }
 
-// ramArgs are the QEMU arguments that put a box's RAM in its memory file.
-// libvirt has no element for a per-domain mem-path; QEMU merges the second
-// -machine over libvirt's own.
-func ramArgs(size int64, file string) []string {
+// RAMBackendID is the id of the memory backend that holds a box's RAM; it is
+// also the RAM block's name in QEMU's migration stream.
+const RAMBackendID = "kvbox.ram"
+
+// SharedRAMArgs are the QEMU arguments that put a box's RAM in a file of its
+// own, shared with QEMU, so a snapshot can copy it. libvirt has no element
+// for a per-domain mem-path; QEMU merges the second -machine over libvirt's
+// own.
+func SharedRAMArgs(size int64, file string) []string {
 	return []string{
-		"-object", fmt.Sprintf("memory-backend-file,id=kvbox.ram,size=%d,mem-path=%s,share=on", size, file),
-		"-machine", "memory-backend=kvbox.ram",
+		"-object", fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=on", RAMBackendID, size, QemuOptEscape(file)),
+		"-machine", "memory-backend=" + RAMBackendID,
 	}
 }
+
+// QemuOptEscape doubles commas, QEMU's escape inside an option value.
+func QemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // Create defines and starts a new box, waits for its agent and gives the
 // guest its identity. On any failure everything it created is removed.
@@ -130,7 +139,7 @@ func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt
 		MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
 		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
-	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, ramArgs(s.MemoryBytes, MemoryFile(dir)))
+	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, SharedRAMArgs(s.MemoryBytes, MemoryFile(dir)))
 	if err != nil {
 		return nil, Box{}, Reservation{}, err
 	}

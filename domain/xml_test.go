@@ -16,7 +16,7 @@ func testData() TemplateData {
 		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
 		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
 		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", ConsoleLog: "/b/x/console.log",
-		AgentPorts: AgentSockets("/b/x"), QemuArgs: ramArgs(256<<20, "/b/x/memory"),
+		AgentPorts: AgentSockets("/b/x"), QemuArgs: SharedRAMArgs(256<<20, "/b/x/memory"),
 	}
 }
 
@@ -80,5 +80,12 @@ func TestMemoryUnits(t *testing.T) {
 		if got := d.memoryBytes(); got != want {
 			t.Errorf("unit %q: %d, want %d", unit, got, want)
 		}
+	}
+}
+
+func TestSharedRAMArgsEscapeCommas(t *testing.T) {
+	got := SharedRAMArgs(1<<20, "/var/lib/a,b/memory")
+	if got[1] != "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=/var/lib/a,,b/memory,share=on" || got[3] != "memory-backend=kvbox.ram" {
+		t.Errorf("SharedRAMArgs = %q", got)
 	}
 }

@@ -15,7 +15,7 @@ import (
 )
 
 // ramID is the id of the memory backend kvbox puts a box's RAM in.
-const ramID = "kvbox.ram"
+const ramID = domain.RAMBackendID
 
 // CloneXMLSpec is what makes a clone's domain different from its source's.
 type CloneXMLSpec struct {
@@ -303,10 +303,9 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 		return nil, fmt.Errorf("%w: the snapshot records %d bytes of RAM but its domain XML maps %d", domain.ErrInvalid, s.MemBytes, size)
 	}
 	if s.BootRAM != "" {
-		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=on", ramID, size, qemuOptEscape(s.BootRAM))
-		out = append(out, "-object", obj, "-machine", "memory-backend="+ramID)
+		out = append(out, domain.SharedRAMArgs(size, s.BootRAM)...)
 	} else {
-		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, qemuOptEscape(s.MemPath))
+		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, domain.QemuOptEscape(s.MemPath))
 		if s.MemOffset != 0 {
 			obj += fmt.Sprintf(",offset=%d", s.MemOffset)
 		}
@@ -318,9 +317,6 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 	}
 	return args, nil
 }
-
-// qemuOptEscape doubles commas, QEMU's escape inside an option value.
-func qemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // splitOpts splits a QEMU option string at single commas (",," is an
 // escaped comma).

@@ -127,7 +127,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	// with QEMU: x-ignore-shared skips it and kvbox copies the file. A
 	// running clone maps a snapshot's file privately: its RAM goes into the
 	// state file in mapped-ram layout instead.
-	mapped := !strings.Contains(liveXML, "mem-path="+domain.MemoryFile(box.Dir)+",share=on")
+	mapped := !strings.Contains(liveXML, domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1])
 	caps := map[string]bool{qmp.CapIgnoreShared: !mapped, "mapped-ram": mapped}
 	saved, err := q.QueryMigrateCapabilities(ctx)
 	if err != nil {

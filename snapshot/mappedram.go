@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"io"
 	"os"
+
+	"kvbox.dev/kvbox/domain"
 )
 
 // ramBlockID is the id of the box's RAM block in QEMU's migration stream:
 // the memory-backend-file object kvbox adds is named kvbox.ram.
-const ramBlockID = "kvbox.ram"
+const ramBlockID = domain.RAMBackendID
 
 // mappedRAMHeader is QEMU's MappedRamHeader (migration/ram.c, QEMU >= 9.0),
 // written big-endian and packed right after a RAM block's id and length
