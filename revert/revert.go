@@ -32,3 +32,10 @@ func (r *Reverter) Fail() {
 
 // Success keeps every step: Fail becomes a no-op.
 func (r *Reverter) Success() { r.done = true }
+
+// Clone returns a new Reverter holding the undo functions added so far, and
+// leaves this one as it is. A function that must hand its undo to its caller
+// clones, then calls Success on its own: the caller's Fail undoes the work.
+func (r *Reverter) Clone() *Reverter {
+	return &Reverter{fns: append([]func(){}, r.fns...)}
+}
