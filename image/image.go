@@ -39,6 +39,9 @@ const metaFile = "image.json"
 
 // Get returns the named image.
 func (s Store) Get(name string) (Image, error) {
+	if err := domain.ValidName(name); err != nil {
+		return Image{}, err
+	}
 	b, err := os.ReadFile(filepath.Join(s.Dir, name, metaFile))
 	if errors.Is(err, os.ErrNotExist) {
 		return Image{}, fmt.Errorf("image %q %w (kvbox images ls lists images)", name, domain.ErrNotFound)
@@ -116,6 +119,10 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	}
 	if info.BackingFile != "" {
 		return Image{}, fmt.Errorf("%w: disk %s has a backing file; flatten it first (qemu-img convert)", domain.ErrInvalid, o.Disk)
+	}
+	if df := info.DataFile(); df != "" {
+		// A box on it would read and write that host path.
+		return Image{}, fmt.Errorf("%w: disk %s keeps its data in the external file %s; convert it to a self-contained image first (qemu-img convert -O qcow2)", domain.ErrInvalid, o.Disk, df)
 	}
 	if err := os.MkdirAll(imageDir, 0o755); err != nil {
 		return Image{}, err
@@ -198,6 +205,9 @@ func (s Store) Prune(name string, inUse func(disk string) bool) error {
 // Remove deletes an image with every version. The caller checks first that
 // no box or snapshot builds on any of them.
 func (s Store) Remove(name string) error {
+	if err := domain.ValidName(name); err != nil {
+		return err
+	}
 	if _, err := s.Get(name); err != nil {
 		return err
 	}

@@ -96,9 +96,12 @@ type ImageInfo struct {
 	FormatSpecific  *struct {
 		Type string `json:"type"`
 		Data struct {
-			Compat  string   `json:"compat,omitempty"`
-			Corrupt bool     `json:"corrupt,omitempty"`
-			Bitmaps []Bitmap `json:"bitmaps,omitempty"`
+			Compat  string `json:"compat,omitempty"`
+			Corrupt bool   `json:"corrupt,omitempty"`
+			// DataFile is a qcow2 external data file: the guest's
+			// blocks live in that host path, not in the image.
+			DataFile string   `json:"data-file,omitempty"`
+			Bitmaps  []Bitmap `json:"bitmaps,omitempty"`
 		} `json:"data"`
 	} `json:"format-specific,omitempty"`
 }
@@ -116,6 +119,14 @@ func (i ImageInfo) Bitmaps() []Bitmap {
 		return nil
 	}
 	return i.FormatSpecific.Data.Bitmaps
+}
+
+// DataFile is the qcow2 image's external data file, "" for none.
+func (i ImageInfo) DataFile() string {
+	if i.FormatSpecific == nil {
+		return ""
+	}
+	return i.FormatSpecific.Data.DataFile
 }
 
 // Info describes the image at path. It opens the image with --force-share so
