@@ -10,6 +10,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -97,8 +98,14 @@ func LockFile(path string, wait bool) (*FileLock, error) {
 		how |= syscall.LOCK_NB
 	}
 	for {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
+		// 0600: a local user who could open the lock could also flock it
+		// and block every kvbox command.
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|syscall.O_NOFOLLOW, 0o600)
 		if err != nil {
+			return nil, err
+		}
+		if err := f.Chmod(0o600); err != nil { // one an older kvbox made 0644
+			f.Close()
 			return nil, err
 		}
 		if err := syscall.Flock(int(f.Fd()), how); err != nil {
@@ -432,4 +439,22 @@ func nameservers(file string) []string {
 		}
 	}
 	return ns
+}
+
+// readNoFollow reads the regular file at path, refusing a symbolic link or
+// anything else that is not a plain file (a FIFO would block).
+func readNoFollow(path string) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	return io.ReadAll(f)
 }

@@ -214,12 +214,14 @@ func (h *Host) Reserve(name string, r *revert.Reverter) (Reservation, error) {
 // keepConsoleLog saves the console log of a box whose creation failed
 // before its folder goes: it tells why the guest never answered.
 func (h *Host) keepConsoleLog(name, dir string) {
-	b, err := os.ReadFile(filepath.Join(dir, "console.log"))
+	// The box folder is writable by QEMU: never follow a link planted there
+	// (root would copy any host file into logs/).
+	b, err := readNoFollow(filepath.Join(dir, "console.log"))
 	if err != nil {
 		return
 	}
-	if os.MkdirAll(filepath.Dir(h.FailedConsoleLog(name)), 0o755) == nil {
-		os.WriteFile(h.FailedConsoleLog(name), b, 0o644)
+	if os.MkdirAll(filepath.Dir(h.FailedConsoleLog(name)), 0o700) == nil {
+		os.WriteFile(h.FailedConsoleLog(name), b, 0o600)
 	}
 }
 

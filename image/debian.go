@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -546,7 +547,7 @@ func hasPVHNote(path string) bool {
 
 // lockBuild makes builds of one image take turns.
 func lockBuild(ctx context.Context, s Store, name string, p *Progress) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(s.Dir, ".build-"+name+".lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	f, err := os.OpenFile(filepath.Join(s.Dir, ".build-"+name+".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
