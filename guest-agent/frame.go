@@ -117,7 +117,17 @@ type decoder struct {
 	end int
 	// Skipped counts garbage bytes dropped while resynchronising.
 	skipped int64
+	// consumed counts every byte the decoder moved past; badCRC the payload
+	// bytes it checksummed in vain. Together they bound the CPU a peer can
+	// make it burn (see next).
+	consumed int64
+	badCRC   int64
 }
+
+// badCRCBudget bounds the payload bytes checksummed in vain to this many per
+// byte consumed (plus one frame): past it, a frame whose payload fails its
+// CRC is skipped whole instead of by one byte.
+const badCRCBudget = 4
 
 func newDecoder(r io.Reader) *decoder {
 	return &decoder{r: r, buf: make([]byte, 2*(headerLen+MaxPayload))}
@@ -155,6 +165,7 @@ func (d *decoder) fill(n int) error {
 func (d *decoder) skip(n int) {
 	d.off += n
 	d.skipped += int64(n)
+	d.consumed += int64(n)
 }
 
 // next returns the next valid frame.
@@ -189,11 +200,21 @@ func (d *decoder) next() (frame, error) {
 		b = d.buf[d.off : d.off+headerLen+n]
 		p := b[headerLen:]
 		if crc32.Checksum(p, castagnoli) != binary.BigEndian.Uint32(b[16:]) {
-			d.skip(1)
+			// Skipping one byte finds a real frame hidden behind a cut one,
+			// but a peer can pack 64 KiB-claiming headers every 24 bytes and
+			// make each byte cost a 64 KiB CRC. Past the budget the decoder
+			// skips the whole claimed frame: its work stays linear.
+			d.badCRC += int64(n)
+			if d.badCRC > badCRCBudget*d.consumed+MaxPayload {
+				d.skip(headerLen + n)
+			} else {
+				d.skip(1)
+			}
 			continue
 		}
 		f := frame{Type: t, ID: id, Payload: append([]byte(nil), p...)}
 		d.off += headerLen + n
+		d.consumed += int64(headerLen + n)
 		return f, nil
 	}
 }
