@@ -14,7 +14,10 @@ func storeNames(t testing.TB, sub string) string {
 	ents, _ := os.ReadDir(filepath.Join(stateDir, sub))
 	var names []string
 	for _, e := range ents {
-		names = append(names, e.Name())
+		// Other runs share the state dir: boxes are only this run's.
+		if sub != "boxes" || strings.HasPrefix(e.Name(), runID) {
+			names = append(names, e.Name())
+		}
 	}
 	return strings.Join(names, " ")
 }
