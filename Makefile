@@ -32,12 +32,12 @@ test: testenv check unit e2e
 
 # The README's main job: set-up, then the warm-pool story on the Debian image,
 # all inside the kvbox-test network namespace.
-demo: build
+demo: testenv build
 	bash testenv/demo.sh
 
 # Benchmarks are a program, not timed assertions in tests: one run, medians
 # and ratios (cold boot, snapshot pause, warm clone step by step).
-bench: build
+bench: testenv build
 	ip netns exec $(NS) $(GO) run ./testenv/bench
 
 clean:
