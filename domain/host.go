@@ -42,7 +42,10 @@ type Host struct {
 	// DomainTypeOverride forces the libvirt domain type (kvm or qemu);
 	// empty picks kvm where the host offers it.
 	DomainTypeOverride string
-	facts              *hostFacts
+	// Interrupt, when set, ends a wait on a lock another kvbox holds (the
+	// CLI closes it on Ctrl-C or SIGTERM); nil waits for as long as it takes.
+	Interrupt <-chan struct{}
+	facts     *hostFacts
 }
 
 // BoxesDir holds one folder per box: disk overlay, memory file, agent
@@ -63,7 +66,7 @@ func (h *Host) BoxDir(name string) string { return filepath.Join(h.BoxesDir(), n
 // which boxes exist and which addresses they hold: two `kvbox new` run at
 // the same moment from two shells never pick the same address.
 func (h *Host) Lock() (unlock func(), err error) {
-	l, err := LockFile(filepath.Join(h.StateDir, "lock"), true)
+	l, err := h.waitLock(filepath.Join(h.StateDir, "lock"))
 	if err != nil {
 		return nil, err
 	}
@@ -72,7 +75,29 @@ func (h *Host) Lock() (unlock func(), err error) {
 
 // lockBox takes the lock of one box, held by commands that change it.
 func (h *Host) lockBox(name string) (*FileLock, error) {
-	return LockFile(filepath.Join(h.StateDir, "locks", name+".lock"), true)
+	return h.waitLock(filepath.Join(h.StateDir, "locks", name+".lock"))
+}
+
+// ErrInterrupted is returned by a lock wait that h.Interrupt ended.
+var ErrInterrupted = errors.New("interrupted while waiting for a lock another kvbox holds")
+
+// waitLock takes the lock at path, waiting for its holder; without
+// h.Interrupt it blocks in flock, with it it polls so that the wait can end.
+func (h *Host) waitLock(path string) (*FileLock, error) {
+	if h.Interrupt == nil {
+		return LockFile(path, true)
+	}
+	for {
+		l, err := LockFile(path, false)
+		if !errors.Is(err, ErrLocked) {
+			return l, err
+		}
+		select {
+		case <-h.Interrupt:
+			return nil, fmt.Errorf("%w (%s)", ErrInterrupted, path)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // FileLock is an exclusive flock on a lock file.
@@ -261,6 +286,16 @@ func (h *Host) Boxes() ([]Box, error) {
 	return out, nil
 }
 
+// NoBoxError says no domain of that name exists (as opposed to a domain that
+// is not a box); it wraps ErrNotFound.
+type NoBoxError struct{ Name string }
+
+func (e NoBoxError) Error() string {
+	return fmt.Sprintf("box %q does not exist (kvbox ls lists boxes): %v", e.Name, ErrNotFound)
+}
+
+func (e NoBoxError) Unwrap() error { return ErrNotFound }
+
 // Lookup returns the named box and its domain; the caller frees the domain.
 func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 	if err := ValidName(name); err != nil {
@@ -268,7 +303,7 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 	}
 	d, err := h.Conn.LookupDomainByName(name)
 	if isNoDomain(err) {
-		return Box{}, nil, fmt.Errorf("box %q does not exist (kvbox ls lists boxes): %w", name, ErrNotFound)
+		return Box{}, nil, NoBoxError{name}
 	}
 	if err != nil {
 		return Box{}, nil, fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
@@ -347,7 +382,11 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	for _, p := range AgentSockets(b.Dir) {
 		paths = append(paths, p.Path)
 	}
-	return agent.DialSerial(ctx, paths)
+	c, err := agent.DialSerial(ctx, paths)
+	if errors.Is(err, agent.ErrBusy) {
+		return nil, fmt.Errorf("box %q: %v (other kvbox commands use them all; try again when one ends): %w", b.Name, err, ErrBusy)
+	}
+	return c, err
 }
 
 // WaitAgent dials the box's agent until it answers a ping or ctx ends. It
@@ -457,4 +496,22 @@ func readNoFollow(path string) ([]byte, error) {
 		return nil, fmt.Errorf("%s is not a regular file", path)
 	}
 	return io.ReadAll(f)
+}
+
+// Resume continues a paused box (one a failed or interrupted snapshot left
+// paused): the guest carries on where it stopped.
+func (h *Host) Resume(name string) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	if b.State != "paused" {
+		return Box{}, fmt.Errorf("box %q is %s, not paused: %w", name, b.State, ErrBusy)
+	}
+	if err := dom.Resume(); err != nil {
+		return Box{}, fmt.Errorf("resume box %q: %s", name, LibvirtMessage(err))
+	}
+	b.State = "running"
+	return b, nil
 }

@@ -470,6 +470,9 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 			if err := json.Unmarshal(f.Payload, &st); err != nil {
 				return -1, fmt.Errorf("exec: bad exit status: %w", err)
 			}
+			if st.Error != "" {
+				return st.Code, fmt.Errorf("exec: the agent lost the process: %s", st.Error)
+			}
 			if outErr != nil {
 				return st.Code, fmt.Errorf("exec: writing output: %w", outErr)
 			}

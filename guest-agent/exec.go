@@ -56,12 +56,23 @@ func envLookup(env []string, key string) string {
 
 // execEnv returns the environment of req: the given one, or defaults.
 func execEnv(req ExecRequest) []string {
-	env := req.Env
-	if len(env) == 0 {
-		env = []string{"PATH=" + defaultPath, "HOME=/root"}
-		if req.TTY {
-			env = append(env, "TERM="+defaultTerm)
+	if len(req.Env) == 0 {
+		return DefaultEnv(req.TTY, "")
+	}
+	return req.Env
+}
+
+// DefaultEnv is the environment a command gets when its request names
+// none: PATH and HOME, and TERM (term, or xterm-256color) on a terminal. A
+// request that sets its own environment replaces this one, so a client
+// that only wants to add a variable starts from DefaultEnv.
+func DefaultEnv(tty bool, term string) []string {
+	env := []string{"PATH=" + defaultPath, "HOME=/root"}
+	if tty {
+		if term == "" {
+			term = defaultTerm
 		}
+		env = append(env, "TERM="+term)
 	}
 	return env
 }

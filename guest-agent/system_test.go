@@ -222,3 +222,21 @@ func TestHostGoneKills(t *testing.T) {
 		t.Fatal("serve did not return")
 	}
 }
+
+// A request's environment replaces the default one, so DefaultEnv (what
+// kvbox exec -t sends) must hold PATH and HOME besides TERM.
+func TestDefaultEnvOnTerminal(t *testing.T) {
+	env := DefaultEnv(true, "vt100")
+	want := map[string]bool{"PATH=" + defaultPath: true, "HOME=/root": true, "TERM=vt100": true}
+	if len(env) != len(want) {
+		t.Fatalf("DefaultEnv = %q", env)
+	}
+	for _, e := range env {
+		if !want[e] {
+			t.Errorf("DefaultEnv has %q", e)
+		}
+	}
+	if got := execEnv(ExecRequest{Argv: []string{"sh"}, TTY: true, Env: DefaultEnv(true, "")}); len(got) != 3 {
+		t.Errorf("execEnv of a terminal request = %q", got)
+	}
+}

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -195,13 +198,20 @@ func (a *app) newCmdStart() *cobra.Command {
 	var timeout time.Duration
 	c := &cobra.Command{
 		Use:     "start NAME",
-		Short:   "Boot a stopped box and wait for its agent",
+		Short:   "Boot a stopped box and wait for its agent, or resume a paused one",
 		Example: "  kvbox start dev",
 		Args:    exactArgs(1, "one box name"),
 		RunE: func(c *cobra.Command, args []string) error {
 			h, err := a.Host()
 			if err != nil {
 				return err
+			}
+			if b, err := h.Get(args[0]); err == nil && b.State == "paused" {
+				if _, err := h.Resume(args[0]); err != nil {
+					return err
+				}
+				fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", b.Name, b.IP)
+				return nil
 			}
 			stop := a.spin("booting " + args[0] + ", waiting for its agent")
 			b, err := h.Start(c.Context(), args[0], timeout)
@@ -257,28 +267,67 @@ func (a *app) newCmdRm() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			// Check every name first: a typo in the third name must not
-			// leave the first two deleted.
-			for _, n := range args {
-				if _, err := h.Get(n); err != nil {
-					return err
-				}
-			}
-			var failed []string
-			for _, n := range args {
-				if err := h.Remove(c.Context(), n, force); err != nil {
-					fmt.Fprintf(a.io.Err, "kvbox: %v\n", err)
-					failed = append(failed, n)
-					continue
-				}
-				fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", n)
-			}
-			if failed != nil {
-				return fmt.Errorf("%w: could not remove %s", domain.ErrBusy, strings.Join(failed, ", "))
-			}
-			return nil
+			return a.removeBoxes(c.Context(), h, args, force)
 		},
 	}
 	c.Flags().BoolVarP(&force, "force", "f", false, "remove running boxes too")
 	return c
 }
+
+// removeBoxes removes every named box, several at a time: each name is
+// handled and each failure reported, and the error (whose exit code is the
+// first failure's) comes only if one failed. With force a box that does not
+// exist is no failure, as with rm -f.
+func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, force bool) error {
+	var (
+		mu     sync.Mutex
+		failed []string
+		first  error
+		wg     sync.WaitGroup
+		slots  = make(chan struct{}, 8)
+	)
+	seen := map[string]bool{}
+	for _, n := range names {
+		if seen[n] {
+			continue
+		}
+		seen[n] = true
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			slots <- struct{}{}
+			err := h.Remove(ctx, n, force)
+			<-slots
+			mu.Lock()
+			defer mu.Unlock()
+			var nb domain.NoBoxError
+			switch {
+			case err == nil:
+				fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", n)
+			case force && errors.As(err, &nb):
+			default:
+				fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
+				failed = append(failed, n)
+				if first == nil {
+					first = err
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if first == nil {
+		return nil
+	}
+	sort.Strings(failed)
+	return failedError{fmt.Sprintf("could not remove %s", strings.Join(failed, ", ")), first}
+}
+
+// failedError reports several failures, each already printed, in one line;
+// its exit code is that of cause.
+type failedError struct {
+	msg   string
+	cause error
+}
+
+func (e failedError) Error() string { return e.msg }
+func (e failedError) Unwrap() error { return e.cause }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 )
 
@@ -62,9 +64,9 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	if err != nil {
 		return err
 	}
-	client, err := h.Dial(c.Context(), b)
+	client, err := a.dial(c.Context(), h, b)
 	if err != nil {
-		return fmt.Errorf("reach the agent of box %q: %w", name, err)
+		return err
 	}
 	defer client.Close()
 
@@ -78,7 +80,9 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 		if w, h, err := term.GetSize(fd); err == nil {
 			req.Cols, req.Rows = uint16(w), uint16(h)
 		}
-		req.Env = append(req.Env, "TERM="+envOr("TERM", "xterm-256color"))
+		// A request's environment replaces the agent's default one: send
+		// the defaults (PATH, HOME) along with this terminal's TERM.
+		req.Env = agent.DefaultEnv(true, os.Getenv("TERM"))
 		old, err := term.MakeRaw(fd)
 		if err != nil {
 			return fmt.Errorf("put the terminal in raw mode: %w", err)
@@ -110,8 +114,36 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	if err != nil {
 		return fmt.Errorf("exec in box %q: %w", name, err)
 	}
-	if code != 0 {
-		return exitCodeError{code}
+	return guestExit(code)
+}
+
+// guestExit turns a guest command's exit code into kvbox's: a code a
+// process cannot exit with (outside 0-255) is an error, never a success by
+// truncation (256 would otherwise become 0).
+func guestExit(code int) error {
+	switch {
+	case code == 0:
+		return nil
+	case code < 0 || code > 255:
+		return fmt.Errorf("the agent reported exit code %d, which no process exits with", code)
 	}
-	return nil
+	return exitCodeError{code}
+}
+
+// dial reaches a box's agent, giving up after a.dialTimeout: a hung agent
+// must not hang the CLI.
+func (a *app) dial(ctx context.Context, h *domain.Host, b domain.Box) (*agent.Client, error) {
+	if b.State == "paused" {
+		return nil, fmt.Errorf("box %q is paused, not running (kvbox start %s resumes it): %w", b.Name, b.Name, domain.ErrBusy)
+	}
+	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
+	defer cancel()
+	client, err := h.Dial(dctx, b)
+	if err != nil {
+		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			return nil, fmt.Errorf("the agent of box %q did not answer within %s (--dial-timeout): %w", b.Name, a.dialTimeout, domain.ErrUnavailable)
+		}
+		return nil, fmt.Errorf("reach the agent of box %q: %w", b.Name, err)
+	}
+	return client, nil
 }

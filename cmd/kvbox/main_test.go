@@ -3,8 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
+
+	"kvbox.dev/kvbox/domain"
 )
 
 func runTest(args ...string) (code int, stdout, stderr string) {
@@ -47,9 +51,77 @@ func TestHelpHasExamples(t *testing.T) {
 	root := (&app{}).newRoot()
 	for _, c := range root.Commands() {
 		for _, sub := range append(c.Commands(), c) {
-			if sub.Runnable() && sub.Example == "" && sub.Name() != "help" && sub.Name() != "completion" {
+			if sub.Runnable() && !sub.HasSubCommands() && sub.Example == "" && sub.Name() != "help" && sub.Name() != "completion" {
 				t.Errorf("kvbox %s has no example in its help", sub.CommandPath())
 			}
+		}
+	}
+}
+
+// An unknown command, at the top or in a group, is a usage error in one
+// line: a script must not take it for success.
+func TestUnknownCommandIsUsage(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"bogus"}, `unknown command "bogus" for "kvbox"`},
+		{[]string{"snapshots", "push", "a", "b"}, `unknown command "push" for "kvbox snapshots"`},
+		{[]string{"images", "bogus"}, `unknown command "bogus" for "kvbox images"`},
+		{[]string{"network", "bogus"}, `unknown command "bogus" for "kvbox network"`},
+	} {
+		code, stdout, stderr := runTest(tc.args...)
+		if code != exitUsage || !strings.Contains(stderr, tc.want) || strings.Count(stderr, "\n") != 1 || stdout != "" {
+			t.Errorf("kvbox %q: exit %d, stdout %q, stderr %q; want exit %d and one line with %q", tc.args, code, stdout, stderr, exitUsage, tc.want)
+		}
+	}
+	// A group alone still shows its help.
+	if code, stdout, _ := runTest("snapshots"); code != 0 || !strings.Contains(stdout, "Available Commands") {
+		t.Errorf("kvbox snapshots: exit %d, stdout %q; want its help", code, stdout)
+	}
+}
+
+// The sentinel that picks the exit code is not printed after a sentence
+// that already says it.
+func TestMessageDropsSentinel(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{domain.NoBoxError{Name: "nonexist"}, `box "nonexist" does not exist (kvbox ls lists boxes)`},
+		{fmt.Errorf("box %q is paused: %w", "a", domain.ErrBusy), `box "a" is paused`},
+		{fmt.Errorf("%w: kvbox exec takes a box name", errUsage), "kvbox exec takes a box name"},
+		{errors.New("plain"), "plain"},
+	} {
+		if got := message(tc.err); got != tc.want {
+			t.Errorf("message(%q) = %q, want %q", tc.err, got, tc.want)
+		}
+	}
+	if exitCode(domain.NoBoxError{Name: "x"}) != exitNotFound {
+		t.Error("a missing box does not exit with exitNotFound")
+	}
+	if exitCode(failedError{"could not remove a", domain.NoBoxError{Name: "a"}}) != exitNotFound {
+		t.Error("a failed rm does not keep its first failure's exit code")
+	}
+	if exitCode(fmt.Errorf("x: %w", domain.ErrInterrupted)) != exitInterrupted {
+		t.Error("an interrupted lock wait does not exit 130")
+	}
+}
+
+// A guest exit code no process can have is an error, never 0 by truncation.
+func TestGuestExit(t *testing.T) {
+	for code, want := range map[int]int{0: 0, 1: 1, 255: 255, 137: 137, 256: exitError, 512: exitError, -1: exitError} {
+		got := 0
+		if err := guestExit(code); err != nil {
+			var ec exitCodeError
+			if errors.As(err, &ec) {
+				got = ec.code
+			} else {
+				got = exitCode(err)
+			}
+		}
+		if got != want {
+			t.Errorf("guest exit %d: kvbox exits %d, want %d", code, got, want)
 		}
 	}
 }

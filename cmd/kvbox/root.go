@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
@@ -38,7 +40,11 @@ type app struct {
 	subnet   string
 	template string
 	domType  string
-	host     *domain.Host
+	// dialTimeout bounds reaching a box's agent (dial and handshake).
+	dialTimeout time.Duration
+	// interrupt ends waits on another kvbox's lock (Ctrl-C, SIGTERM).
+	interrupt <-chan struct{}
+	host      *domain.Host
 }
 
 // Exit codes. A command run by `kvbox exec` returns its own code instead.
@@ -49,6 +55,8 @@ const (
 	exitExists      = 4
 	exitBusy        = 5
 	exitUnavailable = 6
+	// exitInterrupted is a shell's code for a command ended by SIGINT.
+	exitInterrupted = 130
 )
 
 // exitError carries the exit code of a command run in a box.
@@ -57,7 +65,7 @@ type exitCodeError struct{ code int }
 func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
 func run(ctx context.Context, args []string, ios IO) int {
-	a := &app{io: ios}
+	a := &app{io: ios, interrupt: ctx.Done()}
 	root := a.newRoot()
 	root.SetArgs(args)
 	root.SetIn(ios.In)
@@ -74,8 +82,15 @@ func run(ctx context.Context, args []string, ios IO) int {
 	if errors.As(err, &ec) {
 		return ec.code
 	}
-	fmt.Fprintf(ios.Err, "kvbox: %v\n", err)
+	fmt.Fprintf(ios.Err, "kvbox: %s\n", message(err))
+	return exitCode(err)
+}
+
+// exitCode is kvbox's exit code for err (documented in kvbox --help).
+func exitCode(err error) int {
 	switch {
+	case errors.Is(err, domain.ErrInterrupted), errors.Is(err, context.Canceled):
+		return exitInterrupted
 	case errors.Is(err, domain.ErrInvalid), errors.Is(err, errUsage):
 		return exitUsage
 	case errors.Is(err, domain.ErrNotFound):
@@ -91,6 +106,42 @@ func run(ctx context.Context, args []string, ios IO) int {
 }
 
 var errUsage = errors.New("usage")
+
+// message is err's text for a person: without the sentinel that ends it
+// (": not found", ": busy"), which only picks the exit code and would
+// repeat what the sentence already says.
+func message(err error) string {
+	s := err.Error()
+	for _, e := range []error{domain.ErrNotFound, domain.ErrExists, domain.ErrBusy, domain.ErrInvalid, domain.ErrUnavailable, errUsage} {
+		if t, ok := strings.CutSuffix(s, ": "+e.Error()); ok && t != "" {
+			return t
+		}
+		if t, ok := strings.CutPrefix(s, e.Error()+": "); ok && t != "" && e == errUsage {
+			return t
+		}
+	}
+	return s
+}
+
+// rejectUnknown makes every command group (a command with subcommands)
+// fail with a usage error on a word it does not know, instead of printing
+// its help and exiting 0 as cobra does: a script must not believe
+// `kvbox snapshots push a b` worked.
+func rejectUnknown(c *cobra.Command) {
+	for _, sub := range c.Commands() {
+		rejectUnknown(sub)
+	}
+	if !c.HasSubCommands() || c.Run != nil || c.RunE != nil {
+		return
+	}
+	c.Args = cobra.ArbitraryArgs
+	c.RunE = func(c *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return fmt.Errorf("%w: unknown command %q for %q (see %s --help)", errUsage, args[0], c.CommandPath(), c.CommandPath())
+		}
+		return c.Help()
+	}
+}
 
 func (a *app) newRoot() *cobra.Command {
 	root := &cobra.Command{
@@ -119,7 +170,9 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP())
+	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
+	rejectUnknown(root)
 	return root
 }
 
@@ -187,7 +240,7 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType}
+	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt}
 	// Every command first finishes what a killed kvbox left half-done.
 	if err := snapshot.Recover(context.Background(), a.host, a.snapshots()); err != nil {
 		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted snapshot: %v\n", err)
