@@ -260,6 +260,10 @@ func (a *app) newCmdRm() *cobra.Command {
 		Use:     "rm NAME...",
 		Aliases: []string{"remove"},
 		Short:   "Delete boxes: domain, disk, memory file and address",
+		Long: `Delete boxes: domain, disk, memory file and address. Several boxes are removed
+in parallel; every name is handled and each failure reported, and kvbox exits
+non-zero only if one failed. With --force running boxes are powered off first,
+and a name that is no box is skipped quietly (as rm -f does).`,
 		Example: "  kvbox rm dev\n  kvbox rm --force agent-1 agent-2",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
