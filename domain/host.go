@@ -372,6 +372,9 @@ func AgentSockets(dir string) []AgentPort {
 
 // Dial connects to a box's agent over the box's transport.
 func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
+	if b.State == "paused" {
+		return nil, fmt.Errorf("box %q is paused, not running (kvbox start %s resumes it): %w", b.Name, b.Name, ErrBusy)
+	}
 	if b.State != "running" {
 		return nil, fmt.Errorf("box %q is %s, not running (kvbox start %s): %w", b.Name, b.State, b.Name, ErrBusy)
 	}

@@ -133,9 +133,6 @@ func guestExit(code int) error {
 // dial reaches a box's agent, giving up after a.dialTimeout: a hung agent
 // must not hang the CLI.
 func (a *app) dial(ctx context.Context, h *domain.Host, b domain.Box) (*agent.Client, error) {
-	if b.State == "paused" {
-		return nil, fmt.Errorf("box %q is paused, not running (kvbox start %s resumes it): %w", b.Name, b.Name, domain.ErrBusy)
-	}
 	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
 	defer cancel()
 	client, err := h.Dial(dctx, b)
