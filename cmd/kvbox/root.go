@@ -86,7 +86,7 @@ func run(ctx context.Context, args []string, ios IO) int {
 	return exitCode(err)
 }
 
-// exitCode is kvbox's exit code for err (documented in kvbox --help).
+// exitCode is kvbox's exit code for err (the README lists them).
 func exitCode(err error) int {
 	switch {
 	case errors.Is(err, domain.ErrInterrupted), errors.Is(err, context.Canceled):
