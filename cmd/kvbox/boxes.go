@@ -310,7 +310,9 @@ func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, f
 				fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", n)
 			case force && errors.As(err, &nb):
 			default:
-				fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
+				if len(seen) > 1 { // one name: its error is the one line
+					fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
+				}
 				failed = append(failed, n)
 				if first == nil {
 					first = err
@@ -321,6 +323,9 @@ func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, f
 	wg.Wait()
 	if first == nil {
 		return nil
+	}
+	if len(seen) == 1 {
+		return first
 	}
 	sort.Strings(failed)
 	return failedError{fmt.Sprintf("could not remove %s", strings.Join(failed, ", ")), first}
