@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -360,6 +361,40 @@ func powerOff(dom *libvirt.Domain, name string) error {
 	return nil
 }
 
+// qemuPidDir is where libvirt's system QEMU driver keeps a running
+// domain's pid file.
+const qemuPidDir = "/run/libvirt/qemu"
+
+// killQEMU sends SIGKILL to a box's QEMU before libvirt's destroy. libvirt
+// (virProcessKillPainfully) sends SIGTERM and then polls every 200 ms until
+// the process is gone; QEMU's orderly exit on SIGTERM under TCG takes a
+// poll or more. A box being removed has nothing to flush: its disk and RAM
+// are deleted next. It is best effort: the pid must be that of a QEMU whose
+// command line names this domain (guest=NAME), else nothing is sent and
+// the destroy that follows does the whole work.
+func killQEMU(name string) {
+	if strings.ContainsAny(name, "/\x00") {
+		return
+	}
+	b, err := os.ReadFile(filepath.Join(qemuPidDir, name+".pid"))
+	if err != nil {
+		return
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 1 {
+		return
+	}
+	cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return
+	}
+	want := "guest=" + QemuOptEscape(name) + ","
+	if !strings.Contains(string(cmd), want) {
+		return
+	}
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+}
+
 // Start boots a stopped box and waits until its agent answers.
 func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (Box, error) {
 	b, dom, release, err := h.LockedLookup(name)
@@ -418,6 +453,7 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 		if !force {
 			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
 		}
+		killQEMU(name)
 		if err := powerOff(dom, name); err != nil {
 			return err
 		}

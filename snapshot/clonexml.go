@@ -86,12 +86,50 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 		return "", err
 	}
 	d.QEMUCommandline.Args = args
+	d.QEMUCapabilities = withoutCPUUnavailableFeatures(d.QEMUCapabilities)
 	stripRuntime(reflect.ValueOf(&d))
 	out, err := d.Marshal()
 	if err != nil {
 		return "", fmt.Errorf("render the clone's domain XML: %w", err)
 	}
 	return out, nil
+}
+
+// fastCPUCap is the QEMU capability a clone hides from libvirt. With it,
+// libvirt 11 reads the started guest's CPU with one qom-get per x86 feature
+// (qemuMonitorGetGuestCPU, ~500 QMP round trips, ~400 ms under TCG); without
+// it libvirt takes its older x86 path (qemuMonitorGetGuestCPUx86: the
+// feature-words and filtered-features properties, two qom-gets). Both feed
+// qemuProcessUpdateGuestCPU the same enabled/disabled feature sets on x86,
+// so the check that a required feature is present is kept. The cost:
+// libvirt marks the domain tainted (custom-hypervisor-feature), and on KVM a
+// host-model CPU's disabled features are read from QEMU's filtered-features
+// words instead of by name, which misses features QEMU cannot express as a
+// CPUID bit (MSR-based ones). A clone's CPU is the snapshot's, already
+// checked when its source booted, and the migration stream would fail on a
+// mismatch anyway.
+const fastCPUCap = "cpu-unavailable-features"
+
+// withoutCPUUnavailableFeatures adds <qemu:del capability='...'/> for
+// fastCPUCap to caps, keeping whatever else the source asked for.
+func withoutCPUUnavailableFeatures(caps *libvirtxml.DomainQEMUCapabilities) *libvirtxml.DomainQEMUCapabilities {
+	if caps == nil {
+		caps = &libvirtxml.DomainQEMUCapabilities{}
+	}
+	var add []libvirtxml.DomainQEMUCapabilitiesEntry
+	for _, e := range caps.Add {
+		if e.Name != fastCPUCap {
+			add = append(add, e)
+		}
+	}
+	caps.Add = add
+	for _, e := range caps.Del {
+		if e.Name == fastCPUCap {
+			return caps
+		}
+	}
+	caps.Del = append(caps.Del, libvirtxml.DomainQEMUCapabilitiesEntry{Name: fastCPUCap})
+	return caps
 }
 
 // replaceMeta swaps the kvbox element of <metadata> for m and keeps any

@@ -225,6 +225,28 @@ func TestCloneXMLOfAClone(t *testing.T) {
 	if strings.Contains(out, "/b/one") {
 		t.Errorf("the first clone's folder is still named")
 	}
+	// Cloned twice, the capability is still hidden once, never added.
+	want1 := &libvirtxml.DomainQEMUCapabilities{Del: []libvirtxml.DomainQEMUCapabilitiesEntry{{Name: "cpu-unavailable-features"}}}
+	for i, x := range []string{first, out} {
+		if got := parseDomain(t, x).QEMUCapabilities; got == nil || !reflect.DeepEqual(got.Del, want1.Del) || len(got.Add) != 0 {
+			t.Errorf("clone %d: qemu:capabilities = %+v, want one del of cpu-unavailable-features", i+1, got)
+		}
+	}
+	if n := strings.Count(out, "cpu-unavailable-features"); n != 1 {
+		t.Errorf("cpu-unavailable-features named %d times, want 1", n)
+	}
+}
+
+func TestWithoutCPUUnavailableFeaturesKeepsOthers(t *testing.T) {
+	in := &libvirtxml.DomainQEMUCapabilities{
+		Add: []libvirtxml.DomainQEMUCapabilitiesEntry{{Name: "blockdev"}, {Name: "cpu-unavailable-features"}},
+		Del: []libvirtxml.DomainQEMUCapabilitiesEntry{{Name: "foo"}},
+	}
+	got := withoutCPUUnavailableFeatures(in)
+	if !reflect.DeepEqual(got.Add, []libvirtxml.DomainQEMUCapabilitiesEntry{{Name: "blockdev"}}) ||
+		!reflect.DeepEqual(got.Del, []libvirtxml.DomainQEMUCapabilitiesEntry{{Name: "foo"}, {Name: "cpu-unavailable-features"}}) {
+		t.Errorf("got %+v", got)
+	}
 }
 
 // The definition for the clone's next cold boot: its own shared RAM file,

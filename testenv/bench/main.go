@@ -106,7 +106,7 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int)
 			return err
 		}
 		timings = append(timings, tm)
-		if err := h.Remove(ctx, name, true); err != nil {
+		if err := timedRemove(ctx, h, name); err != nil {
 			return err
 		}
 	}
@@ -137,6 +137,7 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int)
 	} {
 		fmt.Printf("  %-38s %8.0f ms\n", s.name, ms(pick(s.f)))
 	}
+	printRemoves(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))
 	fmt.Printf("\nratio warm clone / cold boot: %.3f\n", float64(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))/float64(median(boot)))
 	return nil
 }
