@@ -268,6 +268,40 @@ stage_small_fs() {
 	log "$SMALL_FS: $(df -h --output=size,used "$SMALL_FS" | tail -1 | tr -s ' ')"
 }
 
+# The OCI registry the snapshot push/pull tests use: Debian's docker-registry (the CNCF
+# distribution registry), on the namespace's own loopback 127.0.0.1:5000, plain HTTP, no
+# auth, its blobs under $REGISTRY_DIR. Started by hand (no systemd), once: a second run
+# finds it answering and leaves it alone.
+REGISTRY_DIR=${KVBOX_TESTENV_REGISTRY_DIR:-/var/lib/kvbox-testenv/registry}
+stage_registry() {
+	pkg_ok docker-registry || { DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry >/dev/null || return 1; }
+	if in_ns curl -fsS -o /dev/null http://127.0.0.1:5000/v2/; then
+		log "registry already answering on 127.0.0.1:5000 in $KVBOX_TESTENV_NS"
+		return 0
+	fi
+	mkdir -p "$REGISTRY_DIR/data"
+	cat >"$REGISTRY_DIR/config.yml" <<-CONF
+	version: 0.1
+	log:
+	  level: warn
+	storage:
+	  filesystem:
+	    rootdirectory: $REGISTRY_DIR/data
+	  delete:
+	    enabled: true
+	http:
+	  addr: 127.0.0.1:5000
+	CONF
+	log "starting docker-registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS (log $REGISTRY_DIR/registry.log)"
+	in_ns setsid docker-registry serve "$REGISTRY_DIR/config.yml" >>"$REGISTRY_DIR/registry.log" 2>&1 </dev/null &
+	for _ in $(seq 100); do
+		in_ns curl -fsS -o /dev/null http://127.0.0.1:5000/v2/ && return 0
+		sleep 0.1
+	done
+	warn "docker-registry did not answer within 10s: see $REGISTRY_DIR/registry.log"
+	return 1
+}
+
 T0=$(now_ms)
 stage "host" stage_host
 stage "packages" stage_packages
@@ -275,6 +309,7 @@ stage "network namespace $KVBOX_TESTENV_NS" stage_netns
 stage "small filesystem $SMALL_FS" stage_small_fs
 stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
+stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else

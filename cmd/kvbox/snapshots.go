@@ -22,6 +22,7 @@ func (a *app) newCmdSnapshots() *cobra.Command {
 		Short:   "Freeze running boxes into snapshots, list and delete them",
 	}
 	c.AddCommand(a.newCmdSnapshotsNew(), a.newCmdSnapshotsLs(), a.newCmdSnapshotsRm())
+	c.AddCommand(a.newCmdSnapshotsPush(), a.newCmdSnapshotsPull(), a.newCmdSnapshotsInspect())
 	return c
 }
 

@@ -1,0 +1,225 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/registry"
+	"kvbox.dev/kvbox/snapshot"
+)
+
+// registryFlags are the flags every command that talks to a registry has.
+type registryFlags struct {
+	insecure      bool
+	username      string
+	passwordStdin bool
+}
+
+func (f *registryFlags) add(c *cobra.Command) {
+	c.Flags().BoolVar(&f.insecure, "insecure", false, "talk plain HTTP to the registry")
+	c.Flags().StringVar(&f.username, "username", "", "registry user (else docker's config.json is used)")
+	c.Flags().BoolVar(&f.passwordStdin, "password-stdin", false, "read the registry password from standard input")
+}
+
+func (f *registryFlags) options(a *app) (registry.Options, error) {
+	o := registry.Options{Insecure: f.insecure, Username: f.username, Log: a.io.Err}
+	if f.passwordStdin {
+		if f.username == "" {
+			return o, fmt.Errorf("--password-stdin needs --username: %w", errUsage)
+		}
+		line, err := bufio.NewReader(a.io.In).ReadString('\n')
+		if err != nil && err != io.EOF {
+			return o, err
+		}
+		o.Password = strings.TrimRight(line, "\r\n")
+	} else if f.username != "" {
+		return o, fmt.Errorf("--username needs --password-stdin: %w", errUsage)
+	}
+	return o, nil
+}
+
+func (a *app) newCmdSnapshotsPush() *cobra.Command {
+	var rf registryFlags
+	var asJSON bool
+	c := &cobra.Command{
+		Use:   "push NAME REF",
+		Short: "Send a snapshot, and the base image under it, to an OCI registry",
+		Long: `Send a snapshot to an OCI registry as an artifact: its memory, device state,
+disk and domain XML, and the base image's files, each a layer compressed with
+zstd that keeps holes out (only touched memory travels). Layers are content-
+addressed: pushing a snapshot again sends only the parts that changed.`,
+		Example: `  kvbox snapshots push warm registry.example:5000/team/warm:v3
+  kvbox snapshots push --insecure warm 127.0.0.1:5000/warm:latest`,
+		Args:              exactArgs(2, "a snapshot name and a registry reference"),
+		ValidArgsFunction: a.completeSnapshots,
+		RunE: func(c *cobra.Command, args []string) error {
+			o, err := rf.options(a)
+			if err != nil {
+				return err
+			}
+			s, err := a.snapshots().Get(args[0])
+			if err != nil {
+				return err
+			}
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				o.Log = nil
+			}
+			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", s.Name, args[1])
+			res, err := registry.Push(c.Context(), h.Conn, a.stateDir, s, args[1], o)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return a.printJSON(res)
+			}
+			fmt.Fprintf(a.io.Out, "✓ pushed %s@%s: %s sent, %s on disk (encode %.1fs, transfer %.1fs)\n",
+				res.Ref, res.Digest, domain.FormatSize(res.Sent), domain.FormatSize(res.OnDisk), res.Encode.Seconds(), res.Transfer.Seconds())
+			return nil
+		},
+	}
+	rf.add(c)
+	c.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return c
+}
+
+func (a *app) newCmdSnapshotsPull() *cobra.Command {
+	var rf registryFlags
+	var asJSON bool
+	c := &cobra.Command{
+		Use:   "pull REF NAME",
+		Short: "Fetch a snapshot from an OCI registry, after checking this host can restore it",
+		Long: `Fetch a snapshot pushed with kvbox snapshots push. The host is checked first
+(domain type, machine type, QEMU version, CPU): a snapshot it cannot restore is
+refused before anything is downloaded. Every part is verified against its
+digest; the snapshot is listed only once complete. An interrupted pull keeps the
+parts it verified and fetches only the rest when run again.`,
+		Example: `  kvbox snapshots pull registry.example:5000/team/warm:v3 warm
+  kvbox new --from warm agent-1`,
+		Args: exactArgs(2, "a registry reference and a snapshot name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			o, err := rf.options(a)
+			if err != nil {
+				return err
+			}
+			if err := domain.ValidName(args[1]); err != nil {
+				return err
+			}
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				o.Log = nil
+			}
+			res, err := registry.Pull(c.Context(), h.Conn, a.stateDir, args[0], args[1], o)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return a.printJSON(res)
+			}
+			fmt.Fprintf(a.io.Out, "✓ snapshot %s pulled from %s@%s: %s received, %s on disk (transfer %.1fs, unpack %.1fs); start a warm clone with: kvbox new --from %s NAME\n",
+				res.Snapshot.Name, args[0], res.Digest, domain.FormatSize(res.Received), domain.FormatSize(res.Snapshot.SizeBytes),
+				res.Transfer.Seconds(), res.Decode.Seconds(), res.Snapshot.Name)
+			return nil
+		},
+	}
+	rf.add(c)
+	c.Flags().BoolVar(&asJSON, "json", false, "print the result as JSON")
+	return c
+}
+
+// inspection is `kvbox snapshots inspect --json`.
+type inspection struct {
+	Name        string          `json:"name"`
+	Box         string          `json:"box"`
+	Parent      string          `json:"parent,omitempty"`
+	Image       string          `json:"image"`
+	BaseDisk    string          `json:"base_disk"`
+	SizeBytes   int64           `json:"size_bytes"`
+	BaseBytes   int64           `json:"base_bytes"`
+	MemoryBytes int64           `json:"memory_bytes"`
+	Clones      []string        `json:"clones"`
+	Needs       registry.Compat `json:"needs"`
+	HostOK      string          `json:"host_ok"` // "yes", or what this host lacks
+}
+
+func (a *app) newCmdSnapshotsInspect() *cobra.Command {
+	var asJSON bool
+	c := &cobra.Command{
+		Use:               "inspect NAME",
+		Short:             "Show a snapshot's lineage, its cost on disk and what a host needs to restore it",
+		Example:           "  kvbox snapshots inspect warm\n  kvbox snapshots inspect --json warm",
+		Args:              exactArgs(1, "a snapshot name"),
+		ValidArgsFunction: a.completeSnapshots,
+		RunE: func(c *cobra.Command, args []string) error {
+			s, err := a.snapshots().Get(args[0])
+			if err != nil {
+				return err
+			}
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			xml, err := os.ReadFile(s.Path(snapshot.DomainXMLFile))
+			if err != nil {
+				return err
+			}
+			compat, err := registry.CompatOf(h.Conn, string(xml))
+			if err != nil {
+				return err
+			}
+			boxes, err := a.boxes()
+			if err != nil {
+				return err
+			}
+			in := inspection{Name: s.Name, Box: s.Box, Parent: s.Parent, Image: s.Image, BaseDisk: s.BaseDisk,
+				SizeBytes: s.SizeBytes, MemoryBytes: s.MemoryBytes, Clones: []string{}, Needs: compat, HostOK: "yes"}
+			in.BaseBytes, _ = overlay.Du(s.BaseDisk)
+			for _, b := range boxes {
+				if b.Snapshot == s.Name {
+					in.Clones = append(in.Clones, b.Name)
+				}
+			}
+			if err := compat.Check(h.Conn); err != nil {
+				in.HostOK = err.Error()
+			}
+			if asJSON {
+				return a.printJSON(in)
+			}
+			w := a.io.Out
+			fmt.Fprintf(w, "snapshot   %s\n", in.Name)
+			parent := in.Parent
+			if parent == "" {
+				parent = "-"
+			}
+			fmt.Fprintf(w, "lineage    image %s -> box %s (cloned from snapshot %s) -> %s\n", in.Image, in.Box, parent, in.Name)
+			fmt.Fprintf(w, "on disk    %s own, standing on base image %s (%s, shared with every snapshot of it)\n",
+				domain.FormatSize(in.SizeBytes), in.BaseDisk, domain.FormatSize(in.BaseBytes))
+			fmt.Fprintf(w, "memory     %s guest RAM\n", domain.FormatSize(in.MemoryBytes))
+			fmt.Fprintf(w, "clones     %d mapping it: %s\n", len(in.Clones), strings.Join(in.Clones, ", "))
+			fmt.Fprintf(w, "needs      domain type %s, %s machine %s, CPU %s %s, QEMU >= %s (libvirt %s took it)\n",
+				compat.DomainType, compat.Arch, compat.Machine, compat.CPUMode, compat.CPUModel,
+				verString(compat.QEMU), verString(compat.Libvirt))
+			fmt.Fprintf(w, "this host  %s\n", in.HostOK)
+			return nil
+		},
+	}
+	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON object")
+	return c
+}
+
+func verString(v uint64) string {
+	return fmt.Sprintf("%d.%d.%d", v/1000000, v/1000%1000, v%1000)
+}

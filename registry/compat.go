@@ -1,0 +1,155 @@
+package registry
+
+import (
+	"fmt"
+	"strings"
+
+	"libvirt.org/go/libvirt"
+	"libvirt.org/go/libvirtxml"
+)
+
+// Compat is what a restore of the snapshot needs from a host: the same
+// domain type, a machine type the host's QEMU offers, a QEMU at least as
+// new as the one that wrote the state, and a CPU the host can give.
+type Compat struct {
+	DomainType string `json:"domain_type"` // kvm or qemu (TCG)
+	Arch       string `json:"arch"`
+	Machine    string `json:"machine"` // as in the live XML: the canonical type, e.g. pc-q35-10.0
+	CPUMode    string `json:"cpu_mode"`
+	CPUModel   string `json:"cpu_model,omitempty"`
+	QEMU       uint64 `json:"qemu"`    // major*1e6+minor*1e3+micro, from libvirt
+	Libvirt    uint64 `json:"libvirt"` // same encoding
+	// HostCPU is the <cpu> of the host that took the snapshot, for a
+	// host-passthrough/host-model CPU on KVM (libvirt compares it).
+	HostCPU string `json:"host_cpu,omitempty"`
+}
+
+func version(v uint64) string {
+	return fmt.Sprintf("%d.%d.%d", v/1000000, v/1000%1000, v%1000)
+}
+
+// CompatOf reads what the snapshot's live domain XML needs, with the
+// versions of the host that holds it.
+func CompatOf(conn *libvirt.Connect, domainXML string) (Compat, error) {
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(domainXML); err != nil {
+		return Compat{}, fmt.Errorf("snapshot domain XML: %w", err)
+	}
+	c := Compat{DomainType: d.Type}
+	if d.OS != nil && d.OS.Type != nil {
+		c.Arch, c.Machine = d.OS.Type.Arch, d.OS.Type.Machine
+	}
+	if d.CPU != nil {
+		c.CPUMode = d.CPU.Mode
+		if d.CPU.Model != nil {
+			c.CPUModel = d.CPU.Model.Value
+		}
+	}
+	q, err := conn.GetVersion()
+	if err != nil {
+		return Compat{}, err
+	}
+	l, err := conn.GetLibVersion()
+	if err != nil {
+		return Compat{}, err
+	}
+	c.QEMU, c.Libvirt = uint64(q), uint64(l)
+	if capsXML, err := conn.GetCapabilities(); err == nil {
+		var caps libvirtxml.Caps
+		if caps.Unmarshal(capsXML) == nil && caps.Host.CPU != nil {
+			cpu := libvirtxml.DomainCPU{Model: &libvirtxml.DomainCPUModel{Value: caps.Host.CPU.Model}, Vendor: caps.Host.CPU.Vendor}
+			for _, f := range caps.Host.CPU.FeatureFlags {
+				cpu.Features = append(cpu.Features, libvirtxml.DomainCPUFeature{Policy: "require", Name: f.Name})
+			}
+			if s, err := cpu.Marshal(); err == nil {
+				c.HostCPU = s
+			}
+		}
+	}
+	return c, nil
+}
+
+// Check says in one line what this host lacks to restore a snapshot that
+// needs c, or nil when it has everything.
+func (c Compat) Check(conn *libvirt.Connect) error {
+	capsXML, err := conn.GetCapabilities()
+	if err != nil {
+		return err
+	}
+	var caps libvirtxml.Caps
+	if err := caps.Unmarshal(capsXML); err != nil {
+		return err
+	}
+	var types []string
+	var machines []string
+	found := false
+	for _, g := range caps.Guests {
+		if g.Arch.Name != c.Arch {
+			continue
+		}
+		for _, d := range g.Arch.Domains {
+			types = append(types, d.Type)
+			if d.Type == c.DomainType {
+				found = true
+			}
+		}
+		for _, m := range g.Arch.Machines {
+			machines = append(machines, m.Name)
+			if m.Canonical != "" {
+				machines = append(machines, m.Canonical)
+			}
+		}
+	}
+	if !found {
+		return fmt.Errorf("incompatible host: the snapshot needs domain type %s on %s, this host offers %s", c.DomainType, c.Arch, orNone(types))
+	}
+	ok := false
+	for _, m := range machines {
+		ok = ok || m == c.Machine
+	}
+	if !ok {
+		return fmt.Errorf("incompatible host: the snapshot needs machine type %s, this host's QEMU does not offer it", c.Machine)
+	}
+	q, err := conn.GetVersion()
+	if err != nil {
+		return err
+	}
+	if uint64(q) < c.QEMU {
+		return fmt.Errorf("incompatible host: the snapshot was written by QEMU %s, this host has the older QEMU %s", version(c.QEMU), version(uint64(q)))
+	}
+	if c.DomainType == "kvm" && c.HostCPU != "" && (c.CPUMode == "host-passthrough" || c.CPUMode == "host-model") {
+		r, err := conn.CompareCPU(c.HostCPU, 0)
+		if err != nil {
+			return fmt.Errorf("compare CPU: %w", err)
+		}
+		if r == libvirt.CPU_COMPARE_INCOMPATIBLE {
+			return fmt.Errorf("incompatible host: its CPU lacks features of the CPU that took the snapshot (%s mode)", c.CPUMode)
+		}
+	}
+	if c.CPUMode == "custom" && c.CPUModel != "" {
+		dc, err := conn.GetDomainCapabilities("", c.Arch, c.Machine, c.DomainType, 0)
+		if err == nil {
+			var caps libvirtxml.DomainCaps
+			if caps.Unmarshal(dc) == nil && caps.CPU != nil {
+				for _, m := range caps.CPU.Modes {
+					if m.Name != "custom" {
+						continue
+					}
+					for _, mod := range m.Models {
+						if mod.Name == c.CPUModel && mod.Usable == "no" {
+							return fmt.Errorf("incompatible host: CPU model %s is not usable here", c.CPUModel)
+						}
+					}
+				}
+			}
+		}
+	}
+	return nil
+}
+
+func orNone(s []string) string {
+	if len(s) == 0 {
+		return "none"
+	}
+	return strings.Join(s, ", ")
+}

@@ -1,0 +1,280 @@
+// Package registry pushes snapshots to an OCI registry and pulls them
+// back, as artifacts a second host can clone from.
+//
+// A snapshot artifact is an OCI image manifest whose layers are the files
+// of the snapshot folder and of the base image it stands on (disk, kernel,
+// initrd, image.json), each encoded as an extent map plus zstd data so
+// holes cost nothing (see sparse.go). The manifest's annotations carry the
+// source paths (rewritten on pull) and what a restore needs (Compat),
+// checked against the pulling host before any blob is fetched.
+package registry
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/types"
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/snapshot"
+)
+
+// Manifest annotations.
+const (
+	AnnotKind      = "dev.kvbox.kind" // ArtifactType
+	AnnotSnapshot  = "dev.kvbox.snapshot"
+	AnnotStateDir  = "dev.kvbox.state-dir"
+	AnnotImageDir  = "dev.kvbox.image-dir"
+	AnnotImageName = "dev.kvbox.image"
+	AnnotCompat    = "dev.kvbox.compat"
+)
+
+// Options are how to reach the registry.
+type Options struct {
+	Insecure bool   // plain HTTP
+	Username string // with Password, instead of docker's config.json
+	Password string
+	// Log gets one line per part (nil: quiet).
+	Log io.Writer
+}
+
+func (o Options) ref(s string) (name.Reference, error) {
+	var opts []name.Option
+	if o.Insecure {
+		opts = append(opts, name.Insecure)
+	}
+	r, err := name.ParseReference(s, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("bad reference %q (want HOST[:PORT]/REPO[:TAG]): %w", s, err)
+	}
+	return r, nil
+}
+
+func (o Options) remote(ctx context.Context, counter *counter) []remote.Option {
+	auth := remote.WithAuthFromKeychain(authn.DefaultKeychain)
+	if o.Username != "" {
+		auth = remote.WithAuth(&authn.Basic{Username: o.Username, Password: o.Password})
+	}
+	return []remote.Option{auth, remote.WithContext(ctx), remote.WithTransport(counter.wrap(remote.DefaultTransport)),
+		remote.WithJobs(2)}
+}
+
+func (o Options) logf(format string, a ...any) {
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, format+"\n", a...)
+	}
+}
+
+// counter counts the bytes sent in request bodies and received in
+// response bodies.
+type counter struct{ sent, recv atomic.Int64 }
+
+type countRT struct {
+	c  *counter
+	rt http.RoundTripper
+}
+
+func (c *counter) wrap(rt http.RoundTripper) http.RoundTripper { return countRT{c, rt} }
+
+func (t countRT) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.Body != nil {
+		r.Body = &countReader{ReadCloser: r.Body, n: &t.c.sent}
+	}
+	resp, err := t.rt.RoundTrip(r)
+	if resp != nil && resp.Body != nil {
+		resp.Body = &countReader{ReadCloser: resp.Body, n: &t.c.recv}
+	}
+	return resp, err
+}
+
+type countReader struct {
+	io.ReadCloser
+	n *atomic.Int64
+}
+
+func (c *countReader) Read(p []byte) (int, error) {
+	n, err := c.ReadCloser.Read(p)
+	c.n.Add(int64(n))
+	return n, err
+}
+
+// Part is one file of the artifact.
+type Part struct {
+	Title     string `json:"title"` // snapshot/FILE or image/FILE
+	Digest    string `json:"digest"`
+	Blob      int64  `json:"blob_bytes"`     // what the registry stores
+	Apparent  int64  `json:"apparent_bytes"` // the file's size with holes
+	DataBytes int64  `json:"data_bytes"`     // bytes outside holes
+}
+
+// PushResult is what a push did.
+type PushResult struct {
+	Ref      string        `json:"ref"`
+	Digest   string        `json:"digest"`
+	Parts    []Part        `json:"parts"`
+	Sent     int64         `json:"sent_bytes"` // request bodies, blobs and manifest
+	OnDisk   int64         `json:"on_disk_bytes"`
+	Encode   time.Duration `json:"encode_ns"`
+	Transfer time.Duration `json:"transfer_ns"`
+}
+
+// CacheDir is the blob cache under a state directory.
+func CacheDir(stateDir string) string { return filepath.Join(stateDir, "registry-cache") }
+
+// imageDir is the base image version folder of a snapshot (its disk's folder).
+func imageDir(s snapshot.Snapshot) string { return filepath.Dir(s.BaseDisk) }
+
+func regularFiles(dir string) ([]string, error) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range ents {
+		if e.Type().IsRegular() && e.Name()[0] != '.' {
+			out = append(out, e.Name())
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// Push sends snapshot s, and the base image under it, to ref.
+func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapshot.Snapshot, refStr string, o Options) (PushResult, error) {
+	ref, err := o.ref(refStr)
+	if err != nil {
+		return PushResult{}, err
+	}
+	xml, err := os.ReadFile(s.Path(snapshot.DomainXMLFile))
+	if err != nil {
+		return PushResult{}, err
+	}
+	compat, err := CompatOf(conn, string(xml))
+	if err != nil {
+		return PushResult{}, err
+	}
+	c := cache{CacheDir(stateDir)}
+	res := PushResult{Ref: ref.String()}
+	t0 := time.Now()
+	var adds []mutate.Addendum
+	add := func(kind, dir, file string, mt types.MediaType) error {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		path := filepath.Join(dir, file)
+		var size, data int64
+		dig, n, err := c.put(func(w io.Writer) error {
+			var err error
+			size, data, err = encodeSparse(path, w)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		p := Part{Title: kind + "/" + file, Digest: dig.String(), Blob: n, Apparent: size, DataBytes: data}
+		res.Parts = append(res.Parts, p)
+		adds = append(adds, mutate.Addendum{
+			Layer:     &fileLayer{path: c.blob(dig), dig: dig, size: n, mt: mt},
+			MediaType: mt,
+			Annotations: map[string]string{
+				AnnotTitle: p.Title, AnnotApparent: strconv.FormatInt(size, 10), AnnotDataBytes: strconv.FormatInt(data, 10),
+			},
+		})
+		o.logf("  %-24s %s, %s of data in %s apparent, %s blob", p.Title, short(dig), human(data), human(size), human(n))
+		return nil
+	}
+	files, err := regularFiles(s.Dir)
+	if err != nil {
+		return res, err
+	}
+	for _, f := range files {
+		if err := add("snapshot", s.Dir, f, PartType); err != nil {
+			return res, err
+		}
+	}
+	idir := imageDir(s)
+	ifiles, err := regularFiles(idir)
+	if err != nil {
+		return res, fmt.Errorf("base image of snapshot %q: %w", s.Name, err)
+	}
+	for _, f := range ifiles {
+		if err := add("image", idir, f, ImagePartType); err != nil {
+			return res, err
+		}
+	}
+	if _, err := os.Stat(filepath.Join(filepath.Dir(idir), "image.json")); err == nil {
+		if err := add("image-meta", filepath.Dir(idir), "image.json", ImagePartType); err != nil {
+			return res, err
+		}
+	}
+	res.Encode = time.Since(t0)
+	sd, _ := overlay.Du(s.Dir)
+	id, _ := overlay.Du(idir)
+	res.OnDisk = sd + id
+	defer pruneCache(c, res.Parts)
+
+	cj, _ := json.Marshal(compat)
+	img := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
+	img = mutate.ConfigMediaType(img, ConfigType)
+	img, err = mutate.Append(img, adds...)
+	if err != nil {
+		return res, err
+	}
+	img = mutate.Annotations(img, map[string]string{
+		AnnotKind: ArtifactType, AnnotSnapshot: s.Name, AnnotStateDir: stateDir, AnnotImageDir: idir,
+		AnnotImageName: s.Image, AnnotCompat: string(cj),
+	}).(v1.Image)
+	var cnt counter
+	t1 := time.Now()
+	if err := remote.Write(ref, img, o.remote(ctx, &cnt)...); err != nil {
+		return res, fmt.Errorf("push %s: %w", ref, err)
+	}
+	res.Transfer = time.Since(t1)
+	res.Sent = cnt.sent.Load()
+	d, err := img.Digest()
+	if err != nil {
+		return res, err
+	}
+	res.Digest = d.String()
+	return res, nil
+}
+
+// pruneCache removes the encoded parts of a push (they are only needed
+// while it runs): keeping them would double the snapshot's disk cost.
+func pruneCache(c cache, parts []Part) {
+	for _, p := range parts {
+		if h, err := v1.NewHash(p.Digest); err == nil {
+			os.Remove(c.blob(h))
+		}
+	}
+}
+
+func short(h v1.Hash) string { return h.Algorithm + ":" + h.Hex[:12] }
+
+func human(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
