@@ -139,7 +139,7 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int)
 	}
 	printRemoves(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))
 	fmt.Printf("\nratio warm clone / cold boot: %.3f\n", float64(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))/float64(median(boot)))
-	return nil
+	return benchRegistry(ctx, conn, stateDir, snap)
 }
 
 func median(ds []time.Duration) time.Duration {
