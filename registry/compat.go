@@ -1,7 +1,10 @@
 package registry
 
 import (
+	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"libvirt.org/go/libvirt"
@@ -22,6 +25,28 @@ type Compat struct {
 	// HostCPU is the <cpu> of the host that took the snapshot, for a
 	// host-passthrough/host-model CPU on KVM (libvirt compares it).
 	HostCPU string `json:"host_cpu,omitempty"`
+}
+
+// CompatFile, in a snapshot folder, keeps the Compat of a pulled snapshot:
+// the versions of the host that took it, not of this one.
+const CompatFile = "compat.json"
+
+// LoadCompat returns what the snapshot in dir needs: its CompatFile if it
+// has one (a pulled snapshot), else what its domain XML and this host say
+// (a snapshot taken here).
+func LoadCompat(conn *libvirt.Connect, dir string) (Compat, error) {
+	if b, err := os.ReadFile(filepath.Join(dir, CompatFile)); err == nil {
+		var c Compat
+		if err := json.Unmarshal(b, &c); err != nil {
+			return Compat{}, fmt.Errorf("%s: %w", filepath.Join(dir, CompatFile), err)
+		}
+		return c, nil
+	}
+	xml, err := os.ReadFile(filepath.Join(dir, "domain.xml"))
+	if err != nil {
+		return Compat{}, err
+	}
+	return CompatOf(conn, string(xml))
 }
 
 func version(v uint64) string {
@@ -70,8 +95,13 @@ func CompatOf(conn *libvirt.Connect, domainXML string) (Compat, error) {
 }
 
 // Check says in one line what this host lacks to restore a snapshot that
-// needs c, or nil when it has everything.
-func (c Compat) Check(conn *libvirt.Connect) error {
+// needs c, or nil when it has everything. hostType is the domain type
+// kvbox uses on this host ("kvm" or "qemu"; "" if unknown): libvirt lists
+// kvm in its capabilities even where /dev/kvm cannot be used.
+func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
+	if c.DomainType == "kvm" && hostType != "" && hostType != "kvm" {
+		return fmt.Errorf("incompatible host: the snapshot needs domain type kvm (hardware virtualization), this host runs %s only", hostType)
+	}
 	capsXML, err := conn.GetCapabilities()
 	if err != nil {
 		return err

@@ -82,7 +82,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	if err := json.Unmarshal([]byte(m.Annotations[AnnotCompat]), &compat); err != nil {
 		return res, fmt.Errorf("%s: bad %s annotation: %w", refStr, AnnotCompat, err)
 	}
-	if err := compat.Check(conn); err != nil {
+	if err := compat.Check(conn, o.DomainType); err != nil {
 		return res, err
 	}
 	ref, _ := o.ref(refStr)
@@ -311,6 +311,9 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 		return snapshot.Snapshot{}, reused, err
 	}
 	if err := os.WriteFile(metaPath, mb, 0o644); err != nil {
+		return snapshot.Snapshot{}, reused, err
+	}
+	if err := os.WriteFile(filepath.Join(tmp, CompatFile), []byte(m.Annotations[AnnotCompat]), 0o644); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
 	if err := syncDir(tmp); err != nil {

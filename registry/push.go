@@ -52,6 +52,9 @@ type Options struct {
 	Password string
 	// Log gets one line per part (nil: quiet).
 	Log io.Writer
+	// DomainType is the libvirt domain type kvbox uses on this host, for
+	// the compatibility check of a pull.
+	DomainType string
 }
 
 func (o Options) ref(s string) (name.Reference, error) {
@@ -161,11 +164,7 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 	if err != nil {
 		return PushResult{}, err
 	}
-	xml, err := os.ReadFile(s.Path(snapshot.DomainXMLFile))
-	if err != nil {
-		return PushResult{}, err
-	}
-	compat, err := CompatOf(conn, string(xml))
+	compat, err := LoadCompat(conn, s.Dir)
 	if err != nil {
 		return PushResult{}, err
 	}

@@ -117,6 +117,9 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 	if err != nil {
 		return err
 	}
+	if err := checkHostFor(h, snap); err != nil {
+		return err
+	}
 	b, tm, err := snapshot.Clone(c.Context(), h, snap, o.name, o.timeout)
 	if err != nil {
 		return err

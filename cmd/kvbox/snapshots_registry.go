@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -122,6 +121,9 @@ parts it verified and fetches only the rest when run again.`,
 			if asJSON {
 				o.Log = nil
 			}
+			if o.DomainType, err = h.DomainType(); err != nil {
+				return err
+			}
 			res, err := registry.Pull(c.Context(), h.Conn, a.stateDir, args[0], args[1], o)
 			if err != nil {
 				return err
@@ -172,11 +174,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			xml, err := os.ReadFile(s.Path(snapshot.DomainXMLFile))
-			if err != nil {
-				return err
-			}
-			compat, err := registry.CompatOf(h.Conn, string(xml))
+			compat, err := registry.LoadCompat(h.Conn, s.Dir)
 			if err != nil {
 				return err
 			}
@@ -192,7 +190,11 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 					in.Clones = append(in.Clones, b.Name)
 				}
 			}
-			if err := compat.Check(h.Conn); err != nil {
+			typ, err := h.DomainType()
+			if err != nil {
+				return err
+			}
+			if err := compat.Check(h.Conn, typ); err != nil {
 				in.HostOK = err.Error()
 			}
 			if asJSON {
@@ -222,4 +224,22 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 
 func verString(v uint64) string {
 	return fmt.Sprintf("%d.%d.%d", v/1000000, v/1000%1000, v%1000)
+}
+
+// checkHostFor refuses, in one line, a snapshot this host cannot restore
+// (domain type, machine type, QEMU version, CPU), before a clone starts
+// and fails halfway.
+func checkHostFor(h *domain.Host, s snapshot.Snapshot) error {
+	compat, err := registry.LoadCompat(h.Conn, s.Dir)
+	if err != nil {
+		return err
+	}
+	typ, err := h.DomainType()
+	if err != nil {
+		return err
+	}
+	if err := compat.Check(h.Conn, typ); err != nil {
+		return fmt.Errorf("snapshot %q: %w", s.Name, err)
+	}
+	return nil
 }
