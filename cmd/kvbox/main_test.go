@@ -66,7 +66,7 @@ func TestUnknownCommandIsUsage(t *testing.T) {
 		want string
 	}{
 		{[]string{"bogus"}, `unknown command "bogus" for "kvbox"`},
-		{[]string{"snapshots", "push", "a", "b"}, `unknown command "push" for "kvbox snapshots"`},
+		{[]string{"snapshots", "bogus", "a", "b"}, `unknown command "bogus" for "kvbox snapshots"`},
 		{[]string{"images", "bogus"}, `unknown command "bogus" for "kvbox images"`},
 		{[]string{"network", "bogus"}, `unknown command "bogus" for "kvbox network"`},
 	} {
