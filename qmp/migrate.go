@@ -241,3 +241,65 @@ func sortedKeys[V any](m map[string]V) []string {
 	sort.Strings(keys)
 	return keys
 }
+
+// CapPauseBeforeSwitchover makes a migration wait in pre-switchover for
+// migrate-continue; kvbox keeps it off.
+const CapPauseBeforeSwitchover = "pause-before-switchover"
+
+// MigrationRunning reports whether status is one of a migration still in
+// progress (it has to be cancelled before capabilities change again).
+func MigrationRunning(status string) bool {
+	switch status {
+	case MigrationSetup, MigrationActive, "pre-switchover", "device", "wait-unplug", "cancelling":
+		return true
+	}
+	return false
+}
+
+// WaitMigrationStop polls query-migrate every poll until the migration
+// completed and returns when the guest was stopped for the switch-over: the
+// earlier of the first poll that saw it past precopy ("device") and the
+// completion time less QEMU's reported downtime. progress, if set, gets every
+// status seen while the copy runs.
+func (c *Client) WaitMigrationStop(ctx context.Context, poll time.Duration, progress func(MigrateStatus)) (time.Time, error) {
+	var stopped time.Time
+	for {
+		s, err := c.QueryMigrate(ctx)
+		if err != nil {
+			return time.Time{}, err
+		}
+		now := time.Now()
+		switch s.Status {
+		case MigrationCompleted:
+			if s.Downtime != nil {
+				if ms, err := s.Downtime.Int64(); err == nil {
+					if t := now.Add(-time.Duration(ms) * time.Millisecond); stopped.IsZero() || t.Before(stopped) {
+						stopped = t
+					}
+				}
+			}
+			if stopped.IsZero() {
+				stopped = now
+			}
+			return stopped, nil
+		case MigrationFailed, MigrationCancelled:
+			desc := s.ErrorDesc
+			if desc == "" {
+				desc = "QEMU gave no error-desc"
+			}
+			return time.Time{}, fmt.Errorf("qmp: migration %s: %s: %w", s.Status, desc, ErrMigrationFailed)
+		case "device", "pre-switchover":
+			if stopped.IsZero() {
+				stopped = now
+			}
+		}
+		if progress != nil {
+			progress(s)
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, fmt.Errorf("qmp: waiting for migration (last status %q): %w", s.Status, ctx.Err())
+		case <-time.After(poll):
+		}
+	}
+}

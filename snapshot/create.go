@@ -39,9 +39,17 @@ type partial struct {
 	Caps    map[string]bool `json:"caps"` // migration capabilities as they were
 	Bitmap  string          `json:"bitmap"`
 	Paused  bool            `json:"paused"` // the box ran before kvbox paused it
+	// Params are the migration parameters a live copy changed, as they
+	// were (json.Number values, set back as they are).
+	Params map[string]any `json:"params,omitempty"`
 }
 
 const partialFile = "partial.json"
+
+// liveParams are the migration parameters of a live memory copy: QEMU's
+// default max-bandwidth (128 MiB/s) makes a 1.5 GB copy take 12 s; at
+// 10 GiB/s it is bounded by the disk and the guest (DESIGN.md).
+var liveParams = map[string]any{"max-bandwidth": int64(10 << 30)}
 
 // partialDir is where a snapshot is built before it is renamed into place.
 func (st Store) partialDir(name string) string { return filepath.Join(st.Dir, "."+name+".partial") }
@@ -135,8 +143,25 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	}
 	p := partial{Name: name, Box: boxName, BoxUUID: box.UUID, PID: os.Getpid(), Caps: map[string]bool{},
 		Bitmap: bitmapPrefix + name, Paused: true}
+	if mapped {
+		caps[qmp.CapPauseBeforeSwitchover] = false
+	}
 	for k := range caps {
 		p.Caps[k] = saved[k]
+	}
+	if mapped {
+		cur, err := q.QueryMigrateParameters(ctx)
+		if err != nil {
+			return Result{}, err
+		}
+		p.Params = map[string]any{}
+		for k := range liveParams {
+			v, ok := cur[k]
+			if !ok {
+				return Result{}, fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
+			}
+			p.Params[k] = v
+		}
 	}
 	if err := writeJSON(filepath.Join(tmp, partialFile), p); err != nil {
 		return Result{}, err
@@ -164,10 +189,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	domain.Testpoint("prepared")
 
 	// The pause: everything from here to Resume is time the box stands still.
-	pauseStart := time.Now()
-	if err := dom.Suspend(); err != nil {
-		return Result{}, fmt.Errorf("pause box %q: %w", boxName, err)
-	}
+	var pauseStart time.Time
 	running := false
 	resume := func() {
 		if !running {
@@ -178,17 +200,60 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 			dom.Resume()
 		}
 	}
-	r.Add(resume)
-	domain.Testpoint("paused")
-	if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
-		return Result{}, err
-	}
-	r.Add(func() { q.MigrateSetCapabilities(context.WithoutCancel(ctx), p.Caps) })
-	if err := q.Migrate(ctx, "file:"+filepath.Join(tmp, StateFile)); err != nil {
-		return Result{}, err
-	}
-	if err := q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
-		return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
+	if mapped {
+		// A clone's RAM is copied while it runs: precopy into the
+		// mapped-ram file, QEMU's dirty tracking re-sending what the guest
+		// writes meanwhile. QEMU stops the box itself for the last pass
+		// and the device state, and leaves it stopped (postmigrate), so
+		// the disk's point-in-time below is taken at the switch-over.
+		if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
+			return Result{}, err
+		}
+		r.Add(func() { q.MigrateSetCapabilities(context.WithoutCancel(ctx), p.Caps) })
+		if err := q.MigrateSetParameters(ctx, liveParams); err != nil {
+			return Result{}, err
+		}
+		r.Add(func() { q.MigrateSetParameters(context.WithoutCancel(ctx), p.Params) })
+		r.Add(resume) // runs after the cancel below: QEMU may have stopped the box
+		r.Add(func() {
+			// A copy cut short: no migration may be left running.
+			bg := context.WithoutCancel(ctx)
+			if s, err := q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
+				q.MigrateCancel(bg)
+				q.WaitMigration(bg, 5*time.Millisecond)
+			}
+		})
+		if err := q.Migrate(ctx, "file:"+filepath.Join(tmp, StateFile)); err != nil {
+			return Result{}, err
+		}
+		domain.Testpoint("live-started")
+		stopped, err := q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
+			if s.RAM != nil {
+				domain.Testpoint("live-copying")
+			}
+		})
+		if err != nil {
+			return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
+		}
+		pauseStart = stopped
+		t.step("copy memory live")
+	} else {
+		pauseStart = time.Now()
+		if err := dom.Suspend(); err != nil {
+			return Result{}, fmt.Errorf("pause box %q: %w", boxName, err)
+		}
+		r.Add(resume)
+		domain.Testpoint("paused")
+		if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
+			return Result{}, err
+		}
+		r.Add(func() { q.MigrateSetCapabilities(context.WithoutCancel(ctx), p.Caps) })
+		if err := q.Migrate(ctx, "file:"+filepath.Join(tmp, StateFile)); err != nil {
+			return Result{}, err
+		}
+		if err := q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
+			return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
+		}
 	}
 	t.step("save device state")
 	domain.Testpoint("state-saved")
@@ -231,6 +296,11 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	domain.Testpoint("backup-started")
 	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
 		return Result{}, err
+	}
+	if p.Params != nil {
+		if err := q.MigrateSetParameters(ctx, p.Params); err != nil {
+			return Result{}, err
+		}
 	}
 	resume()
 	pause := time.Since(pauseStart)

@@ -84,7 +84,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	q := qmp.NewDomainClient(dom)
-	if s, err := q.QueryMigrate(ctx); err == nil && (s.Status == qmp.MigrationActive || s.Status == qmp.MigrationSetup) {
+	if s, err := q.QueryMigrate(ctx); err == nil && qmp.MigrationRunning(s.Status) {
 		q.MigrateCancel(ctx)
 		q.WaitMigration(ctx, 10*time.Millisecond)
 	}
@@ -102,6 +102,11 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	}
 	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
 		return err
+	}
+	if len(p.Params) > 0 {
+		if err := q.MigrateSetParameters(ctx, p.Params); err != nil {
+			return err
+		}
 	}
 	if st, _, err := dom.GetState(); err == nil && st == libvirt.DOMAIN_PAUSED && p.Paused {
 		if err := q.BlockdevSetActive(ctx, "", true); err != nil {

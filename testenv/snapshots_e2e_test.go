@@ -190,6 +190,82 @@ func assertDomainClean(t testing.TB, n string) {
 	if status.Return.Status != "running" {
 		t.Errorf("QEMU status %s", status.Return.Status)
 	}
+	var params struct {
+		Return struct {
+			MaxBandwidth  int64 `json:"max-bandwidth"`
+			DowntimeLimit int64 `json:"downtime-limit"`
+		} `json:"return"`
+	}
+	qmpJSON(t, n, `{"execute":"query-migrate-parameters"}`, &params)
+	// QEMU's defaults (migration/options.c): kvbox sets nothing for good.
+	if params.Return.MaxBandwidth != 128<<20 || params.Return.DowntimeLimit != 300 {
+		t.Errorf("migration parameters left changed: max-bandwidth %d, downtime-limit %d", params.Return.MaxBandwidth, params.Return.DowntimeLimit)
+	}
+	var mig struct {
+		Return struct {
+			Status string `json:"status"`
+		} `json:"return"`
+	}
+	qmpJSON(t, n, `{"execute":"query-migrate"}`, &mig)
+	switch mig.Return.Status {
+	case "", "none", "completed", "cancelled", "failed":
+	default:
+		t.Errorf("a migration is left %s", mig.Return.Status)
+	}
+}
+
+// TestLiveSnapshotOfClone: a clone's RAM is copied while it runs (precopy
+// into the mapped-ram file). A kill at each point of the live phase leaves
+// the clone running with nothing changed; a finished snapshot holds data
+// written just before it, and its clone serves it.
+func TestLiveSnapshotOfClone(t *testing.T) {
+	src, snap1, c := name(t, "lvsrc"), name(t, "lv1"), name(t, "lvc")
+	newBox(t, src)
+	inBox(t, src, "mkdir -p /www && echo lv > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap1) })
+	mustKvbox(t, "snapshots", "new", src, snap1)
+	if r := newClone(t, snap1, c); r.code != 0 {
+		t.Fatalf("clone %s: %s", c, r)
+	}
+	startCounter(t, c)
+	for _, step := range []string{"prepared", "live-started", "live-copying", "state-saved", "backup-started", "resumed", "disk-copied"} {
+		sn := name(t, "lk-"+step)
+		cmd := exec.Command(kvboxBin, "snapshots", "new", c, sn)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
+		}
+		for _, s := range listSnapshots(t) {
+			if s.Name == sn {
+				t.Errorf("kill at %s: snapshot listed", step)
+			}
+		}
+		if st := getBox(t, c).State; st != "running" {
+			t.Fatalf("kill at %s: clone is %s", step, st)
+		}
+		assertDomainClean(t, c)
+		assertCounting(t, c)
+	}
+	// Data written just before the snapshot is in it.
+	sum := inBox(t, c, "head -c 4000000 /dev/urandom > /www/big && sync && md5sum /www/big | cut -c1-32")
+	snap2 := name(t, "lv2")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap2) })
+	t.Logf("live snapshot of a clone: %s", strings.TrimSpace(mustKvbox(t, "snapshots", "new", c, snap2)))
+	assertDomainClean(t, c)
+	assertCounting(t, c)
+	leaf := name(t, "lvleaf")
+	if r := newClone(t, snap2, leaf); r.code != 0 {
+		t.Fatalf("clone %s of %s: %s", leaf, snap2, r)
+	}
+	if got := inBox(t, leaf, "md5sum /www/big | cut -c1-32"); got != sum {
+		t.Errorf("checksum in the clone of the live snapshot %q, want %q", got, sum)
+	}
+	l := getBox(t, leaf)
+	if body, err := httpGet("http://" + l.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "lv" {
+		t.Errorf("clone of the live snapshot http: %q %v", body, err)
+	}
+	mustKvbox(t, "rm", "--force", leaf, c)
 }
 
 func qmpJSON(t testing.TB, dom, cmd string, v any) {
