@@ -17,6 +17,7 @@ import (
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/revert"
+	"kvbox.dev/kvbox/step"
 )
 
 // Boot is what a new box boots from: a base disk, and a kernel for direct
@@ -274,11 +275,7 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 
 // Testpoint lets end-to-end tests kill kvbox at a named step
 // (KVBOX_TEST_KILL_AT=step) to prove a crash there loses nothing.
-func Testpoint(name string) {
-	if os.Getenv("KVBOX_TEST_KILL_AT") == name {
-		syscall.Kill(os.Getpid(), syscall.SIGKILL)
-	}
-}
+func Testpoint(name string) { step.KillPoint(name) }
 
 // render fills the domain template.
 func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk string, boot Boot, qemuArgs []string) (string, error) {
