@@ -38,7 +38,7 @@ demo: testenv build
 # Benchmarks are a program, not timed assertions in tests: one run, medians
 # and ratios (cold boot, snapshot pause, warm clone step by step).
 bench: testenv build
-	ip netns exec $(NS) $(GO) run ./testenv/bench
+	ip netns exec $(NS) $(GO) run ./testenv/bench $(BENCH)
 
 # The command reference in docs/reference, from the commands themselves
 # (TestDocsMatchCommands, part of make unit, fails when it is out of date).

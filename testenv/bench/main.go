@@ -1,8 +1,9 @@
 // Command bench measures kvbox on this host, in one run so that ratios hold
-// on a noisy machine: a cold boot to agent-ready, a snapshot's pause, and a
-// warm clone to ready, each step of it. Run it with `make bench` (inside the
-// kvbox-test namespace, after make testenv). It creates boxes named bench-*
-// and removes them.
+// on a noisy machine: each section times kvbox and the peers it is compared
+// with (virsh, tar) side by side and prints medians and ratios. Run it with
+// `make bench` (inside the kvbox-test namespace, after make testenv), or
+// `make bench BENCH='-only clone,registry'` for some sections. It creates
+// boxes and snapshots named bench-* and removes them.
 package main
 
 import (
@@ -12,7 +13,10 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strings"
 	"time"
+
+	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
@@ -21,128 +25,115 @@ import (
 	"kvbox.dev/kvbox/templates"
 )
 
+// env is what every section gets: the host, the image to boot and the
+// sizes asked for on the command line.
+type env struct {
+	h        *domain.Host
+	conn     *libvirt.Connect
+	stateDir string
+	im       image.Image
+	memBytes int64
+	n        int // clones and snapshots to time
+	boots    int // cold boots to time
+
+	warm      *snapshot.Snapshot // made by warmSnapshot, once
+	warmPause time.Duration
+	cleanup   []func() // run in reverse when the bench ends
+}
+
+// spec is a box of the bench image with the bench's RAM and cpus vCPUs.
+func (e *env) spec(name string, cpus int) domain.Spec {
+	im := e.im
+	return domain.Spec{Name: name, CPUs: cpus, MemoryBytes: e.memBytes, DiskBytes: max(1<<30, im.VirtualSize), AgentTimeout: 2 * time.Minute,
+		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize, Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}
+}
+
+// section is one part of the bench. Sections run in this order; each
+// creates and removes its own boxes.
+type section struct {
+	name string
+	run  func(context.Context, *env) error
+}
+
+var sections = []section{
+	{"clone", benchClone},
+	{"registry", benchRegistry},
+}
+
 func main() {
 	imageName := flag.String("image", "tiny", "image to boot")
 	n := flag.Int("n", 10, "clones (and snapshots) to time")
 	boots := flag.Int("boots", 3, "cold boots to time")
 	mem := flag.String("memory", "256M", "RAM of the source box")
 	stateDir := flag.String("state-dir", "/var/lib/kvbox", "kvbox state directory")
+	only := flag.String("only", "", "comma-separated sections to run (default all): "+sectionNames())
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	if err := run(ctx, *imageName, *mem, *stateDir, *n, *boots); err != nil {
+	if err := run(ctx, *imageName, *mem, *stateDir, *n, *boots, *only); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int) error {
+func sectionNames() string {
+	var s []string
+	for _, sec := range sections {
+		s = append(s, sec.name)
+	}
+	return strings.Join(s, ",")
+}
+
+func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int, only string) error {
+	want := map[string]bool{}
+	for _, s := range strings.Split(only, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			want[s] = true
+		}
+	}
+	for s := range want {
+		if !strings.Contains(","+sectionNames()+",", ","+s+",") {
+			return fmt.Errorf("no section %q (sections: %s)", s, sectionNames())
+		}
+	}
 	conn, err := domain.Connect(domain.DefaultURI())
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	h := &domain.Host{Conn: conn, URI: domain.DefaultURI(), StateDir: stateDir, Net: network.Default, Template: templates.Box}
-	im, err := image.Store{Dir: stateDir + "/images"}.Get(imageName)
-	if err != nil {
+	e := &env{conn: conn, stateDir: stateDir, n: n, boots: boots,
+		h: &domain.Host{Conn: conn, URI: domain.DefaultURI(), StateDir: stateDir, Net: network.Default, Template: templates.Box}}
+	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}
-	memBytes, err := domain.ParseSize(memSize)
-	if err != nil {
+	if e.memBytes, err = domain.ParseSize(memSize); err != nil {
 		return err
 	}
-	typ, _ := h.DomainType()
-	fmt.Printf("kvbox bench: image %s, %s RAM, 1 vCPU, domain type %s, %d boots, %d snapshots, %d clones\n\n", imageName, memSize, typ, boots, n, n)
-	spec := func(name string) domain.Spec {
-		return domain.Spec{Name: name, CPUs: 1, MemoryBytes: memBytes, DiskBytes: max(1<<30, im.VirtualSize), AgentTimeout: 2 * time.Minute,
-			Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize, Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}
-	}
-
-	var boot []time.Duration
-	for i := range boots {
-		name := fmt.Sprintf("bench-boot-%d", i)
+	defer func() {
+		for i := len(e.cleanup) - 1; i >= 0; i-- {
+			e.cleanup[i]()
+		}
+	}()
+	typ, _ := e.h.DomainType()
+	fmt.Printf("kvbox bench: image %s, %s RAM, domain type %s, %d boots, %d snapshots, %d clones\n", imageName, memSize, typ, boots, n, n)
+	for _, sec := range sections {
+		if len(want) > 0 && !want[sec.name] {
+			continue
+		}
+		fmt.Printf("\n== %s\n", sec.name)
 		t0 := time.Now()
-		if _, err := h.Create(ctx, spec(name)); err != nil {
-			return err
+		if err := sec.run(ctx, e); err != nil {
+			return fmt.Errorf("%s: %w", sec.name, err)
 		}
-		boot = append(boot, time.Since(t0))
-		if err := h.Remove(ctx, name, true); err != nil {
-			return err
-		}
+		fmt.Printf("(section %s took %.1f s)\n", sec.name, time.Since(t0).Seconds())
 	}
-
-	src := "bench-src"
-	if _, err := h.Create(ctx, spec(src)); err != nil {
-		return err
-	}
-	defer h.Remove(context.Background(), src, true)
-	st := snapshot.Store{Dir: stateDir + "/snapshots"}
-	var pauses []time.Duration
-	var snapName string
-	for i := range n {
-		snapName = fmt.Sprintf("bench-snap-%d", i)
-		res, err := snapshot.Create(ctx, h, st, src, snapName)
-		if err != nil {
-			return err
-		}
-		pauses = append(pauses, res.Pause)
-		if i < n-1 {
-			if err := snapshot.Remove(h, st, snapName); err != nil {
-				return err
-			}
-		}
-	}
-	defer snapshot.Remove(h, st, snapName)
-	snap, err := st.Get(snapName)
-	if err != nil {
-		return err
-	}
-
-	var timings []snapshot.CloneTiming
-	for i := range n {
-		name := fmt.Sprintf("bench-clone-%d", i)
-		_, tm, err := snapshot.Clone(ctx, h, snap, name, 2*time.Minute)
-		if err != nil {
-			return err
-		}
-		timings = append(timings, tm)
-		if err := timedRemove(ctx, h, name); err != nil {
-			return err
-		}
-	}
-
-	pick := func(f func(snapshot.CloneTiming) time.Duration) time.Duration {
-		var ds []time.Duration
-		for _, t := range timings {
-			ds = append(ds, f(t))
-		}
-		return median(ds)
-	}
-	fmt.Printf("cold boot to agent-ready (median of %d)   %8.0f ms\n", boots, ms(median(boot)))
-	fmt.Printf("snapshot pause (median of %d)            %8.0f ms   (snapshot size %s)\n", n, ms(median(pauses)), domain.FormatSize(snap.SizeBytes))
-	fmt.Printf("warm clone to ready (median of %d)       %8.0f ms\n", n, ms(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total })))
-	for _, s := range []struct {
-		name string
-		f    func(snapshot.CloneTiming) time.Duration
-	}{
-		{"define", func(t snapshot.CloneTiming) time.Duration { return t.Define }},
-		{"libvirt start (paused)", func(t snapshot.CloneTiming) time.Duration { return t.Start }},
-		{"close port", func(t snapshot.CloneTiming) time.Duration { return t.ClosePort }},
-		{"load state", func(t snapshot.CloneTiming) time.Duration { return t.Load }},
-		{"resume", func(t snapshot.CloneTiming) time.Duration { return t.Resume }},
-		{"agent answers", func(t snapshot.CloneTiming) time.Duration { return t.Agent }},
-		{"re-identify", func(t snapshot.CloneTiming) time.Duration { return t.Reidentify }},
-		{"open port", func(t snapshot.CloneTiming) time.Duration { return t.OpenPort }},
-		{"persist", func(t snapshot.CloneTiming) time.Duration { return t.Persist }},
-	} {
-		fmt.Printf("  %-38s %8.0f ms\n", s.name, ms(pick(s.f)))
-	}
-	printRemoves(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))
-	fmt.Printf("\nratio warm clone / cold boot: %.3f\n", float64(pick(func(t snapshot.CloneTiming) time.Duration { return t.Total }))/float64(median(boot)))
-	return benchRegistry(ctx, conn, stateDir, snap)
+	return nil
 }
 
 func median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
 	s := append([]time.Duration(nil), ds...)
 	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
 	return s[len(s)/2]

@@ -10,11 +10,8 @@ import (
 	"strings"
 	"time"
 
-	"libvirt.org/go/libvirt"
-
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/registry"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 var registryAddr = flag.String("registry", "127.0.0.1:5000", "plain-HTTP OCI registry to time push and pull against (\"\" skips)")
@@ -24,10 +21,16 @@ var registryAddr = flag.String("registry", "127.0.0.1:5000", "plain-HTTP OCI reg
 // the wire against bytes on disk. The peer, timed on the same files in
 // the same run, is `tar --sparse | zstd -1` of the same folders: what a
 // hand-rolled transfer would send.
-func benchRegistry(ctx context.Context, conn *libvirt.Connect, stateDir string, snap snapshot.Snapshot) error {
+func benchRegistry(ctx context.Context, e *env) error {
 	if *registryAddr == "" {
+		fmt.Println("skipped: -registry \"\"")
 		return nil
 	}
+	snap, err := e.warmSnapshot(ctx)
+	if err != nil {
+		return err
+	}
+	conn, stateDir := e.conn, e.stateDir
 	ref := fmt.Sprintf("%s/kvbox-bench/%s:%d", *registryAddr, snap.Name, time.Now().UnixNano())
 	o := registry.Options{Insecure: true}
 	t0 := time.Now()
