@@ -190,4 +190,11 @@ func parallel(n int, f func(i int)) {
 	wg.Wait()
 }
 
-const stateDir = "/var/lib/kvbox"
+// stateDir is the kvbox state directory the tests' kvbox uses:
+// KVBOX_STATE_DIR, as for the CLI, so that two test runs can keep apart.
+var stateDir = func() string {
+	if d := os.Getenv("KVBOX_STATE_DIR"); d != "" {
+		return d
+	}
+	return "/var/lib/kvbox"
+}()

@@ -144,7 +144,7 @@ func TestRegistryPushPull(t *testing.T) {
 	}
 	for _, f := range []string{"snapshots/" + pulled + "/domain.xml", "snapshots/" + pulled + "/snapshot.json"} {
 		b, _ := os.ReadFile(filepath.Join(dirOf(h2), f))
-		if bytes.Contains(b, []byte("/var/lib/kvbox/")) {
+		if bytes.Contains(b, []byte(stateDir+"/")) {
 			t.Errorf("%s still names the first host's state dir", f)
 		}
 	}
@@ -260,7 +260,7 @@ func TestRegistryPushPull(t *testing.T) {
 			{"machine='pc-q35-", "machine='pc-q35-99.", "needs machine type pc-q35-99."},
 			{"<domain type='qemu'", "<domain type='kvm'", "needs domain type kvm"},
 		} {
-			src, err := os.ReadFile(filepath.Join("/var/lib/kvbox/snapshots", snap2, "domain.xml"))
+			src, err := os.ReadFile(filepath.Join(stateDir, "snapshots", snap2, "domain.xml"))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -273,7 +273,7 @@ func TestRegistryPushPull(t *testing.T) {
 			other := t.TempDir()
 			dst := filepath.Join(other, "snapshots", "odd")
 			os.MkdirAll(filepath.Dir(dst), 0o755)
-			if out, err := exec.Command("cp", "-a", "--sparse=always", filepath.Join("/var/lib/kvbox/snapshots", snap2), dst).CombinedOutput(); err != nil {
+			if out, err := exec.Command("cp", "-a", "--sparse=always", filepath.Join(stateDir, "snapshots", snap2), dst).CombinedOutput(); err != nil {
 				t.Fatalf("cp: %v %s", err, out)
 			}
 			os.WriteFile(filepath.Join(dst, "domain.xml"), []byte(strings.Replace(string(src), tc.old, tc.new, 1)), 0o644)

@@ -65,7 +65,7 @@ func main() {
 	n := flag.Int("n", 10, "clones (and snapshots) to time")
 	boots := flag.Int("boots", 3, "cold boots to time")
 	mem := flag.String("memory", "256M", "RAM of the source box")
-	stateDir := flag.String("state-dir", "/var/lib/kvbox", "kvbox state directory")
+	stateDir := flag.String("state-dir", envOr("KVBOX_STATE_DIR", "/var/lib/kvbox"), "kvbox state directory (KVBOX_STATE_DIR)")
 	only := flag.String("only", "", "comma-separated sections to run (default all): "+sectionNames())
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -74,6 +74,13 @@ func main() {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
 }
 
 func sectionNames() string {
