@@ -172,6 +172,9 @@ snapshot and cloned warm.`,
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
+	// cobra adds `completion` only inside Execute, after rejectUnknown would
+	// have run: add it now so `kvbox completion bogus` is refused too.
+	root.InitDefaultCompletionCmd()
 	rejectUnknown(root)
 	return root
 }
