@@ -4,6 +4,7 @@ package testenv
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -67,6 +68,45 @@ func TestCLIRoughEdges(t *testing.T) {
 		t.Errorf("resumed box: %q", out)
 	}
 
+	// A kvbox waiting on a box's lock ends on Ctrl-C with exit 130 and
+	// changes nothing.
+	lock, err := os.OpenFile(filepath.Join(stateDir, "locks", a+".lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	waiting := exec.Command(kvboxBin, "stop", a)
+	var waitErr strings.Builder
+	waiting.Stderr = &waitErr
+	if err := waiting.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	waiting.Process.Signal(os.Interrupt)
+	err = waiting.Wait()
+	lock.Close()
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 130 {
+		t.Errorf("kvbox stop waiting on the box lock, then SIGINT: %v, stderr %q; want exit 130", err, waitErr.String())
+	}
+	if got := getBox(t, a).State; got != "running" {
+		t.Errorf("after an interrupted stop the box is %s", got)
+	}
+
+	// A hung agent: exec gives up after --dial-timeout with exit 6, one line.
+	// The agent is stopped (SIGSTOP) from inside, a second after exec returns.
+	inBox(t, a, `setsid sh -c 'sleep 1; kill -STOP $(pidof kvbox-agent)' </dev/null >/dev/null 2>&1 &`)
+	time.Sleep(2 * time.Second)
+	start := time.Now()
+	r = kvbox(t, "--dial-timeout", "3s", "exec", a, "--", "true")
+	if r.code != 6 || !strings.Contains(r.stderr, "did not answer within 3s") || strings.Count(r.stderr, "\n") != 1 {
+		t.Errorf("exec of a box whose agent hangs: %s; want exit 6 and one line", r)
+	}
+	if took := time.Since(start); took > time.Minute {
+		t.Errorf("exec with --dial-timeout 3s took %s", took)
+	}
+
 	// Error lines do not repeat themselves.
 	r = kvbox(t, "exec", missing, "--", "true")
 	if r.code != 3 || strings.HasSuffix(strings.TrimSpace(r.stderr), ": not found") {
@@ -81,7 +121,7 @@ func TestCLIRoughEdges(t *testing.T) {
 	}
 	// rm --force of a missing name and two running boxes: quiet about the
 	// missing one, removes both, exits 0.
-	start := time.Now()
+	start = time.Now()
 	r = kvbox(t, "rm", "--force", missing, a, b)
 	took := time.Since(start)
 	if r.code != 0 || r.stderr != "" {
