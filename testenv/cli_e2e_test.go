@@ -33,6 +33,14 @@ func TestCLIRoughEdges(t *testing.T) {
 		t.Errorf("exec environment: %q", out)
 	}
 
+	// exec -t (on a terminal: script(1) gives kvbox one) keeps PATH and
+	// HOME and adds the caller's TERM.
+	tty := exec.Command("script", "-qec", kvboxBin+" exec -t "+a+` -- sh -c 'echo "P=$PATH H=$HOME T=$TERM"'`, "/dev/null")
+	tty.Env = append(os.Environ(), "TERM=xterm-kvboxtest")
+	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "/usr/bin") || !strings.Contains(string(out), "H=/root T=xterm-kvboxtest") {
+		t.Errorf("exec -t environment: %v %q", err, out)
+	}
+
 	// Every agent port taken by another kvbox: exit 5 (busy), one line.
 	var locks []*os.File
 	for _, p := range domain.AgentSockets(ba.Dir) {
