@@ -26,17 +26,50 @@ const (
 // fileLayer is an encoded part kept in the blob cache: its bytes are what
 // the registry stores, so compressed and uncompressed are the same blob.
 type fileLayer struct {
-	path string
-	dig  v1.Hash
-	size int64
-	mt   types.MediaType
+	path     string
+	dig      v1.Hash
+	size     int64
+	mt       types.MediaType
+	title    string
+	progress func(title string, done, total int64) // nil: none
 }
 
-func (l *fileLayer) Digest() (v1.Hash, error)             { return l.dig, nil }
-func (l *fileLayer) DiffID() (v1.Hash, error)             { return l.dig, nil }
-func (l *fileLayer) Size() (int64, error)                 { return l.size, nil }
-func (l *fileLayer) MediaType() (types.MediaType, error)  { return l.mt, nil }
-func (l *fileLayer) Compressed() (io.ReadCloser, error)   { return os.Open(l.path) }
+func (l *fileLayer) Digest() (v1.Hash, error)            { return l.dig, nil }
+func (l *fileLayer) DiffID() (v1.Hash, error)            { return l.dig, nil }
+func (l *fileLayer) Size() (int64, error)                { return l.size, nil }
+func (l *fileLayer) MediaType() (types.MediaType, error) { return l.mt, nil }
+func (l *fileLayer) Compressed() (io.ReadCloser, error) {
+	f, err := os.Open(l.path)
+	if err != nil {
+		return nil, err
+	}
+	return progressReader(f, l.title, l.size, l.progress), nil
+}
+
+// progressReader reports every read of rc to progress as bytes done of
+// total (rc itself when progress is nil). A blob read again (a retried
+// upload) starts again from 0.
+func progressReader(rc io.ReadCloser, title string, total int64, progress func(string, int64, int64)) io.ReadCloser {
+	if progress == nil {
+		return rc
+	}
+	progress(title, 0, total)
+	return &progressRC{ReadCloser: rc, title: title, total: total, f: progress}
+}
+
+type progressRC struct {
+	io.ReadCloser
+	title       string
+	done, total int64
+	f           func(string, int64, int64)
+}
+
+func (p *progressRC) Read(b []byte) (int, error) {
+	n, err := p.ReadCloser.Read(b)
+	p.done += int64(n)
+	p.f(p.title, p.done, p.total)
+	return n, err
+}
 func (l *fileLayer) Uncompressed() (io.ReadCloser, error) { return os.Open(l.path) }
 
 // cache is a folder of blobs named by digest (the state dir's

@@ -99,7 +99,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 			o.logf("  %-24s cached", l.Annotations[AnnotTitle])
 			continue
 		}
-		if err := fetch(ctx, c, ref.Context().Digest(l.Digest.String()), l, ropts); err != nil {
+		if err := fetch(ctx, c, ref.Context().Digest(l.Digest.String()), l, ropts, o.Progress); err != nil {
 			return res, fmt.Errorf("%s: %w", l.Annotations[AnnotTitle], err)
 		}
 		o.logf("  %-24s %s fetched and verified", l.Annotations[AnnotTitle], human(l.Size))
@@ -122,7 +122,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 
 // fetch downloads one blob into the cache, hashing as it goes: a blob
 // whose bytes do not match its digest is never kept.
-func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropts []remote.Option) error {
+func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropts []remote.Option, progress func(string, int64, int64)) error {
 	layer, err := remote.Layer(dref, ropts...)
 	if err != nil {
 		return err
@@ -131,6 +131,7 @@ func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropt
 	if err != nil {
 		return err
 	}
+	rc = progressReader(rc, l.Annotations[AnnotTitle], l.Size, progress)
 	defer rc.Close()
 	tmp := c.blob(l.Digest) + ".download"
 	f, err := os.Create(tmp)

@@ -52,6 +52,10 @@ type Options struct {
 	Password string
 	// Log gets one line per part (nil: quiet).
 	Log io.Writer
+	// Progress, if set, is called as each part's bytes go to or come
+	// from the registry (several parts may be in flight at once); the CLI
+	// draws it on a terminal.
+	Progress func(title string, done, total int64)
 	// DomainType is the libvirt domain type kvbox uses on this host, for
 	// the compatibility check of a pull.
 	DomainType string
@@ -189,7 +193,7 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 		p := Part{Title: kind + "/" + file, Digest: dig.String(), Blob: n, Apparent: size, DataBytes: data}
 		res.Parts = append(res.Parts, p)
 		adds = append(adds, mutate.Addendum{
-			Layer:     &fileLayer{path: c.blob(dig), dig: dig, size: n, mt: mt},
+			Layer:     &fileLayer{path: c.blob(dig), dig: dig, size: n, mt: mt, title: p.Title, progress: o.Progress},
 			MediaType: mt,
 			Annotations: map[string]string{
 				AnnotTitle: p.Title, AnnotApparent: strconv.FormatInt(size, 10), AnnotDataBytes: strconv.FormatInt(data, 10),

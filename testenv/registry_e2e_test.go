@@ -108,6 +108,12 @@ func TestRegistryPushPull(t *testing.T) {
 	if again.Digest != first.Digest || again.Sent > 4096 {
 		t.Errorf("second push of the same snapshot: digest %s (first %s), %d bytes sent (want nothing but requests)", again.Digest, first.Digest, again.Sent)
 	}
+	// On a terminal (script(1) gives kvbox one), a push to another
+	// repository (nothing there yet) draws each part's progress.
+	tty := exec.Command("script", "-qec", kvboxBin+" snapshots push --insecure "+snapName+" "+testRegistry+"/kvbox-e2e/"+runID+"-tty:v1", "/dev/null")
+	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "snapshot/memory ") || !strings.Contains(string(out), "% of ") || !strings.Contains(string(out), "✓ pushed") {
+		t.Errorf("push on a terminal shows no progress per part: %v\n%q", err, out)
+	}
 	// A newer snapshot of the same box: only the parts that changed travel.
 	inBox(t, srcName, "echo changed > /www/changed.html; sync")
 	snap2 := name(t, "rwarm2")

@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
@@ -44,6 +46,19 @@ func (f *registryFlags) options(a *app) (registry.Options, error) {
 	return o, nil
 }
 
+// progress draws each part's transfer on a terminal (stderr is one and
+// the per-part log is on): o's log then goes through the status line.
+// The returned func clears it.
+func (a *app) progress(o *registry.Options) (done func()) {
+	f, ok := a.io.Err.(*os.File)
+	if o.Log == nil || !ok || !term.IsTerminal(int(f.Fd())) {
+		return func() {}
+	}
+	p := newPartProgress(a.io.Err)
+	o.Log, o.Progress = p, p.Update
+	return p.Done
+}
+
 func (a *app) newCmdSnapshotsPush() *cobra.Command {
 	var rf registryFlags
 	var asJSON bool
@@ -74,8 +89,10 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 			if asJSON {
 				o.Log = nil
 			}
+			done := a.progress(&o)
 			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", s.Name, args[1])
 			res, err := registry.Push(c.Context(), h.Conn, a.stateDir, s, args[1], o)
+			done()
 			if err != nil {
 				return err
 			}
@@ -124,7 +141,9 @@ parts it verified and fetches only the rest when run again.`,
 			if o.DomainType, err = h.DomainType(); err != nil {
 				return err
 			}
+			done := a.progress(&o)
 			res, err := registry.Pull(c.Context(), h.Conn, a.stateDir, args[0], args[1], o)
+			done()
 			if err != nil {
 				return err
 			}
