@@ -57,6 +57,7 @@ type section struct {
 
 var sections = []section{
 	{"clone", benchClone},
+	{"cycle", benchCycle},
 	{"registry", benchRegistry},
 }
 
