@@ -69,6 +69,15 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	if err := domain.ValidName(name); err != nil {
 		return res, err
 	}
+	// One pull per name at a time: a second would remove the first's
+	// half-made folder when it starts its own.
+	lock, err := domain.LockFile(filepath.Join(stateDir, "locks", "pull-"+name+".lock"), false)
+	if errors.Is(err, domain.ErrLocked) {
+		return res, fmt.Errorf("another kvbox is pulling snapshot %q: %w", name, domain.ErrBusy)
+	} else if err != nil {
+		return res, err
+	}
+	defer lock.RemoveAndUnlock()
 	st := snapshot.Store{Dir: filepath.Join(stateDir, "snapshots")}
 	if _, err := st.Get(name); err == nil {
 		return res, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pull under another name)", name, domain.ErrExists, name)

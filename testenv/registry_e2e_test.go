@@ -225,6 +225,47 @@ func TestRegistryPushPull(t *testing.T) {
 		}
 	})
 
+	t.Run("ConcurrentPullRefused", func(t *testing.T) {
+		h4 := host2(t, "c", "172.31.252.0/24")
+		cache := filepath.Join(dirOf(h4), "registry-cache")
+		n := name(t, "rtwice")
+		first := exec.Command(kvboxBin, append(h4, "snapshots", "pull", "--insecure", ref, n)...)
+		var errb bytes.Buffer
+		first.Stderr = &errb
+		if err := first.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// stop the first pull while it downloads: it holds the name
+		stopped := false
+		for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline) && !stopped; time.Sleep(2 * time.Millisecond) {
+			ents, _ := os.ReadDir(cache)
+			for _, e := range ents {
+				if strings.HasSuffix(e.Name(), ".download") {
+					stopped = first.Process.Signal(syscall.SIGSTOP) == nil
+					break
+				}
+			}
+		}
+		if !stopped {
+			first.Process.Kill()
+			first.Wait()
+			t.Fatalf("never saw the first pull download: %s", errb.String())
+		}
+		r := kvbox(t, append(h4, "snapshots", "pull", "--insecure", ref, n)...)
+		first.Process.Signal(syscall.SIGCONT)
+		err := first.Wait()
+		t.Cleanup(func() { kvbox(t, append(h4, "snapshots", "rm", n)...) })
+		if r.code != 5 || !strings.Contains(r.stderr, "another kvbox is pulling") || strings.Count(r.stderr, "\n") != 1 {
+			t.Errorf("a second pull of the same name while one runs: %s; want exit 5 and one line", r)
+		}
+		if err != nil {
+			t.Fatalf("the first pull, after the second was refused: %v\n%s", err, errb.String())
+		}
+		if l := listed(t, h4); len(l) != 1 || l[0] != n {
+			t.Errorf("after both pulls: %v", l)
+		}
+	})
+
 	t.Run("TamperedBlobRefused", func(t *testing.T) {
 		var state pushPart
 		for _, p := range first.Parts {
