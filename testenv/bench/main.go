@@ -59,6 +59,7 @@ var sections = []section{
 	{"clone", benchClone},
 	{"cycle", benchCycle},
 	{"registry", benchRegistry},
+	{"snapshot", benchSnapshot},
 }
 
 func main() {
