@@ -25,6 +25,8 @@ type newOptions struct {
 	disk    string
 	timeout time.Duration
 	verbose bool
+	count   int
+	asJSON  bool
 }
 
 func (a *app) newCmdNew() *cobra.Command {
@@ -32,10 +34,18 @@ func (a *app) newCmdNew() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "new NAME",
 		Short: "Start a new box from an image (or a warm clone from a snapshot)",
+		Long: `Start a new box from an image, or a warm clone from a snapshot (--from).
+
+With --count N, NAME is a prefix: boxes NAME-1 .. NAME-N are started in
+parallel. Every name must be valid and free, or none is started. Each box
+has its own outcome: kvbox lists every box with its address or its error
+(--json: a list), removes whatever a failed one left behind, and exits
+non-zero if any failed; the boxes that started keep running.`,
 		Example: `  kvbox new dev
   kvbox new --image tiny --cpus 1 --memory 512M --disk 1G t1
-  kvbox new --from warm agent-1`,
-		Args: exactArgs(1, "one box name"),
+  kvbox new --from warm agent-1
+  kvbox new --from warm --count 5 agent      # agent-1 .. agent-5`,
+		Args: exactArgs(1, "one box name (with --count: a name prefix)"),
 		RunE: func(c *cobra.Command, args []string) error {
 			o.name = args[0]
 			return a.runNew(c, o)
@@ -49,10 +59,15 @@ func (a *app) newCmdNew() *cobra.Command {
 	f.StringVar(&o.disk, "disk", "8G", "disk size, like 8G")
 	f.DurationVar(&o.timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time of a clone went, step by step")
+	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
+	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	return c
 }
 
 func (a *app) runNew(c *cobra.Command, o *newOptions) error {
+	if c.Flags().Changed("count") || o.asJSON {
+		return a.runNewMany(c, o)
+	}
 	if err := domain.ValidName(o.name); err != nil {
 		return err
 	}
