@@ -5,6 +5,8 @@ package testenv
 import (
 	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -96,6 +98,30 @@ func TestCountClones(t *testing.T) {
 		}
 	}
 
+	// Clones that fail (their agent is given no time) each report their
+	// error, the exit code is non-zero, and nothing of them is left.
+	p3 := name(t, "f")
+	t.Cleanup(func() { kvbox(t, "rm", "--force", p3+"-1", p3+"-2") })
+	r = kvbox(t, "new", "--from", snap, "--count", "2", "--timeout", "1ms", p3)
+	if r.code == 0 {
+		t.Fatalf("kvbox new --count 2 --timeout 1ms succeeded: %s", r)
+	}
+	t.Logf("failing --count: %s", r)
+	for _, n := range []string{p3 + "-1", p3 + "-2"} {
+		if !strings.Contains(r.stdout, "✗ box "+n+" failed: ") {
+			t.Errorf("output does not list %s's error: %q", n, r.stdout)
+		}
+		if domains(t)[n] {
+			t.Errorf("domain %s is left after its clone failed", n)
+		}
+		if _, err := os.Stat(filepath.Join(stateDir, "boxes", n)); !os.IsNotExist(err) {
+			t.Errorf("folder of %s is left after its clone failed: %v", n, err)
+		}
+	}
+	if !strings.Contains(r.stdout, "0 of 2 boxes running") {
+		t.Errorf("no summary line: %q", r.stdout)
+	}
+
 	// A bad prefix (a name too long once numbered) is refused as usage.
 	if r := kvbox(t, "new", "--from", snap, "--count", "2", strings.Repeat("x", 62)); r.code != 2 {
 		t.Errorf("--count with too long a name: want exit 2: %s", r)
@@ -117,4 +143,34 @@ func domains(t *testing.T) map[string]bool {
 		m[l] = true
 	}
 	return m
+}
+
+// TestCountCold: --count with --image boots cold boxes in parallel, each
+// listed with its address and working.
+func TestCountCold(t *testing.T) {
+	prefix := name(t, "k")
+	names := []string{prefix + "-1", prefix + "-2"}
+	t.Cleanup(func() { kvbox(t, append([]string{"rm", "--force"}, names...)...) })
+	r := kvbox(t, append(append([]string{"new"}, smallBox...), "--count", "2", prefix)...)
+	if r.code != 0 {
+		t.Fatalf("kvbox new --image tiny --count 2: %s", r)
+	}
+	t.Logf("%s", r.stdout)
+	seen := map[string]bool{}
+	for _, n := range names {
+		b := getBox(t, n)
+		if !strings.Contains(r.stdout, "✓ box "+n+" is running at "+b.IP+" ") {
+			t.Errorf("output does not list %s at %s: %q", n, b.IP, r.stdout)
+		}
+		if seen[b.IP] || seen[b.MAC] {
+			t.Errorf("%s shares its address or MAC", n)
+		}
+		seen[b.IP], seen[b.MAC] = true, true
+		if got := inBox(t, n, "hostname"); strings.TrimSpace(got) != n {
+			t.Errorf("hostname in %s is %q", n, got)
+		}
+	}
+	if !strings.Contains(r.stdout, "2 of 2 boxes running from image tiny") {
+		t.Errorf("no summary line: %q", r.stdout)
+	}
 }
