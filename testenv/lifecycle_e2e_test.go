@@ -107,6 +107,9 @@ func TestCountClones(t *testing.T) {
 		t.Fatalf("kvbox new --count 2 --timeout 1ms succeeded: %s", r)
 	}
 	t.Logf("failing --count: %s", r)
+	if !strings.Contains(r.stderr, "could not start any of the 2 boxes") {
+		t.Errorf("stderr does not say none started: %q", r.stderr)
+	}
 	for _, n := range []string{p3 + "-1", p3 + "-2"} {
 		if !strings.Contains(r.stdout, "✗ box "+n+" failed: ") {
 			t.Errorf("output does not list %s's error: %q", n, r.stdout)

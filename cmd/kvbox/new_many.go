@@ -205,5 +205,8 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 	if len(names) == 1 {
 		return first
 	}
-	return failedError{fmt.Sprintf("could not start %s (removed; the others are running)", strings.Join(failed, ", ")), first}
+	if len(failed) == len(names) {
+		return failedError{fmt.Sprintf("could not start any of the %d boxes (each one removed)", len(names)), first}
+	}
+	return failedError{fmt.Sprintf("could not start %s (removed; the other %d are running)", strings.Join(failed, ", "), len(names)-len(failed)), first}
 }
