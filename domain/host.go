@@ -395,6 +395,7 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 // WaitAgent dials the box's agent until it answers a ping or ctx ends. It
 // gives up early when the domain stops running.
 func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, error) {
+	closeBoxDir(b.Dir) // QEMU has made its sockets and RAM file by now
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {

@@ -124,13 +124,13 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 		// A box on it would read and write that host path.
 		return Image{}, fmt.Errorf("%w: disk %s keeps its data in the external file %s; convert it to a self-contained image first (qemu-img convert -O qcow2)", domain.ErrInvalid, o.Disk, df)
 	}
-	if err := os.MkdirAll(imageDir, 0o755); err != nil {
+	if err := os.MkdirAll(imageDir, 0o750); err != nil {
 		return Image{}, err
 	}
 	now := time.Now().UTC()
 	version := "v-" + now.Format("20060102T150405.000000000")
 	tmp := filepath.Join(imageDir, "."+version+".tmp")
-	if err := os.Mkdir(tmp, 0o755); err != nil {
+	if err := os.Mkdir(tmp, 0o750); err != nil {
 		return Image{}, err
 	}
 	defer os.RemoveAll(tmp)
@@ -152,8 +152,9 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 		if _, err := overlay.CopySparse(filepath.Join(tmp, c.name), c.src); err != nil {
 			return Image{}, fmt.Errorf("import %s: %w", c.src, err)
 		}
-		// Base images are immutable: boxes are overlays on them.
-		if err := os.Chmod(filepath.Join(tmp, c.name), 0o444); err != nil {
+		// Base images are immutable: boxes are overlays on them. The
+		// group is QEMU's (images/ is setgid), others get nothing.
+		if err := os.Chmod(filepath.Join(tmp, c.name), 0o440); err != nil {
 			return Image{}, err
 		}
 		*c.dst = filepath.Join(final, c.name)
@@ -165,7 +166,7 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 		return Image{}, err
 	}
 	b, _ := json.MarshalIndent(im, "", "  ")
-	if err := overlay.WriteFileAtomic(filepath.Join(imageDir, metaFile), append(b, '\n'), 0o644); err != nil {
+	if err := overlay.WriteFileAtomic(filepath.Join(imageDir, metaFile), append(b, '\n'), 0o640); err != nil {
 		os.RemoveAll(final)
 		return Image{}, err
 	}

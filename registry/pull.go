@@ -219,12 +219,12 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 			}
 		}
 	} else {
-		if err := os.MkdirAll(imgTop, 0o755); err != nil {
+		if err := os.MkdirAll(imgTop, 0o750); err != nil {
 			return snapshot.Snapshot{}, false, err
 		}
 		tmp := filepath.Join(imgTop, "."+version+".pulling")
 		os.RemoveAll(tmp)
-		if err := os.Mkdir(tmp, 0o755); err != nil {
+		if err := os.Mkdir(tmp, 0o750); err != nil {
 			return snapshot.Snapshot{}, false, err
 		}
 		if err := decodeAll(tmp, parts["image"]); err != nil {
@@ -232,7 +232,7 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 			return snapshot.Snapshot{}, false, err
 		}
 		for _, f := range []string{"disk.qcow2", "vmlinuz", "initrd.img"} {
-			os.Chmod(filepath.Join(tmp, f), 0o444) // base images are immutable, as image import leaves them
+			os.Chmod(filepath.Join(tmp, f), 0o440) // base images are immutable, as image import leaves them
 		}
 		if err := os.Rename(tmp, dstImageDir); err != nil {
 			os.RemoveAll(tmp)
@@ -255,7 +255,7 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 			return snapshot.Snapshot{}, false, err
 		}
 		b = []byte(strings.ReplaceAll(string(b), srcImageDir+"/", dstImageDir+"/"))
-		if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		if err := os.WriteFile(tmp, b, 0o640); err != nil {
 			return snapshot.Snapshot{}, false, err
 		}
 		if err := os.Rename(tmp, filepath.Join(imgTop, "image.json")); err != nil {
@@ -264,12 +264,12 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 	}
 
 	// the snapshot folder
-	if err := os.MkdirAll(st.Dir, 0o755); err != nil {
+	if err := os.MkdirAll(st.Dir, 0o750); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
 	tmp := filepath.Join(st.Dir, "."+name+".pulling")
 	os.RemoveAll(tmp)
-	if err := os.Mkdir(tmp, 0o755); err != nil {
+	if err := os.Mkdir(tmp, 0o750); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
 	ok := false
@@ -293,7 +293,7 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 	if err != nil {
 		return snapshot.Snapshot{}, reused, fmt.Errorf("artifact has no %s: %w", snapshot.DomainXMLFile, err)
 	}
-	if err := os.WriteFile(xmlPath, []byte(rewrite(string(xb))), 0o644); err != nil {
+	if err := os.WriteFile(xmlPath, []byte(rewrite(string(xb))), 0o640); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
 	metaPath := filepath.Join(tmp, snapshot.MetaFile)
@@ -320,10 +320,10 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 	if err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
-	if err := os.WriteFile(metaPath, mb, 0o644); err != nil {
+	if err := os.WriteFile(metaPath, mb, 0o640); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
-	if err := os.WriteFile(filepath.Join(tmp, CompatFile), []byte(m.Annotations[AnnotCompat]), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(tmp, CompatFile), []byte(m.Annotations[AnnotCompat]), 0o640); err != nil {
 		return snapshot.Snapshot{}, reused, err
 	}
 	if err := syncDir(tmp); err != nil {
@@ -331,6 +331,16 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 	}
 	if err := ctx.Err(); err != nil {
 		return snapshot.Snapshot{}, reused, err
+	}
+	// As a made snapshot is sealed: read-only, QEMU's group (snapshots/ is setgid), nothing for others.
+	ents, err := os.ReadDir(tmp)
+	if err != nil {
+		return snapshot.Snapshot{}, reused, err
+	}
+	for _, e := range ents {
+		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o440); err != nil {
+			return snapshot.Snapshot{}, reused, err
+		}
 	}
 	if err := os.Rename(tmp, filepath.Join(st.Dir, name)); err != nil {
 		return snapshot.Snapshot{}, reused, err

@@ -147,7 +147,7 @@ func decodeSparse(r io.Reader, path string) error {
 		prev = e.Off + e.Len
 		ex[i] = e
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o640)
 	if err != nil {
 		return err
 	}

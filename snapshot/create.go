@@ -83,7 +83,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if box.State != "running" {
 		return Result{}, fmt.Errorf("box %q is %s; kvbox snapshots a running box: %w", boxName, box.State, domain.ErrBusy)
 	}
-	if err := os.MkdirAll(st.Dir, 0o755); err != nil {
+	if err := os.MkdirAll(st.Dir, domain.SharedDirMode); err != nil {
 		return Result{}, err
 	}
 	// The name is taken by a complete snapshot, or by one in progress.
@@ -182,7 +182,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if err := h.ChownForQEMU(disk); err != nil {
 		return Result{}, err
 	}
-	if err := overlay.WriteFileAtomic(filepath.Join(tmp, DomainXMLFile), []byte(liveXML), 0o644); err != nil {
+	if err := overlay.WriteFileAtomic(filepath.Join(tmp, DomainXMLFile), []byte(liveXML), 0o640); err != nil {
 		return Result{}, err
 	}
 	t.step("prepare")
@@ -339,7 +339,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 		CPUs: box.CPUs, MemoryBytes: box.MemoryBytes, DiskBytes: box.DiskBytes, Bitmap: p.Bitmap,
 		Incremental: prev != nil, DiskCopiedBytes: copied, PauseMillis: pause.Milliseconds(),
 	}
-	if err := seal(tmp, snap); err != nil {
+	if err := seal(h, tmp, snap); err != nil {
 		return Result{}, err
 	}
 	domain.Testpoint("sealed")
@@ -400,7 +400,7 @@ func previous(ctx context.Context, q *qmp.Client, st Store, top string, box doma
 
 // seal makes a built snapshot folder durable and read-only: every file is
 // synced, snapshot.json is written last, and the files belong to root again.
-func seal(dir string, s Snapshot) error {
+func seal(h *domain.Host, dir string, s Snapshot) error {
 	os.Remove(filepath.Join(dir, partialFile))
 	ents, err := os.ReadDir(dir)
 	if err != nil {
@@ -417,20 +417,18 @@ func seal(dir string, s Snapshot) error {
 		if err != nil {
 			return fmt.Errorf("sync %s: %w", p, err)
 		}
-		if err := os.Lchown(p, 0, 0); err != nil {
-			return err
-		}
-		if err := os.Chmod(p, 0o444); err != nil {
+		// Root's, read-only to QEMU through its group, nothing for others.
+		if err := h.ShareWithQEMU(p, domain.SharedFileMode); err != nil {
 			return err
 		}
 	}
 	if err := writeJSON(filepath.Join(dir, MetaFile), s); err != nil {
 		return err
 	}
-	if err := os.Lchown(dir, 0, 0); err != nil {
+	if err := h.ShareWithQEMU(filepath.Join(dir, MetaFile), domain.SharedFileMode); err != nil {
 		return err
 	}
-	return os.Chmod(dir, 0o755)
+	return h.ShareWithQEMU(dir, domain.SharedDirMode)
 }
 
 func writeJSON(path string, v any) error {
@@ -438,7 +436,7 @@ func writeJSON(path string, v any) error {
 	if err != nil {
 		return err
 	}
-	return overlay.WriteFileAtomic(path, append(b, '\n'), 0o644)
+	return overlay.WriteFileAtomic(path, append(b, '\n'), 0o640)
 }
 
 // lockName holds a snapshot name while a snapshot of that name is built or

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -63,5 +64,94 @@ func TestIsolationImageInputs(t *testing.T) {
 	}
 	if b, err := os.ReadFile(secret); err != nil || string(b) != "host secret" {
 		t.Errorf("the host file behind the data file changed: %d bytes, %v", len(b), err)
+	}
+}
+
+// TestIsolationModesAtRest: after a box, a snapshot of it, a clone of the
+// snapshot and their console logs, nothing this run made under the state
+// dir has a world bit, the state dir and its shared folders are
+// root:QEMU-group without world bits, and a local user who is neither root
+// nor QEMU cannot read the snapshot's memory.
+func TestIsolationModesAtRest(t *testing.T) {
+	srcName, snapName, cl := name(t, "modesrc"), name(t, "modesnap"), name(t, "modecl")
+	newBox(t, srcName)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snapName) })
+	mustKvbox(t, "snapshots", "new", srcName, snapName)
+	if r := newClone(t, snapName, cl); r.code != 0 { // QEMU reads the 0440 root:QEMU-group files
+		t.Fatalf("clone of a sealed snapshot: %s", r)
+	}
+	inBox(t, cl, "echo modes-ok")
+
+	check := func(p string, fi os.FileInfo) {
+		if fi.Mode()&os.ModeSymlink == 0 && fi.Mode().Perm()&0o007 != 0 {
+			t.Errorf("%s is %v: others may %s it", p, fi.Mode(), map[bool]string{true: "traverse or list", false: "read or write"}[fi.IsDir()])
+		}
+	}
+	walk := func(root string) {
+		n := 0
+		err := filepath.Walk(root, func(p string, fi os.FileInfo, err error) error {
+			if err != nil {
+				return err
+			}
+			n++
+			check(p, fi)
+			return nil
+		})
+		if err != nil {
+			t.Errorf("walk %s: %v", root, err)
+		}
+		t.Logf("%s: %d entries checked", root, n)
+	}
+	for _, sub := range []string{"", "boxes", "snapshots", "images", "locks", "logs"} {
+		p := filepath.Join(stateDir, sub)
+		if fi, err := os.Lstat(p); err == nil {
+			check(p, fi)
+		} else if sub == "" || sub == "boxes" || sub == "snapshots" {
+			t.Errorf("%s: %v", p, err)
+		}
+	}
+	walk(filepath.Join(stateDir, "boxes", srcName))
+	walk(filepath.Join(stateDir, "boxes", cl))
+	walk(filepath.Join(stateDir, "snapshots", snapName))
+	walk(filepath.Join(stateDir, "images", "tiny"))
+	logs, _ := filepath.Glob(filepath.Join(stateDir, "logs", runID+"*"))
+	for _, l := range logs {
+		walk(l)
+	}
+	if _, err := os.Stat(filepath.Join(stateDir, "boxes", cl, "console.log")); err != nil {
+		t.Errorf("the clone's console log: %v", err)
+	}
+
+	// The snapshot's files are root's, group QEMU's, read-only.
+	snapDir := filepath.Join(stateDir, "snapshots", snapName)
+	ents, err := os.ReadDir(snapDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		fi, _ := os.Lstat(filepath.Join(snapDir, e.Name()))
+		st := fi.Sys().(*syscall.Stat_t)
+		// disk.qcow2 is the clone's backing file: libvirt's DAC relabel
+		// lends it to QEMU's user while the clone runs (open in issue 10).
+		if (st.Uid != 0 && e.Name() != "disk.qcow2") || fi.Mode().Perm() != 0o440 {
+			t.Errorf("snapshot file %s: uid %d gid %d mode %v, want root-owned 0440", e.Name(), st.Uid, st.Gid, fi.Mode())
+		}
+	}
+
+	// A user who is neither root nor in QEMU's group cannot read the memory.
+	mem := filepath.Join(snapDir, "memory")
+	if _, err := os.Stat(mem); err != nil {
+		mem = filepath.Join(snapDir, "state")
+	}
+	out, err := exec.Command("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "head", "-c", "16", mem).CombinedOutput()
+	if err == nil {
+		t.Errorf("user nobody read %s: %q", mem, out)
+	} else if !strings.Contains(string(out), "Permission denied") {
+		t.Errorf("nobody reading %s failed, but not for permission: %v %s", mem, err, out)
+	}
+	t.Logf("nobody reading %s: %s", mem, strings.TrimSpace(string(out)))
+	// Sanity: the same command as root reads it, so the refusal above is the modes'.
+	if out, err := exec.Command("head", "-c", "16", mem).CombinedOutput(); err != nil {
+		t.Errorf("root cannot read %s: %v %s", mem, err, out)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -236,7 +237,9 @@ func (a *app) Host() (*domain.Host, error) {
 	if os.Geteuid() != 0 {
 		return nil, fmt.Errorf("%w: kvbox manages bridges and libvirt domains: run it as root", domain.ErrUnavailable)
 	}
-	if err := os.MkdirAll(a.stateDir, 0o755); err != nil {
+	// Nothing kvbox or its children (qemu-img) create gets world bits.
+	syscall.Umask(0o027)
+	if err := os.MkdirAll(a.stateDir, domain.StateDirMode); err != nil {
 		return nil, err
 	}
 	conn, err := domain.Connect(a.uri)
@@ -244,6 +247,9 @@ func (a *app) Host() (*domain.Host, error) {
 		return nil, err
 	}
 	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt}
+	if err := a.host.SecureStateDir(); err != nil {
+		return nil, fmt.Errorf("state dir %s: %w", a.stateDir, err)
+	}
 	// Every command first finishes what a killed kvbox left half-done.
 	if err := snapshot.Recover(context.Background(), a.host, a.snapshots()); err != nil {
 		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted snapshot: %v\n", err)

@@ -1,0 +1,142 @@
+package domain
+
+import (
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// Modes of what kvbox keeps under its state dir. Nothing has world bits:
+// the state dir is root:QEMU-group 0710, so a local user who is neither
+// root nor QEMU cannot even traverse it, and files an older kvbox left
+// 0444/0644 below it are out of reach from the first run of this one on.
+const (
+	StateDirMode   = 0o710 // root:QEMU group: QEMU traverses, nobody lists
+	SharedDirMode  = 0o750 // root:QEMU group: boxes/, snapshots/, images/ and their sealed folders
+	SharedFileMode = 0o440 // root:QEMU group: sealed snapshot files and base images, read-only to QEMU
+	PrivateDirMode = 0o700 // locks/, logs/, registry-cache/
+)
+
+// QEMUGID is the group QEMU runs as (libvirt's DAC base label), or 0
+// when libvirt runs QEMU as root or reports no DAC label.
+func (h *Host) QEMUGID() int {
+	f, err := h.hostFacts()
+	if err != nil || f.gid < 0 {
+		return 0
+	}
+	return f.gid
+}
+
+// ShareWithQEMU makes path root-owned, group QEMU's, with mode: QEMU reads
+// (or traverses) it through its group and cannot write or chmod it.
+// Links are refused, never followed.
+func (h *Host) ShareWithQEMU(path string, mode fs.FileMode) error {
+	st, err := os.Lstat(path)
+	if err != nil {
+		return err
+	}
+	if st.Mode()&fs.ModeSymlink != 0 {
+		return &fs.PathError{Op: "share with qemu", Path: path, Err: os.ErrInvalid}
+	}
+	if err := os.Lchown(path, 0, h.QEMUGID()); err != nil {
+		return err
+	}
+	return os.Chmod(path, mode)
+}
+
+// SecureStateDir sets the modes of the state dir and its fixed subfolders,
+// tightening a state dir an older kvbox made 0755. Sealed snapshot and
+// image folders an older kvbox left 0755/0444 root:root become
+// 0750/0440 root:QEMU-group, so clones of them still start.
+func (h *Host) SecureStateDir() error {
+	if err := h.ShareWithQEMU(h.StateDir, StateDirMode); err != nil {
+		return err
+	}
+	for _, sub := range []string{"boxes", "snapshots", "images"} {
+		p := filepath.Join(h.StateDir, sub)
+		if err := os.MkdirAll(p, SharedDirMode); err != nil {
+			return err
+		}
+		// setgid: what kvbox creates below (image imports, pulls) is QEMU's group too
+		if err := h.ShareWithQEMU(p, SharedDirMode|os.ModeSetgid); err != nil {
+			return err
+		}
+	}
+	for _, sub := range []string{"locks", "logs", "registry-cache"} {
+		p := filepath.Join(h.StateDir, sub)
+		if st, err := os.Lstat(p); err == nil && st.IsDir() {
+			if err := os.Chmod(p, PrivateDirMode); err != nil {
+				return err
+			}
+		}
+	}
+	// Sealed folders an older kvbox made world-readable.
+	for _, sub := range []string{"snapshots", "images"} {
+		ents, _ := os.ReadDir(filepath.Join(h.StateDir, sub))
+		for _, e := range ents {
+			if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+				continue // in-progress (.partial-*, .import-*) folders are QEMU's or a live kvbox's
+			}
+			h.tightenOld(filepath.Join(h.StateDir, sub, e.Name()))
+		}
+	}
+	return nil
+}
+
+// tightenOld takes the world bits off one sealed folder of an older kvbox,
+// root-owned ones only (a folder QEMU owns is being written).
+func (h *Host) tightenOld(dir string) {
+	st, err := os.Lstat(dir)
+	if err != nil || !ownedByRoot(st) {
+		return
+	}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		p := filepath.Join(dir, e.Name())
+		fi, err := os.Lstat(p)
+		switch {
+		case err != nil:
+		case fi.IsDir() && !strings.HasPrefix(e.Name(), "."):
+			h.tightenOld(p) // an image's version folders
+		case fi.Mode().Perm()&0o007 == 0:
+		case fi.Mode().IsRegular() && ownedByRoot(fi):
+			h.ShareWithQEMU(p, SharedFileMode)
+		case fi.Mode().IsRegular():
+			// libvirt's DAC relabel lent it to QEMU (a running box's
+			// base) and gives it back to root: only the world bits go.
+			os.Chmod(p, fi.Mode().Perm()&^0o007)
+		}
+	}
+	if st.Mode().Perm()&0o007 != 0 {
+		h.ShareWithQEMU(dir, SharedDirMode)
+	}
+}
+
+func ownedByRoot(fi fs.FileInfo) bool {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && st.Uid == 0
+}
+
+// closeBoxDir takes the world bits off what QEMU and libvirt made in a box
+// folder (agent sockets 0775, the RAM file 0644: QEMU's umask). The folder
+// is QEMU's, so a link may be planted: each entry is opened O_PATH|O_NOFOLLOW
+// and changed through its descriptor, never by name.
+func closeBoxDir(dir string) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		fd, err := syscall.Open(filepath.Join(dir, e.Name()), unix_O_PATH|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		var st syscall.Stat_t
+		if syscall.Fstat(fd, &st) == nil && st.Mode&syscall.S_IFMT != syscall.S_IFLNK && st.Mode&0o007 != 0 {
+			syscall.Chmod("/proc/self/fd/"+strconv.Itoa(fd), st.Mode&0o7770)
+		}
+		syscall.Close(fd)
+	}
+}
+
+const unix_O_PATH = 0o10000000
