@@ -83,3 +83,24 @@ func TestKeepConsoleLogRefusesLinks(t *testing.T) {
 		t.Fatalf("kept console log is %v, want 0600", st.Mode().Perm())
 	}
 }
+
+// closeBoxDir takes world bits off what QEMU made in a box folder and never
+// follows a link planted there.
+func TestCloseBoxDirRefusesLinks(t *testing.T) {
+	dir, outside := t.TempDir(), filepath.Join(t.TempDir(), "host-file")
+	os.WriteFile(outside, []byte("x"), 0o644)
+	os.Chmod(outside, 0o644)
+	mem := filepath.Join(dir, "memory")
+	os.WriteFile(mem, []byte("ram"), 0o644)
+	os.Chmod(mem, 0o644)
+	if err := os.Symlink(outside, filepath.Join(dir, "console.log")); err != nil {
+		t.Fatal(err)
+	}
+	closeBoxDir(dir)
+	if fi, _ := os.Stat(mem); fi.Mode().Perm() != 0o640 {
+		t.Errorf("memory is %v, want 0640", fi.Mode())
+	}
+	if fi, _ := os.Stat(outside); fi.Mode().Perm() != 0o644 {
+		t.Errorf("the link's target became %v: closeBoxDir followed a planted link", fi.Mode())
+	}
+}
