@@ -101,16 +101,20 @@ func (h *Host) tightenOld(dir string) {
 		case err != nil:
 		case fi.IsDir() && !strings.HasPrefix(e.Name(), "."):
 			h.tightenOld(p) // an image's version folders
-		case fi.Mode().Perm()&0o007 == 0:
 		case fi.Mode().IsRegular() && ownedByRoot(fi):
-			h.ShareWithQEMU(p, SharedFileMode)
+			// also one made before its folder was setgid (images import
+			// before any command connected): QEMU reads through its group
+			if fi.Mode().Perm()&0o007 != 0 || !h.qemuGroup(fi) {
+				h.ShareWithQEMU(p, SharedFileMode)
+			}
+		case fi.Mode().Perm()&0o007 == 0:
 		case fi.Mode().IsRegular():
 			// libvirt's DAC relabel lent it to QEMU (a running box's
 			// base) and gives it back to root: only the world bits go.
 			os.Chmod(p, fi.Mode().Perm()&^0o007)
 		}
 	}
-	if st.Mode().Perm()&0o007 != 0 {
+	if st.Mode().Perm()&0o007 != 0 || !h.qemuGroup(st) {
 		h.ShareWithQEMU(dir, SharedDirMode)
 	}
 }
@@ -140,3 +144,8 @@ func closeBoxDir(dir string) {
 }
 
 const unix_O_PATH = 0o10000000
+
+func (h *Host) qemuGroup(fi fs.FileInfo) bool {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && int(st.Gid) == h.QEMUGID()
+}
