@@ -29,8 +29,13 @@ func (f *registryFlags) add(c *cobra.Command) {
 	c.Flags().BoolVar(&f.passwordStdin, "password-stdin", false, "read the registry password from standard input")
 }
 
-func (f *registryFlags) options(a *app) (registry.Options, error) {
+// options are the registry options of the flags; quiet (--json) drops the
+// per-part log.
+func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 	o := registry.Options{Insecure: f.insecure, Username: f.username, Log: a.io.Err}
+	if quiet {
+		o.Log = nil
+	}
 	if f.passwordStdin {
 		if f.username == "" {
 			return o, fmt.Errorf("--password-stdin needs --username: %w", errUsage)
@@ -74,7 +79,7 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 		Args:              exactArgs(2, "a snapshot name and a registry reference"),
 		ValidArgsFunction: a.completeSnapshots,
 		RunE: func(c *cobra.Command, args []string) error {
-			o, err := rf.options(a)
+			o, err := rf.options(a, asJSON)
 			if err != nil {
 				return err
 			}
@@ -85,9 +90,6 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 			h, err := a.Host()
 			if err != nil {
 				return err
-			}
-			if asJSON {
-				o.Log = nil
 			}
 			done := a.progress(&o)
 			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", s.Name, args[1])
@@ -124,7 +126,7 @@ parts it verified and fetches only the rest when run again.`,
   kvbox new --from warm agent-1`,
 		Args: exactArgs(2, "a registry reference and a snapshot name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			o, err := rf.options(a)
+			o, err := rf.options(a, asJSON)
 			if err != nil {
 				return err
 			}
@@ -134,9 +136,6 @@ parts it verified and fetches only the rest when run again.`,
 			h, err := a.Host()
 			if err != nil {
 				return err
-			}
-			if asJSON {
-				o.Log = nil
 			}
 			if o.DomainType, err = h.DomainType(); err != nil {
 				return err
