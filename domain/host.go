@@ -148,6 +148,53 @@ func LockFile(path string, wait bool) (*FileLock, error) {
 	}
 }
 
+// createLocked makes a new lock file at path that is locked from the first
+// moment anyone can see it: it is made and locked under another name, then
+// renamed into place. (LockFile creates, then locks: another kvbox that
+// locks it in between would take the file for one a dead kvbox left.)
+func createLocked(path string) (*FileLock, error) {
+	tmp := path + ".new"
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_EXCL|os.O_RDWR|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		os.Remove(tmp)
+		return nil, fmt.Errorf("lock %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		f.Close()
+		os.Remove(tmp)
+		return nil, err
+	}
+	return &FileLock{f: f, path: path}, nil
+}
+
+// lockExisting locks the lock file at path without waiting and without
+// creating it: it fails when there is no such file, when another kvbox
+// holds it (ErrLocked), or when the file was removed while it was being
+// locked (its holder finished).
+func lockExisting(path string) (*FileLock, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, ErrLocked
+		}
+		return nil, fmt.Errorf("lock %s: %w", path, err)
+	}
+	var held, now syscall.Stat_t
+	if syscall.Fstat(int(f.Fd()), &held) != nil || syscall.Stat(path, &now) != nil || held.Ino != now.Ino || held.Dev != now.Dev {
+		f.Close()
+		return nil, fmt.Errorf("lock %s: %w", path, os.ErrNotExist)
+	}
+	return &FileLock{f: f, path: path}, nil
+}
+
 // Unlock releases the lock and keeps the lock file.
 func (l *FileLock) Unlock() { l.f.Close() }
 

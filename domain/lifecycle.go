@@ -202,7 +202,7 @@ func (h *Host) Reserve(name string, r *revert.Reverter) (Reservation, error) {
 	}
 	r.Add(func() { os.RemoveAll(dir) })
 	r.Add(func() { h.keepConsoleLog(name, dir) })
-	marker, err := LockFile(filepath.Join(dir, creatingMarker), false)
+	marker, err := createLocked(filepath.Join(dir, creatingMarker))
 	if err != nil {
 		return Reservation{}, err
 	}
@@ -244,12 +244,12 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 	for _, e := range ents {
 		dir := filepath.Join(h.BoxesDir(), e.Name())
 		path := filepath.Join(dir, creatingMarker)
-		if _, err := os.Stat(path); err != nil {
-			continue
-		}
-		l, err := LockFile(path, false)
+		// Never LockFile here: it creates the file, and a marker that a
+		// finished creation has just removed would come back, locked by
+		// us, over a box that is complete.
+		l, err := lockExisting(path)
 		if err != nil {
-			continue // a live kvbox is creating it
+			continue // no marker, or a live kvbox is creating the box
 		}
 		if d, err := h.Conn.LookupDomainByName(e.Name()); err == nil {
 			if b, ok, _ := boxOf(d); ok && b.Dir == dir {
