@@ -15,7 +15,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
-	"kvbox.dev/kvbox/revert"
+	"kvbox.dev/kvbox/step"
 )
 
 // Names kvbox gives the things it adds to a running QEMU while it takes a
@@ -58,20 +58,16 @@ func (st Store) partialDir(name string) string { return filepath.Join(st.Dir, ".
 type Result struct {
 	Snapshot Snapshot
 	Pause    time.Duration // how long the box was paused
-	Steps    []Step
-}
-
-// Step is one timed step of taking a snapshot.
-type Step struct {
-	Name     string
-	Duration time.Duration
+	Steps    step.Timings
 }
 
 // Create snapshots the running box into a new snapshot named name. The box is
 // paused while its memory and device state are saved and is running again
 // before the disk copy finishes: the backup job copies point-in-time in the
-// background.
-func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string) (res Result, err error) {
+// background. The work is a step plan (see creation.plan): each step is
+// timed, is a kill point of the crash tests under its own name, and is undone
+// when a later one fails.
+func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string) (Result, error) {
 	if err := domain.ValidName(name); err != nil {
 		return Result{}, err
 	}
@@ -95,269 +91,359 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if _, err := os.Stat(filepath.Join(st.Dir, name)); err == nil {
 		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
 	}
-
-	t := &timer{start: time.Now()}
-	q := qmp.NewDomainClient(dom)
-	tmp := st.partialDir(name)
-	os.RemoveAll(tmp) // ours: we hold the name lock
-	if err := os.Mkdir(tmp, 0o750); err != nil {
-		return Result{}, err
-	}
-	r := revert.New()
-	defer r.Fail()
-	r.Add(func() { os.RemoveAll(tmp) })
-	if err := h.ChownForQEMU(tmp); err != nil { // QEMU writes the state and the disk here
-		return Result{}, err
-	}
-
-	// What the disk part builds on.
-	top, err := q.TopNode(ctx, diskDevice)
-	if err != nil {
-		return Result{}, fmt.Errorf("find the disk of box %q: %w", boxName, err)
-	}
-	chain, err := overlay.InfoChain(ctx, filepath.Join(box.Dir, "disk.qcow2"))
-	if err != nil {
-		return Result{}, err
-	}
-	if len(chain) < 2 {
-		return Result{}, fmt.Errorf("the disk of box %q has no base image", boxName)
-	}
-	base := chain[len(chain)-1]
-	prev, err := previous(ctx, q, st, top, box)
-	if err != nil {
-		return Result{}, err
-	}
-	liveXML, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE)
-	if err != nil {
+	c := &creation{h: h, st: st, box: box, dom: dom, q: qmp.NewDomainClient(dom), name: name, tmp: st.partialDir(name)}
+	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
-	// A box booted from an image has its RAM in a file of its own, shared
-	// with QEMU: x-ignore-shared skips it and kvbox copies the file. A
-	// running clone maps a snapshot's file privately: its RAM goes into the
-	// state file in mapped-ram layout instead.
-	mapped := !strings.Contains(liveXML, domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1])
-	caps := map[string]bool{qmp.CapIgnoreShared: !mapped, "mapped-ram": mapped}
-	saved, err := q.QueryMigrateCapabilities(ctx)
+	c.mapped = !strings.Contains(c.liveXML, domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1])
+	steps, err := c.plan(ctx).Run(ctx)
 	if err != nil {
-		return Result{}, err
+		return Result{Steps: steps}, err
 	}
-	p := partial{Name: name, Box: boxName, BoxUUID: box.UUID, PID: os.Getpid(), Caps: map[string]bool{},
-		Bitmap: bitmapPrefix + name, Paused: true}
-	if mapped {
-		caps[qmp.CapPauseBeforeSwitchover] = false
-	}
-	for k := range caps {
-		p.Caps[k] = saved[k]
-	}
-	if mapped {
-		cur, err := q.QueryMigrateParameters(ctx)
-		if err != nil {
-			return Result{}, err
-		}
-		p.Params = map[string]any{}
-		for k := range liveParams {
-			v, ok := cur[k]
-			if !ok {
-				return Result{}, fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
-			}
-			p.Params[k] = v
-		}
-	}
-	if err := writeJSON(filepath.Join(tmp, partialFile), p); err != nil {
-		return Result{}, err
-	}
-
-	// The target of the disk copy: a qcow2 over what the copied blocks sit
-	// on (the previous snapshot's disk for an incremental copy, else the
-	// box disk's own backing file).
-	targetBacking, targetFmt := chain[1].Filename, chain[1].Format
-	if prev != nil {
-		targetBacking, targetFmt = prev.Path(DiskFile), "qcow2"
-	}
-	disk := filepath.Join(tmp, DiskFile)
-	// The backup target must have the source's size exactly.
-	if err := overlay.CreateLarger(ctx, disk, targetBacking, targetFmt, chain[0].VirtualSize); err != nil {
-		return Result{}, err
-	}
-	if err := h.ChownForQEMU(disk); err != nil {
-		return Result{}, err
-	}
-	if err := overlay.WriteFileAtomic(filepath.Join(tmp, DomainXMLFile), []byte(liveXML), 0o640); err != nil {
-		return Result{}, err
-	}
-	t.step("prepare")
-	domain.Testpoint("prepared")
-
-	// The pause: everything from here to Resume is time the box stands still.
-	var pauseStart time.Time
-	running := false
-	resume := func() {
-		if !running {
-			running = true
-			// After an outgoing migration QEMU's block nodes are inactive;
-			// cont needs them active.
-			q.BlockdevSetActive(context.WithoutCancel(ctx), "", true)
-			dom.Resume()
-		}
-	}
-	if mapped {
-		// A clone's RAM is copied while it runs: precopy into the
-		// mapped-ram file, QEMU's dirty tracking re-sending what the guest
-		// writes meanwhile. QEMU stops the box itself for the last pass
-		// and the device state, and leaves it stopped (postmigrate), so
-		// the disk's point-in-time below is taken at the switch-over.
-		if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
-			return Result{}, err
-		}
-		r.Add(func() { q.MigrateSetCapabilities(context.WithoutCancel(ctx), p.Caps) })
-		if err := q.MigrateSetParameters(ctx, liveParams); err != nil {
-			return Result{}, err
-		}
-		r.Add(func() { q.MigrateSetParameters(context.WithoutCancel(ctx), p.Params) })
-		r.Add(resume) // runs after the cancel below: QEMU may have stopped the box
-		r.Add(func() {
-			// A copy cut short: no migration may be left running.
-			bg := context.WithoutCancel(ctx)
-			if s, err := q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
-				q.MigrateCancel(bg)
-				q.WaitMigration(bg, 5*time.Millisecond)
-			}
-		})
-		if err := q.Migrate(ctx, "file:"+filepath.Join(tmp, StateFile)); err != nil {
-			return Result{}, err
-		}
-		domain.Testpoint("live-started")
-		stopped, err := q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
-			if s.RAM != nil {
-				domain.Testpoint("live-copying")
-			}
-		})
-		if err != nil {
-			return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
-		}
-		pauseStart = stopped
-		t.step("copy memory live")
-	} else {
-		pauseStart = time.Now()
-		if err := dom.Suspend(); err != nil {
-			return Result{}, fmt.Errorf("pause box %q: %w", boxName, err)
-		}
-		r.Add(resume)
-		domain.Testpoint("paused")
-		if err := q.MigrateSetCapabilities(ctx, caps); err != nil {
-			return Result{}, err
-		}
-		r.Add(func() { q.MigrateSetCapabilities(context.WithoutCancel(ctx), p.Caps) })
-		if err := q.Migrate(ctx, "file:"+filepath.Join(tmp, StateFile)); err != nil {
-			return Result{}, err
-		}
-		if err := q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
-			return Result{}, fmt.Errorf("save the state of box %q: %w", boxName, err)
-		}
-	}
-	t.step("save device state")
-	domain.Testpoint("state-saved")
-	mem := Memory{File: StateFile, MappedRAM: true}
-	if !mapped {
-		mem = Memory{File: MemoryFile}
-		// Not synced here: seal syncs every file once the box runs again.
-		if _, err := overlay.CopySparseNoSync(filepath.Join(tmp, MemoryFile), domain.MemoryFile(box.Dir)); err != nil {
-			return Result{}, fmt.Errorf("copy the memory of box %q: %w", boxName, err)
-		}
-		t.step("copy memory")
-	}
-	domain.Testpoint("memory-copied")
-	if err := q.BlockdevSetActive(ctx, "", true); err != nil {
-		return Result{}, err
-	}
-	if err := q.BlockdevAdd(ctx, map[string]any{
-		"driver": "qcow2", "node-name": targetNode, "backing": nil,
-		"file": map[string]any{"driver": "file", "filename": disk},
-	}); err != nil {
-		return Result{}, fmt.Errorf("open the snapshot disk: %w", err)
-	}
-	r.Add(func() { q.BlockdevDel(context.WithoutCancel(ctx), targetNode) })
-	backup := qmp.BackupArgs{JobID: backupJob, Device: top, Target: targetNode, Sync: qmp.SyncTop, AutoDismiss: qmp.Bool(false)}
-	if prev != nil {
-		backup.Sync, backup.Bitmap, backup.BitmapMode = "bitmap", prev.Bitmap, qmp.BitmapNever
-	}
-	if err := q.Transaction(ctx,
-		qmp.BitmapAddAction(qmp.BitmapAddArgs{Node: top, Name: p.Bitmap, Persistent: true}),
-		qmp.BackupAction(backup),
-	); err != nil {
-		return Result{}, fmt.Errorf("start the disk copy: %w", err)
-	}
-	r.Add(func() {
-		bg := context.WithoutCancel(ctx)
-		q.JobCancel(bg, backupJob)
-		q.WaitJob(bg, backupJob, 10*time.Millisecond)
-		q.BlockDirtyBitmapRemove(bg, top, p.Bitmap)
-	})
-	domain.Testpoint("backup-started")
-	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
-		return Result{}, err
-	}
-	if p.Params != nil {
-		if err := q.MigrateSetParameters(ctx, p.Params); err != nil {
-			return Result{}, err
-		}
-	}
-	resume()
-	pause := time.Since(pauseStart)
-	t.step("resume")
-	domain.Testpoint("resumed")
-
-	// The box runs again; the backup job copies the disk as it was at the
-	// pause (copy-before-write).
-	if err := q.WaitJob(ctx, backupJob, 20*time.Millisecond); err != nil {
-		return Result{}, fmt.Errorf("copy the disk of box %q: %w", boxName, err)
-	}
-	if err := q.BlockdevDel(ctx, targetNode); err != nil {
-		return Result{}, err
-	}
-	t.step("copy disk")
-	copied, _ := overlay.Du(disk)
-	domain.Testpoint("disk-copied")
-	// Merge: the new disk then stands alone above the base image, so
-	// deleting an older snapshot never breaks this one.
-	if targetBacking != base.Filename {
-		if err := overlay.Rebase(ctx, disk, base.Filename, base.Format, false); err != nil {
-			return Result{}, fmt.Errorf("merge the snapshot disk: %w", err)
-		}
-		t.step("merge disk")
-	}
-	if mapped {
-		if mem.Offset, err = prepareMappedRAM(filepath.Join(tmp, StateFile), box.MemoryBytes); err != nil {
-			return Result{}, err
-		}
-	}
-	domain.Testpoint("merged")
-
-	snap := Snapshot{
-		Name: name, Box: boxName, BoxUUID: box.UUID, Created: time.Now().UTC(), Image: box.Image,
-		BaseDisk: base.Filename, BaseFormat: base.Format, Parent: box.Snapshot, Memory: mem,
-		CPUs: box.CPUs, MemoryBytes: box.MemoryBytes, DiskBytes: box.DiskBytes, Bitmap: p.Bitmap,
-		Incremental: prev != nil, DiskCopiedBytes: copied, PauseMillis: pause.Milliseconds(),
-	}
-	if err := seal(h, tmp, snap); err != nil {
-		return Result{}, err
-	}
-	domain.Testpoint("sealed")
-	if err := os.Rename(tmp, filepath.Join(st.Dir, name)); err != nil {
-		return Result{}, err
-	}
-	r.Success()
 	if err := overlay.SyncDir(st.Dir); err != nil {
-		return Result{}, err
+		return Result{Steps: steps}, err
 	}
 	// The previous snapshot's bitmap is spent: the new one tracks changes
 	// from here on.
-	if prev != nil {
-		q.BlockDirtyBitmapRemove(ctx, top, prev.Bitmap)
+	if c.prev != nil {
+		c.q.BlockDirtyBitmapRemove(ctx, c.top, c.prev.Bitmap)
 	}
-	t.step("seal")
-	snap, err = st.Get(name)
-	return Result{Snapshot: snap, Pause: pause, Steps: t.steps}, err
+	snap, err := st.Get(name)
+	return Result{Snapshot: snap, Pause: c.pause, Steps: steps}, err
+}
+
+// creation is one snapshot being taken: what its steps find out and hand on.
+type creation struct {
+	h    *domain.Host
+	st   Store
+	box  domain.Box
+	dom  *libvirt.Domain
+	q    *qmp.Client
+	name string
+	tmp  string // the partial folder the snapshot is built in
+
+	top     string              // the box disk's top block node
+	chain   []overlay.ImageInfo // the box disk's backing chain, top first
+	prev    *Snapshot           // what an incremental disk copy builds on
+	liveXML string              // the box's migratable domain XML
+	mapped  bool                // RAM goes into the state file (a clone), not copied from the box's RAM file
+	caps    map[string]bool     // migration capabilities the snapshot sets
+	p       partial             // what Recover needs, also on disk
+	backing string              // what the disk copy's target sits on
+	disk    string              // the disk copy's target
+	mem     Memory
+
+	paused  time.Time // when the box stood still
+	running bool      // resumed (by the plan or an undo)
+	pause   time.Duration
+	copied  int64 // bytes the disk copy wrote
+}
+
+// plan lists the steps of a snapshot. A box booted from an image shares its
+// RAM file with QEMU: kvbox pauses it, saves the device state (x-ignore-shared
+// skips RAM) and copies the file. A running clone maps a snapshot's file
+// privately: its RAM is copied while it runs into the state file in mapped-ram
+// layout, and QEMU stops it for the last pass, so that variant replaces the
+// pause and the copy by a live copy.
+func (c *creation) plan(ctx context.Context) step.Plan {
+	p := step.Plan{
+		{Name: "make-folder", Do: c.makeFolder, Undo: func() { os.RemoveAll(c.tmp) }},
+		{Name: "prepare", Do: c.prepare},
+		{Name: "pause", Do: c.suspend, Undo: c.resume},
+		{Name: "save-state", Do: c.saveState, Undo: c.restoreMigration},
+		{Name: "copy-memory", Do: c.copyMemory},
+		{Name: "open-disk-copy", Do: c.openTarget, Undo: func() { c.q.BlockdevDel(context.WithoutCancel(ctx), targetNode) }},
+		{Name: "start-disk-copy", Do: c.startBackup, Undo: func() { c.cancelBackup(context.WithoutCancel(ctx)) }},
+		{Name: "resume", Do: c.resumeRunning},
+		{Name: "copy-disk", Do: c.copyDisk},
+		{Name: "merge", Do: c.merge},
+		{Name: "seal", Do: func(context.Context) error { return seal(c.h, c.tmp, c.snapshot()) }},
+		{Name: "publish", Do: func(context.Context) error { return os.Rename(c.tmp, filepath.Join(c.st.Dir, c.name)) }},
+	}
+	if c.mapped {
+		p = p.Replace("pause").
+			Replace("save-state", step.Step{Name: "copy-memory-live", Do: c.copyLive, Undo: c.undoLive}).
+			Replace("copy-memory")
+	}
+	return p
+}
+
+func (c *creation) makeFolder(context.Context) error {
+	os.RemoveAll(c.tmp) // ours: we hold the name lock
+	if err := os.Mkdir(c.tmp, 0o750); err != nil {
+		return err
+	}
+	// QEMU writes the state and the disk here.
+	if err := c.h.ChownForQEMU(c.tmp); err != nil {
+		os.RemoveAll(c.tmp)
+		return err
+	}
+	return nil
+}
+
+// prepare finds what the snapshot builds on and records what Recover needs
+// before anything in QEMU changes.
+func (c *creation) prepare(ctx context.Context) (err error) {
+	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
+		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
+	}
+	if c.chain, err = overlay.InfoChain(ctx, filepath.Join(c.box.Dir, "disk.qcow2")); err != nil {
+		return err
+	}
+	if len(c.chain) < 2 {
+		return fmt.Errorf("the disk of box %q has no base image", c.box.Name)
+	}
+	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
+		return err
+	}
+	// A box's own RAM file is skipped by x-ignore-shared and copied by
+	// kvbox; a clone's RAM goes into the state file.
+	c.caps = map[string]bool{qmp.CapIgnoreShared: !c.mapped, "mapped-ram": c.mapped}
+	if c.mapped {
+		c.caps[qmp.CapPauseBeforeSwitchover] = false
+	}
+	saved, err := c.q.QueryMigrateCapabilities(ctx)
+	if err != nil {
+		return err
+	}
+	c.p = partial{Name: c.name, Box: c.box.Name, BoxUUID: c.box.UUID, PID: os.Getpid(), Caps: map[string]bool{},
+		Bitmap: bitmapPrefix + c.name, Paused: true}
+	for k := range c.caps {
+		c.p.Caps[k] = saved[k]
+	}
+	if c.mapped {
+		cur, err := c.q.QueryMigrateParameters(ctx)
+		if err != nil {
+			return err
+		}
+		c.p.Params = map[string]any{}
+		for k := range liveParams {
+			v, ok := cur[k]
+			if !ok {
+				return fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
+			}
+			c.p.Params[k] = v
+		}
+	}
+	if err := writeJSON(filepath.Join(c.tmp, partialFile), c.p); err != nil {
+		return err
+	}
+	// The target of the disk copy: a qcow2 over what the copied blocks sit
+	// on (the previous snapshot's disk for an incremental copy, else the
+	// box disk's own backing file), of the source's size exactly.
+	targetFmt := ""
+	c.backing, targetFmt = c.chain[1].Filename, c.chain[1].Format
+	if c.prev != nil {
+		c.backing, targetFmt = c.prev.Path(DiskFile), "qcow2"
+	}
+	c.disk = filepath.Join(c.tmp, DiskFile)
+	if err := overlay.CreateLarger(ctx, c.disk, c.backing, targetFmt, c.chain[0].VirtualSize); err != nil {
+		return err
+	}
+	if err := c.h.ChownForQEMU(c.disk); err != nil {
+		return err
+	}
+	return overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640)
+}
+
+// suspend pauses the box: from here to resume is time it stands still.
+func (c *creation) suspend(context.Context) error {
+	c.paused = time.Now()
+	if err := c.dom.Suspend(); err != nil {
+		return fmt.Errorf("pause box %q: %w", c.box.Name, err)
+	}
+	return nil
+}
+
+// resume runs the box again, once, whoever stopped it (kvbox, or QEMU at a
+// live copy's switch-over).
+func (c *creation) resume() {
+	if c.running {
+		return
+	}
+	c.running = true
+	// After an outgoing migration QEMU's block nodes are inactive; cont
+	// needs them active.
+	c.q.BlockdevSetActive(context.Background(), "", true)
+	c.dom.Resume()
+}
+
+// restoreMigration sets the migration capabilities and parameters back as
+// they were.
+func (c *creation) restoreMigration() {
+	bg := context.Background()
+	if c.p.Params != nil {
+		c.q.MigrateSetParameters(bg, c.p.Params)
+	}
+	c.q.MigrateSetCapabilities(bg, c.p.Caps)
+}
+
+// saveState writes the paused box's device state (its RAM skipped).
+func (c *creation) saveState(ctx context.Context) error {
+	err := c.q.MigrateSetCapabilities(ctx, c.caps)
+	if err == nil {
+		err = c.q.Migrate(ctx, "file:"+filepath.Join(c.tmp, StateFile))
+	}
+	if err == nil {
+		if err = c.q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
+			err = fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
+		}
+	}
+	if err != nil {
+		c.restoreMigration()
+	}
+	return err
+}
+
+// copyMemory copies the paused box's RAM file. Not synced here: seal syncs
+// every file once the box runs again.
+func (c *creation) copyMemory(context.Context) error {
+	c.mem = Memory{File: MemoryFile}
+	if _, err := overlay.CopySparseNoSync(filepath.Join(c.tmp, MemoryFile), domain.MemoryFile(c.box.Dir)); err != nil {
+		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
+	}
+	return nil
+}
+
+// copyLive copies a clone's RAM while it runs: precopy into the mapped-ram
+// file, QEMU's dirty tracking re-sending what the guest writes meanwhile.
+// QEMU stops the box itself for the last pass and the device state, and
+// leaves it stopped (postmigrate), so the disk's point-in-time is taken at
+// the switch-over.
+func (c *creation) copyLive(ctx context.Context) (err error) {
+	defer func() {
+		if err != nil {
+			c.undoLive()
+		}
+	}()
+	c.mem = Memory{File: StateFile, MappedRAM: true}
+	if err := c.q.MigrateSetCapabilities(ctx, c.caps); err != nil {
+		return err
+	}
+	if err := c.q.MigrateSetParameters(ctx, liveParams); err != nil {
+		return err
+	}
+	if err := c.q.Migrate(ctx, "file:"+filepath.Join(c.tmp, StateFile)); err != nil {
+		return err
+	}
+	step.KillPoint("live-started")
+	stopped, err := c.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
+		if s.RAM != nil {
+			step.KillPoint("live-copying")
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
+	}
+	c.paused = stopped
+	return nil
+}
+
+// undoLive takes a live copy back: no migration left running, the box
+// running again (QEMU may have stopped it), the migration settings as they
+// were.
+func (c *creation) undoLive() {
+	bg := context.Background()
+	if s, err := c.q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
+		c.q.MigrateCancel(bg)
+		c.q.WaitMigration(bg, 5*time.Millisecond)
+	}
+	c.resume()
+	c.restoreMigration()
+}
+
+// openTarget opens the disk copy's target in QEMU.
+func (c *creation) openTarget(ctx context.Context) error {
+	if err := c.q.BlockdevSetActive(ctx, "", true); err != nil {
+		return err
+	}
+	if err := c.q.BlockdevAdd(ctx, map[string]any{
+		"driver": "qcow2", "node-name": targetNode, "backing": nil,
+		"file": map[string]any{"driver": "file", "filename": c.disk},
+	}); err != nil {
+		return fmt.Errorf("open the snapshot disk: %w", err)
+	}
+	return nil
+}
+
+// startBackup starts the point-in-time disk copy (only the blocks changed
+// since the previous snapshot when there is one) and, in the same
+// transaction, the bitmap that tracks changes for the next snapshot.
+func (c *creation) startBackup(ctx context.Context) error {
+	backup := qmp.BackupArgs{JobID: backupJob, Device: c.top, Target: targetNode, Sync: qmp.SyncTop, AutoDismiss: qmp.Bool(false)}
+	if c.prev != nil {
+		backup.Sync, backup.Bitmap, backup.BitmapMode = "bitmap", c.prev.Bitmap, qmp.BitmapNever
+	}
+	if err := c.q.Transaction(ctx,
+		qmp.BitmapAddAction(qmp.BitmapAddArgs{Node: c.top, Name: c.p.Bitmap, Persistent: true}),
+		qmp.BackupAction(backup),
+	); err != nil {
+		return fmt.Errorf("start the disk copy: %w", err)
+	}
+	return nil
+}
+
+func (c *creation) cancelBackup(ctx context.Context) {
+	c.q.JobCancel(ctx, backupJob)
+	c.q.WaitJob(ctx, backupJob, 10*time.Millisecond)
+	c.q.BlockDirtyBitmapRemove(ctx, c.top, c.p.Bitmap)
+}
+
+// resumeRunning sets the migration settings back and runs the box again:
+// the end of the pause.
+func (c *creation) resumeRunning(ctx context.Context) error {
+	if err := c.q.MigrateSetCapabilities(ctx, c.p.Caps); err != nil {
+		return err
+	}
+	if c.p.Params != nil {
+		if err := c.q.MigrateSetParameters(ctx, c.p.Params); err != nil {
+			return err
+		}
+	}
+	c.resume()
+	c.pause = time.Since(c.paused)
+	return nil
+}
+
+// copyDisk waits for the backup job, which copies the disk as it was at the
+// pause (copy-before-write) while the box runs.
+func (c *creation) copyDisk(ctx context.Context) error {
+	if err := c.q.WaitJob(ctx, backupJob, 20*time.Millisecond); err != nil {
+		return fmt.Errorf("copy the disk of box %q: %w", c.box.Name, err)
+	}
+	if err := c.q.BlockdevDel(ctx, targetNode); err != nil {
+		return err
+	}
+	c.copied, _ = overlay.Du(c.disk)
+	return nil
+}
+
+// merge makes the snapshot stand alone: the new disk is rebased onto the
+// base image, so deleting an older snapshot never breaks this one, and a
+// mapped-ram state file gets its RAM's offset.
+func (c *creation) merge(ctx context.Context) (err error) {
+	if base := c.base(); c.backing != base.Filename {
+		if err := overlay.Rebase(ctx, c.disk, base.Filename, base.Format, false); err != nil {
+			return fmt.Errorf("merge the snapshot disk: %w", err)
+		}
+	}
+	if c.mapped {
+		c.mem.Offset, err = prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
+	}
+	return err
+}
+
+func (c *creation) base() overlay.ImageInfo { return c.chain[len(c.chain)-1] }
+
+// snapshot is the metadata of the snapshot being built.
+func (c *creation) snapshot() Snapshot {
+	base := c.base()
+	return Snapshot{
+		Name: c.name, Box: c.box.Name, BoxUUID: c.box.UUID, Created: time.Now().UTC(), Image: c.box.Image,
+		BaseDisk: base.Filename, BaseFormat: base.Format, Parent: c.box.Snapshot, Memory: c.mem,
+		CPUs: c.box.CPUs, MemoryBytes: c.box.MemoryBytes, DiskBytes: c.box.DiskBytes, Bitmap: c.p.Bitmap,
+		Incremental: c.prev != nil, DiskCopiedBytes: c.copied, PauseMillis: c.pause.Milliseconds(),
+	}
 }
 
 // previous returns the newest snapshot of the box whose bitmap is still on
@@ -450,18 +536,4 @@ func lockName(st Store, name string) (func(), error) {
 		return nil, err
 	}
 	return l.RemoveAndUnlock, nil
-}
-
-type timer struct {
-	start, last time.Time
-	steps       []Step
-}
-
-func (t *timer) step(name string) {
-	now := time.Now()
-	if t.last.IsZero() {
-		t.last = t.start
-	}
-	t.steps = append(t.steps, Step{name, now.Sub(t.last)})
-	t.last = now
 }

@@ -228,7 +228,7 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 		t.Fatalf("clone %s: %s", c, r)
 	}
 	startCounter(t, c)
-	for _, step := range []string{"prepared", "live-started", "live-copying", "state-saved", "backup-started", "resumed", "disk-copied"} {
+	for _, step := range []string{"make-folder", "prepare", "live-started", "live-copying", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge"} {
 		sn := name(t, "lk-"+step)
 		cmd := exec.Command(kvboxBin, "snapshots", "new", c, sn)
 		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
@@ -356,7 +356,7 @@ func TestSnapshotKilledAtEachStep(t *testing.T) {
 	n := name(t, "kill")
 	newBox(t, n)
 	startCounter(t, n)
-	for _, step := range []string{"prepared", "paused", "state-saved", "memory-copied", "backup-started", "resumed", "disk-copied", "merged", "sealed"} {
+	for _, step := range []string{"make-folder", "prepare", "pause", "save-state", "copy-memory", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge", "seal"} {
 		sn := name(t, "k-"+step)
 		cmd := exec.Command(kvboxBin, "snapshots", "new", n, sn)
 		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
@@ -371,7 +371,7 @@ func TestSnapshotKilledAtEachStep(t *testing.T) {
 		}
 		// Once sealed, every file is complete and synced: the snapshot is
 		// finished instead of thrown away.
-		if listed != (step == "sealed") {
+		if listed != (step == "seal") {
 			t.Errorf("kill at %s: snapshot listed = %v", step, listed)
 		}
 		if listed {

@@ -187,7 +187,7 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 		}
 		k.steps[s.Name] = append(k.steps[s.Name], s.Duration)
 		switch s.Name {
-		case "save device state", "copy memory", "resume":
+		case "save-state", "copy-memory", "open-disk-copy", "start-disk-copy", "resume":
 			after += s.Duration
 		}
 	}
