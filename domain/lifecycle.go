@@ -84,78 +84,58 @@ func SharedRAMArgs(size int64, file string) []string {
 func QemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // Create defines and starts a new box, waits for its agent and gives the
-// guest its identity. On any failure everything it created is removed.
+// guest its identity: the box plan (Creation.Plan) run with a define step
+// that makes an overlay on the image's disk. On any failure everything it
+// created is removed.
 func (h *Host) Create(ctx context.Context, s Spec) (Box, error) {
-	if err := s.Validate(); err != nil {
-		return Box{}, err
-	}
-	if err := h.Net.Ensure(); err != nil {
-		return Box{}, err
-	}
-	r := revert.New()
-	dom, b, res, err := h.define(ctx, s, r)
-	if err != nil {
-		r.Fail()
-		return Box{}, err
-	}
-	defer dom.Free()
-	defer r.Fail() // runs before Free: the undo steps use dom
-	Testpoint("box-defined")
-	if err := dom.Create(); err != nil {
-		return Box{}, fmt.Errorf("start box %q: %s", s.Name, LibvirtMessage(err))
-	}
-	r.Add(func() { dom.Destroy() })
-	Testpoint("box-started")
-	if b, err = h.ready(ctx, dom, b, s.AgentTimeout); err != nil {
-		return Box{}, err
-	}
-	r.Success()
-	res.Done()
-	return b, nil
+	b, _, err := h.CreateTimed(ctx, s)
+	return b, err
 }
 
-// define does the part of Create that needs the host lock: pick a free
-// address and define the domain, which then holds the address in its
-// metadata.
-func (h *Host) define(ctx context.Context, s Spec, r *revert.Reverter) (*libvirt.Domain, Box, Reservation, error) {
-	unlock, err := h.Lock()
-	if err != nil {
-		return nil, Box{}, Reservation{}, err
+// CreateTimed is Create, also returning the time of each step.
+func (h *Host) CreateTimed(ctx context.Context, s Spec) (Box, step.Timings, error) {
+	if err := s.Validate(); err != nil {
+		return Box{}, nil, err
 	}
-	defer unlock()
-	res, err := h.Reserve(s.Name, r)
-	if err != nil {
-		return nil, Box{}, Reservation{}, err
+	if err := h.Net.Ensure(); err != nil {
+		return Box{}, nil, err
 	}
-	ip, dir := res.IP, res.Dir
+	c := &Creation{Host: h, Name: s.Name, AgentTimeout: s.AgentTimeout}
+	return c.Run(ctx, c.Plan(func(ctx context.Context, c *Creation, r *revert.Reverter) error {
+		return h.define(ctx, c, s, r)
+	}))
+}
+
+// define reserves an address and a folder, makes the box's disk (an overlay
+// on the image's) and defines the domain, which then holds the address in
+// its metadata. It runs under the host lock.
+func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Reverter) (err error) {
+	if c.Res, err = h.Reserve(s.Name, r); err != nil {
+		return err
+	}
+	dir := c.Res.Dir
 	disk := filepath.Join(dir, "disk.qcow2")
 	if err := overlay.CreateLarger(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat, max(s.DiskBytes, s.Boot.VirtualSize)); err != nil {
-		return nil, Box{}, Reservation{}, err
+		return err
 	}
 	typ, err := h.DomainType()
 	if err != nil {
-		return nil, Box{}, Reservation{}, err
+		return err
 	}
 	meta := Meta{
-		Image: s.Boot.Image, IP: ip.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
+		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
 		MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
 		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
 	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, SharedRAMArgs(s.MemoryBytes, MemoryFile(dir)))
 	if err != nil {
-		return nil, Box{}, Reservation{}, err
+		return err
 	}
-	dom, err := h.Conn.DomainDefineXML(xml)
-	if err != nil {
-		return nil, Box{}, Reservation{}, fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
+	if c.Dom, err = h.Conn.DomainDefineXML(xml); err != nil {
+		return fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
 	}
-	r.Add(func() { Undefine(dom) })
-	b, _, err := boxOf(dom)
-	if err != nil {
-		dom.Free()
-		return nil, Box{}, Reservation{}, err
-	}
-	return dom, b, res, nil
+	r.Add(func() { Undefine(c.Dom) })
+	return c.Reread()
 }
 
 // Reservation is a box being created: its address and folder. Until Done,
@@ -300,29 +280,6 @@ func Transport() string {
 	return "virtio-serial"
 }
 
-// ready waits for a started box's agent and gives the guest its identity.
-func (h *Host) ready(ctx context.Context, dom *libvirt.Domain, b Box, timeout time.Duration) (Box, error) {
-	if timeout <= 0 {
-		timeout = 60 * time.Second
-	}
-	// Re-read: the vsock CID and the tap name exist only once it runs.
-	b, _, err := boxOf(dom)
-	if err != nil {
-		return Box{}, err
-	}
-	actx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	c, err := h.WaitAgent(actx, dom, b)
-	if err != nil {
-		return Box{}, err
-	}
-	defer c.Close()
-	if err := h.Reidentify(actx, c, b); err != nil {
-		return Box{}, err
-	}
-	return b, nil
-}
-
 // LockedLookup takes the box's lock and looks the box up; release frees the
 // domain and drops the lock.
 func (h *Host) LockedLookup(name string) (b Box, dom *libvirt.Domain, release func(), err error) {
@@ -410,10 +367,12 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	if err := emptyMemory(b.Dir); err != nil {
 		return Box{}, err
 	}
-	if err := dom.Create(); err != nil {
-		return Box{}, fmt.Errorf("start box %q: %s", name, LibvirtMessage(err))
-	}
-	return h.ready(ctx, dom, b, timeout)
+	// The box plan without define. A box whose agent does not answer is
+	// left running, for its console to tell why.
+	c := &Creation{Host: h, Name: name, AgentTimeout: timeout, Dom: dom, Box: b, borrowed: true}
+	p := c.Plan(nil).Replace("define").Replace("start", step.Step{Name: "start", Do: c.start})
+	b, _, err = c.Run(ctx, p)
+	return b, err
 }
 
 // Stop shuts a box down through ACPI, and pulls the plug after timeout (or

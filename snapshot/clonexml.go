@@ -430,15 +430,3 @@ func stripRuntime(v reflect.Value) {
 		}
 	}
 }
-
-// liveTap is the tap device of a running domain's interface.
-func liveTap(liveXML string) (string, error) {
-	var d libvirtxml.Domain
-	if err := d.Unmarshal(liveXML); err != nil {
-		return "", fmt.Errorf("parse the clone's live domain XML: %w", err)
-	}
-	if d.Devices == nil || len(d.Devices.Interfaces) == 0 || d.Devices.Interfaces[0].Target == nil || d.Devices.Interfaces[0].Target.Dev == "" {
-		return "", errors.New("the clone's live domain XML names no tap device")
-	}
-	return d.Devices.Interfaces[0].Target.Dev, nil
-}

@@ -327,16 +327,6 @@ func TestSplitOpts(t *testing.T) {
 	}
 }
 
-func TestLiveTap(t *testing.T) {
-	tap, err := liveTap(readTestdata(t, "domain-live.xml"))
-	if err != nil || !strings.HasPrefix(tap, "vnet") {
-		t.Errorf("liveTap = %q, %v", tap, err)
-	}
-	if _, err := liveTap(readTestdata(t, "domain-migratable.xml")); err == nil {
-		t.Errorf("liveTap of an inactive XML: no error")
-	}
-}
-
 // A source on a vsock host holds a CID while it runs; the clone must ask
 // libvirt for its own.
 func TestCloneXMLVsockGetsItsOwnCID(t *testing.T) {

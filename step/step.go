@@ -167,3 +167,26 @@ func KillPoint(point string) {
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
 	}
 }
+
+// After returns a copy of the plan with steps inserted after the step called
+// name. It panics if the plan has no such step.
+func (p Plan) After(name string, steps ...Step) Plan {
+	for i, s := range p {
+		if s.Name == name {
+			out := make(Plan, 0, len(p)+len(steps))
+			out = append(out, p[:i+1]...)
+			out = append(out, steps...)
+			return append(out, p[i+1:]...)
+		}
+	}
+	panic("step: plan has no step " + name)
+}
+
+// Names lists the steps that ran, in order.
+func (ts Timings) Names() []string {
+	names := make([]string, len(ts))
+	for i, t := range ts {
+		names[i] = t.Name
+	}
+	return names
+}

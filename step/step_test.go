@@ -129,3 +129,25 @@ func TestKillPointKills(t *testing.T) {
 		t.Fatalf("child ended with %v, want killed by a signal", err)
 	}
 }
+
+func TestAfterInsertsIntoACopy(t *testing.T) {
+	var log []string
+	p := Plan{recorder(&log, "a", false), recorder(&log, "b", false)}
+	q := p.After("a", recorder(&log, "x", false), recorder(&log, "y", false))
+	if got := q.Names(); !slices.Equal(got, []string{"a", "x", "y", "b"}) {
+		t.Fatalf("After = %v", got)
+	}
+	if got := p.Names(); !slices.Equal(got, []string{"a", "b"}) {
+		t.Fatalf("the original changed: %v", got)
+	}
+	ts, err := q.Run(context.Background())
+	if err != nil || !slices.Equal(ts.Names(), []string{"a", "x", "y", "b"}) {
+		t.Fatalf("Run = %v, %v", ts.Names(), err)
+	}
+	defer func() {
+		if recover() == nil {
+			t.Errorf("After of a missing step did not panic")
+		}
+	}()
+	p.After("missing")
+}

@@ -497,13 +497,18 @@ func TestKilledCreationIsCleanedUp(t *testing.T) {
 		step string
 		args []string
 	}{
-		{"box-defined", smallBox},
-		{"box-started", smallBox},
-		{"clone-defined", []string{"--from", snap}},
-		{"clone-port-closed", []string{"--from", snap}},
-		{"clone-resumed", []string{"--from", snap}},
+		// The steps of the box plan (domain.Creation.Plan) and of the
+		// clone's edit of it (snapshot.Clone).
+		{"define", smallBox},
+		{"start", smallBox},
+		{"agent", smallBox},
+		{"define", []string{"--from", snap}},
+		{"close-port", []string{"--from", snap}},
+		{"load", []string{"--from", snap}},
+		{"resume", []string{"--from", snap}},
+		{"open-port", []string{"--from", snap}},
 	} {
-		n := name(t, "k-"+tc.step)
+		n := name(t, "k-"+tc.step+fmt.Sprint(len(tc.args)))
 		t.Cleanup(func() { kvbox(t, "rm", "--force", n) })
 		cmd := exec.Command(kvboxBin, append(append([]string{"new"}, tc.args...), n)...)
 		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+tc.step)

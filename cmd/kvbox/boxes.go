@@ -58,7 +58,7 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.StringVar(&o.memory, "memory", "4G", "RAM, like 512M or 4G")
 	f.StringVar(&o.disk, "disk", "8G", "disk size, like 8G")
 	f.DurationVar(&o.timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
-	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time of a clone went, step by step")
+	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time went, step by step")
 	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	return c
@@ -100,7 +100,7 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	}
 	start := time.Now()
 	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
-	b, err := h.Create(c.Context(), domain.Spec{
+	b, tm, err := h.CreateTimed(c.Context(), domain.Spec{
 		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout,
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
@@ -112,6 +112,9 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)\n",
 		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
+	if o.verbose {
+		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
+	}
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/step"
 )
 
 // warmSnapshot is a snapshot of a running source box of the bench image,
@@ -56,47 +57,34 @@ func benchClone(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	var timings []snapshot.CloneTiming
-	var removes []time.Duration
+	var timings []step.Timings
+	var walls, removes []time.Duration
 	for i := range e.n {
 		name := fmt.Sprintf("bench-clone-%d", i)
+		t0 := time.Now()
 		_, tm, err := snapshot.Clone(ctx, e.h, snap, name, 2*time.Minute)
 		if err != nil {
 			return err
 		}
+		walls = append(walls, time.Since(t0))
 		timings = append(timings, tm)
-		t0 := time.Now()
+		t0 = time.Now()
 		if err := e.h.Remove(ctx, name, true); err != nil {
 			return err
 		}
 		removes = append(removes, time.Since(t0))
 	}
-	pick := func(f func(snapshot.CloneTiming) time.Duration) time.Duration {
-		var ds []time.Duration
-		for _, t := range timings {
-			ds = append(ds, f(t))
-		}
-		return median(ds)
-	}
-	total := pick(func(t snapshot.CloneTiming) time.Duration { return t.Total })
+	total := median(walls)
 	fmt.Printf("cold boot to agent-ready (median of %d)   %8.0f ms\n", e.boots, ms(median(boot)))
 	fmt.Printf("snapshot pause (source box)              %8.0f ms   (snapshot size %s)\n", ms(e.warmPause), domain.FormatSize(snap.SizeBytes))
 	fmt.Printf("warm clone to ready (median of %d)       %8.0f ms\n", e.n, ms(total))
-	for _, s := range []struct {
-		name string
-		f    func(snapshot.CloneTiming) time.Duration
-	}{
-		{"define", func(t snapshot.CloneTiming) time.Duration { return t.Define }},
-		{"libvirt start (paused)", func(t snapshot.CloneTiming) time.Duration { return t.Start }},
-		{"close port", func(t snapshot.CloneTiming) time.Duration { return t.ClosePort }},
-		{"load state", func(t snapshot.CloneTiming) time.Duration { return t.Load }},
-		{"resume", func(t snapshot.CloneTiming) time.Duration { return t.Resume }},
-		{"agent answers", func(t snapshot.CloneTiming) time.Duration { return t.Agent }},
-		{"re-identify", func(t snapshot.CloneTiming) time.Duration { return t.Reidentify }},
-		{"open port", func(t snapshot.CloneTiming) time.Duration { return t.OpenPort }},
-		{"persist", func(t snapshot.CloneTiming) time.Duration { return t.Persist }},
-	} {
-		fmt.Printf("  %-38s %8.0f ms\n", s.name, ms(pick(s.f)))
+	// The clone's own steps (snapshot.Clone's plan), by name.
+	for _, name := range timings[0].Names() {
+		var ds []time.Duration
+		for _, t := range timings {
+			ds = append(ds, t.Get(name))
+		}
+		fmt.Printf("  %-38s %8.0f ms\n", name, ms(median(ds)))
 	}
 	m := median(removes)
 	fmt.Printf("rm --force of a running clone (median of %d) %5.0f ms   (clone + rm %0.f ms; rm/clone %.2f)\n",
