@@ -459,3 +459,21 @@ func emptyMemory(dir string) error {
 	}
 	return err
 }
+
+// Resume continues a paused box (one a failed or interrupted snapshot left
+// paused): the guest carries on where it stopped.
+func (h *Host) Resume(name string) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	if b.State != "paused" {
+		return Box{}, fmt.Errorf("box %q is %s, not paused: %w", name, b.State, ErrBusy)
+	}
+	if err := dom.Resume(); err != nil {
+		return Box{}, fmt.Errorf("resume box %q: %s", name, LibvirtMessage(err))
+	}
+	b.State = "running"
+	return b, nil
+}

@@ -1,0 +1,179 @@
+package domain
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+
+	"libvirt.org/go/libvirt"
+)
+
+// Box is one kvbox box as libvirt and its metadata describe it.
+type Box struct {
+	Name        string `json:"name"`
+	UUID        string `json:"uuid"`
+	State       string `json:"state"`
+	Meta               // image or snapshot, ip, mac, ...
+	CPUs        int    `json:"cpus"`
+	MemoryBytes int64  `json:"memory_bytes"`
+	VsockCID    uint32 `json:"vsock_cid,omitempty"`
+	Tap         string `json:"tap,omitempty"`
+}
+
+// Addr is the box's address.
+func (b Box) Addr() netip.Addr {
+	a, _ := netip.ParseAddr(b.IP)
+	return a
+}
+
+// From is the box's origin: its image, or the snapshot it was cloned from.
+func (b Box) From() string {
+	if b.Snapshot != "" {
+		return "snapshot " + b.Snapshot
+	}
+	return "image " + b.Image
+}
+
+func stateName(s libvirt.DomainState) string {
+	switch s {
+	case libvirt.DOMAIN_RUNNING:
+		return "running"
+	case libvirt.DOMAIN_BLOCKED:
+		return "blocked"
+	case libvirt.DOMAIN_PAUSED:
+		return "paused"
+	case libvirt.DOMAIN_SHUTDOWN:
+		return "shutting-down"
+	case libvirt.DOMAIN_SHUTOFF:
+		return "stopped"
+	case libvirt.DOMAIN_CRASHED:
+		return "crashed"
+	case libvirt.DOMAIN_PMSUSPENDED:
+		return "suspended"
+	}
+	return "unknown"
+}
+
+// boxOf reads a domain; ok is false when it is not a kvbox box.
+func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
+	x, err := d.GetXMLDesc(0)
+	if err != nil {
+		return Box{}, false, fmt.Errorf("read domain XML: %w", err)
+	}
+	dx, err := parseDomainXML(x)
+	if err != nil {
+		return Box{}, false, err
+	}
+	if dx.Metadata == nil {
+		return Box{}, false, nil
+	}
+	st, _, err := d.GetState()
+	if err != nil {
+		return Box{}, false, fmt.Errorf("read domain state: %w", err)
+	}
+	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateName(st), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
+	if dx.Devices.Vsock != nil {
+		b.VsockCID = dx.Devices.Vsock.CID.Address
+	}
+	if len(dx.Devices.Interfaces) > 0 {
+		b.Tap = dx.Devices.Interfaces[0].Target.Dev
+	}
+	return b, true, nil
+}
+
+// Boxes lists every box, sorted by name. Domains without kvbox metadata are
+// not boxes and are left out.
+func (h *Host) Boxes() ([]Box, error) {
+	doms, err := h.Conn.ListAllDomains(0)
+	if err != nil {
+		return nil, fmt.Errorf("list domains: %s", LibvirtMessage(err))
+	}
+	var out []Box
+	for i := range doms {
+		b, ok, err := boxOf(&doms[i])
+		doms[i].Free()
+		if isNoDomain(err) {
+			continue // removed while we looked
+		}
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			out = append(out, b)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}
+
+// NoBoxError says no domain of that name exists (as opposed to a domain that
+// is not a box); it wraps ErrNotFound.
+type NoBoxError struct{ Name string }
+
+func (e NoBoxError) Error() string {
+	return fmt.Sprintf("box %q does not exist (kvbox ls lists boxes): %v", e.Name, ErrNotFound)
+}
+
+func (e NoBoxError) Unwrap() error { return ErrNotFound }
+
+// Lookup returns the named box and its domain; the caller frees the domain.
+func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
+	if err := ValidName(name); err != nil {
+		return Box{}, nil, err
+	}
+	d, err := h.Conn.LookupDomainByName(name)
+	if isNoDomain(err) {
+		return Box{}, nil, NoBoxError{name}
+	}
+	if err != nil {
+		return Box{}, nil, fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
+	}
+	b, ok, err := boxOf(d)
+	if err != nil {
+		d.Free()
+		return Box{}, nil, err
+	}
+	if !ok {
+		d.Free()
+		return Box{}, nil, fmt.Errorf("domain %q is not a kvbox box (it has no kvbox metadata): %w", name, ErrNotFound)
+	}
+	return b, d, nil
+}
+
+// Get returns the named box.
+func (h *Host) Get(name string) (Box, error) {
+	b, d, err := h.Lookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	d.Free()
+	return b, nil
+}
+
+// UsedAddrs lists every address held by a box. Call it under Lock.
+func (h *Host) UsedAddrs() ([]netip.Addr, error) {
+	boxes, err := h.Boxes()
+	if err != nil {
+		return nil, err
+	}
+	var used []netip.Addr
+	for _, b := range boxes {
+		if a := b.Addr(); a.IsValid() {
+			used = append(used, a)
+		}
+	}
+	return used, nil
+}
+
+// NameFree reports ErrExists when a domain (a box or not) has the name.
+func (h *Host) NameFree(name string) error {
+	d, err := h.Conn.LookupDomainByName(name)
+	if err == nil {
+		d.Free()
+		return fmt.Errorf("a box or domain named %q %w (pick another name, or kvbox rm %s)", name, ErrExists, name)
+	}
+	if !isNoDomain(err) {
+		return fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
+	}
+	return nil
+}
