@@ -90,95 +90,105 @@ func syncFile(f *os.File, name string, sync bool) error {
 	return nil
 }
 
+// copyExtents copies the data extents of in to out, skipping holes and
+// leaving pages that are all zero unwritten, so out is as sparse as in's
+// data allows.
 func copyExtents(out, in *os.File, size int64) (int64, error) {
-	inFd, outFd := int(in.Fd()), int(out.Fd())
-	buf := make([]byte, copyChunk)
-	zeros := make([]byte, zeroPage)
-	cfr := useCopyFileRange
-	var written int64
-
-	writeRun := func(off int64, data []byte) error {
-		for cfr && len(data) > 0 {
-			roff, woff := off, off
-			n, err := unix.CopyFileRange(inFd, &roff, outFd, &woff, len(data), 0)
-			if err != nil {
-				if errors.Is(err, unix.EINTR) {
-					continue
-				}
-				// Not supported between these files: write the bytes.
-				if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) ||
-					errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
-					cfr = false
-					break
-				}
-				return err
-			}
-			if n == 0 {
-				cfr = false // src shrank under us; let WriteAt report it
-				break
-			}
-			written += int64(n)
-			off += int64(n)
-			data = data[n:]
-		}
-		if len(data) == 0 {
-			return nil
-		}
-		n, err := out.WriteAt(data, off)
-		written += int64(n)
-		return err
-	}
-
+	x := &extentCopy{in: in, out: out, buf: make([]byte, copyChunk), zeros: make([]byte, zeroPage), cfr: useCopyFileRange}
 	for off := int64(0); off < size; {
-		data, err := unix.Seek(inFd, off, unix.SEEK_DATA)
+		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
 			break // only a hole is left
 		}
 		if err != nil {
-			return written, fmt.Errorf("SEEK_DATA: %w", err)
+			return x.written, fmt.Errorf("SEEK_DATA: %w", err)
 		}
-		hole, err := unix.Seek(inFd, data, unix.SEEK_HOLE)
+		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
 		if err != nil {
-			return written, fmt.Errorf("SEEK_HOLE: %w", err)
+			return x.written, fmt.Errorf("SEEK_HOLE: %w", err)
 		}
-		if hole > size {
-			hole = size
-		}
-		for pos := data; pos < hole; {
-			n := int64(len(buf))
-			if hole-pos < n {
-				n = hole - pos
-			}
-			chunk := buf[:n]
-			if _, err := in.ReadAt(chunk, pos); err != nil {
-				if errors.Is(err, io.EOF) {
-					err = fmt.Errorf("%s shrank during the copy: %w", in.Name(), io.ErrUnexpectedEOF)
-				}
-				return written, err
-			}
-			// Write each run of pages that are not all zero.
-			runStart := -1
-			for p := 0; p < len(chunk); p += zeroPage {
-				end := min(p+zeroPage, len(chunk))
-				isZero := bytes.Equal(chunk[p:end], zeros[:end-p])
-				if !isZero && runStart < 0 {
-					runStart = p
-				}
-				if isZero && runStart >= 0 {
-					if err := writeRun(pos+int64(runStart), chunk[runStart:p]); err != nil {
-						return written, err
-					}
-					runStart = -1
-				}
-			}
-			if runStart >= 0 {
-				if err := writeRun(pos+int64(runStart), chunk[runStart:]); err != nil {
-					return written, err
-				}
-			}
-			pos += n
+		if err := x.extent(data, min(hole, size)); err != nil {
+			return x.written, err
 		}
 		off = hole
 	}
-	return written, nil
+	return x.written, nil
+}
+
+// extentCopy is one sparse copy in progress.
+type extentCopy struct {
+	in, out    *os.File
+	buf, zeros []byte
+	cfr        bool // copy_file_range still works between the two files
+	written    int64
+}
+
+// extent copies the data extent [pos, end) chunk by chunk, each chunk as
+// its runs of pages that are not all zero.
+func (x *extentCopy) extent(pos, end int64) error {
+	for pos < end {
+		chunk := x.buf[:min(int64(len(x.buf)), end-pos)]
+		if _, err := x.in.ReadAt(chunk, pos); err != nil {
+			if errors.Is(err, io.EOF) {
+				err = fmt.Errorf("%s shrank during the copy: %w", x.in.Name(), io.ErrUnexpectedEOF)
+			}
+			return err
+		}
+		runStart := -1
+		for p := 0; p < len(chunk); p += zeroPage {
+			e := min(p+zeroPage, len(chunk))
+			isZero := bytes.Equal(chunk[p:e], x.zeros[:e-p])
+			if !isZero && runStart < 0 {
+				runStart = p
+			}
+			if isZero && runStart >= 0 {
+				if err := x.run(pos+int64(runStart), chunk[runStart:p]); err != nil {
+					return err
+				}
+				runStart = -1
+			}
+		}
+		if runStart >= 0 {
+			if err := x.run(pos+int64(runStart), chunk[runStart:]); err != nil {
+				return err
+			}
+		}
+		pos += int64(len(chunk))
+	}
+	return nil
+}
+
+// run writes one run of data at off: with copy_file_range (which shares
+// blocks where the filesystem can), else from the bytes read.
+func (x *extentCopy) run(off int64, data []byte) error {
+	inFd, outFd := int(x.in.Fd()), int(x.out.Fd())
+	for x.cfr && len(data) > 0 {
+		roff, woff := off, off
+		n, err := unix.CopyFileRange(inFd, &roff, outFd, &woff, len(data), 0)
+		if err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			// Not supported between these files: write the bytes.
+			if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOSYS) ||
+				errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EINVAL) {
+				x.cfr = false
+				break
+			}
+			return err
+		}
+		if n == 0 {
+			x.cfr = false // src shrank under us; let WriteAt report it
+			break
+		}
+		x.written += int64(n)
+		off += int64(n)
+		data = data[n:]
+	}
+	if len(data) == 0 {
+		return nil
+	}
+	n, err := x.out.WriteAt(data, off)
+	x.written += int64(n)
+	return err
 }
