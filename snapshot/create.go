@@ -61,6 +61,41 @@ type Result struct {
 	Steps    step.Timings
 }
 
+// CreateOf snapshots a box whatever its state: a stopped box is booted first
+// (a snapshot holds a running machine, so that its clones start warm) and
+// stopped again afterwards. booting and saving, if set, are called as each
+// phase begins and return what to call when it ends (a progress line).
+func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name string, booting, saving func() (done func())) (Result, error) {
+	if err := domain.ValidName(name); err != nil {
+		return Result{}, err
+	}
+	if _, err := st.Get(name); err == nil {
+		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
+	}
+	b, err := h.Get(boxName)
+	if err != nil {
+		return Result{}, err
+	}
+	phase := func(f func() func()) func() {
+		if f == nil {
+			return func() {}
+		}
+		return f()
+	}
+	if b.State == "stopped" {
+		done := phase(booting)
+		_, err := h.Start(ctx, boxName, 90*time.Second)
+		done()
+		if err != nil {
+			return Result{}, err
+		}
+		defer h.Stop(context.WithoutCancel(ctx), boxName, 30*time.Second, false)
+	}
+	done := phase(saving)
+	defer done()
+	return Create(ctx, h, st, boxName, name)
+}
+
 // Create snapshots the running box into a new snapshot named name. The box is
 // paused while its memory and device state are saved and is running again
 // before the disk copy finishes: the backup job copies point-in-time in the

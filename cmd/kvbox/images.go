@@ -1,17 +1,13 @@
 package main
 
 import (
-	"context"
 	"fmt"
-	"path/filepath"
-	"sort"
-	"strings"
 
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/snapshot"
 )
 
 func (a *app) newCmdImages() *cobra.Command {
@@ -74,11 +70,11 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 			}
 			// Older versions stay while boxes or snapshots build on them.
 			if o.Replace {
-				users, err := a.imageUsers(c.Context())
+				h, err := a.Host()
 				if err != nil {
 					return err
 				}
-				if err := a.images().Prune(im.Name, func(disk string) bool { return users[disk] != nil }); err != nil {
+				if err := snapshot.PruneImage(c.Context(), h, a.snapshots(), a.images(), im.Name); err != nil {
 					return err
 				}
 			}
@@ -102,56 +98,15 @@ func (a *app) newCmdImagesRm() *cobra.Command {
 		Example: "  kvbox images rm old",
 		Args:    exactArgs(1, "one image name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			im, err := a.images().Get(args[0])
+			h, err := a.Host()
 			if err != nil {
 				return err
 			}
-			users, err := a.imageUsers(c.Context())
-			if err != nil {
-				return err
-			}
-			var names []string
-			for disk, us := range users {
-				if strings.HasPrefix(disk, filepath.Dir(filepath.Dir(im.Disk))+"/") {
-					names = append(names, us...)
-				}
-			}
-			if names != nil {
-				sort.Strings(names)
-				return fmt.Errorf("%w: image %q is the base of %s; remove them first", domain.ErrBusy, args[0], strings.Join(names, ", "))
-			}
-			if err := a.images().Remove(args[0]); err != nil {
+			if err := snapshot.RemoveImage(c.Context(), h, a.snapshots(), a.images(), args[0]); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ image %s removed\n", args[0])
 			return nil
 		},
 	}
-}
-
-// imageUsers maps each base disk that boxes or snapshots build on to their
-// names ("box dev", "snapshot warm").
-func (a *app) imageUsers(ctx context.Context) (map[string][]string, error) {
-	users := map[string][]string{}
-	boxes, err := a.boxes()
-	if err != nil {
-		return nil, err
-	}
-	for _, b := range boxes {
-		chain, err := overlay.InfoChain(ctx, filepath.Join(b.Dir, "disk.qcow2"))
-		if err != nil {
-			continue // a box without its disk builds on nothing
-		}
-		for _, im := range chain[1:] {
-			users[im.Filename] = append(users[im.Filename], "box "+b.Name)
-		}
-	}
-	snaps, err := a.snapshots().List()
-	if err != nil {
-		return nil, err
-	}
-	for _, s := range snaps {
-		users[s.BaseDisk] = append(users[s.BaseDisk], "snapshot "+s.Name)
-	}
-	return users, nil
 }

@@ -7,6 +7,7 @@ import (
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/snapshot"
 )
 
 func (a *app) newCmdImagesBuild() *cobra.Command {
@@ -36,9 +37,9 @@ registered unless the whole build succeeds.`,
 			}
 			if built {
 				// Older versions stay while boxes or snapshots build on them.
-				users, err := a.imageUsers(c.Context())
+				h, err := a.Host()
 				if err == nil {
-					err = a.images().Prune(im.Name, func(disk string) bool { return users[disk] != nil })
+					err = snapshot.PruneImage(c.Context(), h, a.snapshots(), a.images(), im.Name)
 				}
 				if err != nil {
 					fmt.Fprintf(a.io.Err, "kvbox: warning: older versions of image %s not pruned: %v\n", im.Name, err)

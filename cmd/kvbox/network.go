@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -54,20 +53,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			boxes, err := h.Boxes()
-			if err != nil {
-				return err
-			}
-			var users []string
-			for _, b := range boxes {
-				if b.Bridge == h.Net.Bridge {
-					users = append(users, b.Name)
-				}
-			}
-			if users != nil {
-				return fmt.Errorf("%w: boxes %s are on %s; remove them first", domain.ErrBusy, strings.Join(users, ", "), h.Net.Bridge)
-			}
-			if err := h.Net.Remove(); err != nil {
+			if err := h.RemoveNetwork(); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", h.Net.Bridge)

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"strings"
-	"time"
 
 	"github.com/spf13/cobra"
 
@@ -47,29 +46,12 @@ clones start warm) and stopped again afterwards.`,
 				return err
 			}
 			boxName, name := args[0], args[1]
-			if err := domain.ValidName(name); err != nil {
-				return err
-			}
-			if _, err := a.snapshots().Get(name); err == nil {
-				return fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
-			}
-			b, err := h.Get(boxName)
-			if err != nil {
-				return err
-			}
-			if b.State == "stopped" {
+			booting := func() func() {
 				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
-				stop := a.spin("booting " + boxName)
-				_, err := h.Start(c.Context(), boxName, 90*time.Second)
-				stop()
-				if err != nil {
-					return err
-				}
-				defer h.Stop(c.Context(), boxName, 30*time.Second, false)
+				return a.spin("booting " + boxName)
 			}
-			stop := a.spin("saving " + boxName + " as " + name)
-			res, err := snapshot.Create(c.Context(), h, a.snapshots(), boxName, name)
-			stop()
+			saving := func() func() { return a.spin("saving " + boxName + " as " + name) }
+			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name, booting, saving)
 			if err != nil {
 				return err
 			}
