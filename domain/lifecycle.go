@@ -422,6 +422,8 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 			return err
 		}
 	}
+	os.Remove(h.QMPLog(name))
+	os.Remove(h.QMPLog(name) + ".1")
 	return nil
 }
 

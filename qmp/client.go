@@ -70,6 +70,8 @@ type Client struct {
 	// Timeout bounds each command; the context's own deadline still applies
 	// when it is earlier. Zero means DefaultTimeout.
 	Timeout time.Duration
+	// Transcript, if set, records every command and its reply.
+	Transcript *Transcript
 }
 
 // New wraps a connected Monitor.
@@ -115,6 +117,7 @@ func (c *Client) Execute(ctx context.Context, command string, args, out any) err
 		err error
 	}
 	done := make(chan result, 1)
+	start := time.Now()
 	go func() {
 		out, err := c.mon.Run(raw)
 		done <- result{out, err}
@@ -123,7 +126,13 @@ func (c *Client) Execute(ctx context.Context, command string, args, out any) err
 	select {
 	case res = <-done:
 	case <-ctx.Done():
+		if c.Transcript != nil {
+			c.Transcript.record(command, raw, nil, ctx.Err(), time.Since(start))
+		}
 		return fmt.Errorf("qmp %s: %w", command, ctx.Err())
+	}
+	if c.Transcript != nil {
+		c.Transcript.record(command, raw, res.out, res.err, time.Since(start))
 	}
 	if res.err != nil {
 		return fmt.Errorf("qmp %s: %w", command, res.err)

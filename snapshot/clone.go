@@ -7,8 +7,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"libvirt.org/go/libvirt"
-
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
@@ -125,7 +123,7 @@ func (cl *cloning) closePort(context.Context) error {
 }
 
 func (cl *cloning) load(ctx context.Context) error {
-	if err := loadState(ctx, cl.c.Dom, cl.snap); err != nil {
+	if err := loadState(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.snap); err != nil {
 		return fmt.Errorf("load snapshot %q into clone %q: %w", cl.snap.Name, cl.c.Name, err)
 	}
 	return nil
@@ -163,8 +161,7 @@ func (cl *cloning) persist(context.Context) error {
 // of a clone) and, its page bitmap being zeroed, none of it is read: the
 // clone maps it. Both are put back afterwards: a box left
 // with x-ignore-shared on writes RAM-less images on `virsh save`.
-func loadState(ctx context.Context, dom *libvirt.Domain, snap Snapshot) error {
-	c := qmp.NewDomainClient(dom)
+func loadState(ctx context.Context, c *qmp.Client, snap Snapshot) error {
 	// The stream records which capabilities wrote it and QEMU refuses
 	// a mismatch ("Capability x-ignore-shared is on, but received
 	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM

@@ -126,7 +126,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if _, err := os.Stat(filepath.Join(st.Dir, name)); err == nil {
 		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
 	}
-	c := &creation{h: h, st: st, box: box, dom: dom, q: qmp.NewDomainClient(dom), name: name, tmp: st.partialDir(name)}
+	c := &creation{h: h, st: st, box: box, dom: dom, q: h.QMP(dom, box.Name), name: name, tmp: st.partialDir(name)}
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}

@@ -83,7 +83,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	q := qmp.NewDomainClient(dom)
+	q := h.QMP(dom, p.Box)
 	if s, err := q.QueryMigrate(ctx); err == nil && qmp.MigrationRunning(s.Status) {
 		q.MigrateCancel(ctx)
 		q.WaitMigration(ctx, 10*time.Millisecond)

@@ -508,3 +508,34 @@ func TestSnapshotOfStoppedBox(t *testing.T) {
 		t.Errorf("box is %s after the snapshot, want stopped again", st)
 	}
 }
+
+// Every QMP command kvbox sends a box's QEMU, and the reply, is in the box's
+// transcript under logs/ (root's only), polls only when their reply changes;
+// it goes with the box.
+func TestQMPTranscript(t *testing.T) {
+	n, sn := name(t, "qmplog"), name(t, "qmplogsnap")
+	newBox(t, n)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", sn) })
+	mustKvbox(t, "snapshots", "new", n, sn)
+	path := filepath.Join(stateDir, "logs", n+".qmp.log")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("no QMP transcript after a snapshot: %v", err)
+	}
+	log := string(b)
+	for _, want := range []string{`"execute":"migrate"`, `"execute":"transaction"`, `"execute":"blockdev-add"`, `"status":"completed"`} {
+		if !strings.Contains(log, want) {
+			t.Errorf("transcript lacks %s:\n%s", want, log)
+		}
+	}
+	if polls := strings.Count(log, `-> {"execute":"query-migrate"}`); polls > 10 {
+		t.Errorf("%d query-migrate polls recorded: repeats should be left out", polls)
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm()&0o077 != 0 {
+		t.Errorf("transcript mode: %v %v", fi.Mode(), err)
+	}
+	mustKvbox(t, "rm", "--force", n)
+	if _, err := os.Stat(path); !os.IsNotExist(err) {
+		t.Errorf("transcript left after rm: %v", err)
+	}
+}
