@@ -14,6 +14,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 type fakeSystem struct {
@@ -183,9 +185,7 @@ func TestExecLargeStdinAndOutput(t *testing.T) {
 }
 
 func TestExecTTY(t *testing.T) {
-	if _, err := os.Stat("/dev/ptmx"); err != nil {
-		t.Skip("no /dev/ptmx")
-	}
+	gate.File(t, "/dev/ptmx", "pseudo-terminals")
 	c := start(t, testServer(t))
 	resize := make(chan WinSize, 1)
 	pr, pw := io.Pipe()

@@ -11,6 +11,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 func TestIdentityValidate(t *testing.T) {
@@ -80,9 +82,7 @@ func TestApplyFiles(t *testing.T) {
 // without touching the test host's. The thread is never reused.
 func inNamespaces(t *testing.T, f func() error) error {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for unshare")
-	}
+	gate.Root(t) // for unshare
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // and never unlock: the thread dies with the goroutine

@@ -14,18 +14,19 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
-// TestVM boots the tiny guest image (testenv/tiny/build.sh OUTDIR) under
-// raw QEMU with four agent ports and talks to the real agent. It runs when
-// KVBOX_AGENT_IMAGE names such an OUTDIR:
+// TestVM boots the tiny guest image (testenv/tiny/build.sh OUTDIR, see
+// gate.TinyImage) under raw QEMU with four agent ports and talks to the real
+// agent:
 //
 //	KVBOX_AGENT_IMAGE=/tmp/img go test -run TestVM -v ./guest-agent
 func TestVM(t *testing.T) {
-	img := os.Getenv("KVBOX_AGENT_IMAGE")
-	if img == "" {
-		t.Skip("KVBOX_AGENT_IMAGE not set (an OUTDIR of testenv/tiny/build.sh)")
-	}
+	gate.Long(t)
+	gate.Tools(t, "qemu-system-x86_64", "qemu-img")
+	img := gate.TinyImage(t)
 	dir := t.TempDir()
 	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", filepath.Join(img, "disk.qcow2"), filepath.Join(dir, "disk.qcow2")).CombinedOutput(); err != nil {
 		t.Fatalf("qemu-img: %v %s", err, out)

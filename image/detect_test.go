@@ -8,13 +8,16 @@ import (
 	"os/exec"
 	"path/filepath"
 	"testing"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // mkfs builds a small ext4 image from a folder, as the image builders do.
 func mkfs(t *testing.T, root, out string) {
 	t.Helper()
+	gate.Tools(t, "mkfs.ext4") // e2fsprogs is a dependency of the test bench
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", "-d", root, out, "16M").CombinedOutput(); err != nil {
-		t.Skipf("mkfs.ext4 -d: %v %s", err, out) // e2fsprogs is a dependency of the test bench
+		t.Fatalf("mkfs.ext4 -d: %v %s", err, out)
 	}
 }
 

@@ -9,15 +9,14 @@ import (
 	"testing"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // A qcow2 with an external data file would let a box read and write that
 // host path: import refuses it before copying anything, and leaves the store
 // untouched.
 func TestImportRefusesExternalDataFile(t *testing.T) {
-	if _, err := exec.LookPath("qemu-img"); err != nil {
-		t.Skip("qemu-img not installed")
-	}
+	gate.Tools(t, "qemu-img")
 	dir := t.TempDir()
 	secret := filepath.Join(dir, "host-secret")
 	if err := os.WriteFile(secret, []byte("host secret"), 0o600); err != nil {

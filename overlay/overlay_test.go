@@ -11,15 +11,13 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 func needTools(t *testing.T) {
 	t.Helper()
-	for _, tool := range []string{"qemu-img", "qemu-io"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s not installed", tool)
-		}
-	}
+	gate.Tools(t, "qemu-img", "qemu-io")
 }
 
 func qemuIO(t *testing.T, path string, cmds ...string) error {

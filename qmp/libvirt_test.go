@@ -9,18 +9,19 @@ import (
 	"time"
 
 	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // TestDomainMonitor runs commands through libvirt's monitor on a transient,
 // diskless, network-less domain of its own. It skips when no libvirtd answers
 // on qemu:///system (testenv/setup.sh starts one).
 func TestDomainMonitor(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a libvirt domain; skipped with -short")
-	}
+	gate.Long(t)
+	gate.LibvirtSocket(t)
 	conn, err := libvirt.NewConnect("qemu:///system")
 	if err != nil {
-		t.Skipf("no libvirtd: %v", err)
+		t.Fatalf("libvirtd: %v", err)
 	}
 	defer conn.Close()
 	typ := "qemu"

@@ -38,6 +38,8 @@ import (
 	"time"
 
 	gqmp "github.com/digitalocean/go-qemu/qmp"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // socketMonitor is a minimal go-qemu qmp.Monitor over a QMP unix socket that,
@@ -102,11 +104,7 @@ func (m *socketMonitor) Run(cmd []byte) ([]byte, error) {
 
 func requireTools(t *testing.T, tools ...string) {
 	t.Helper()
-	for _, tool := range tools {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s not installed", tool)
-		}
-	}
+	gate.Tools(t, tools...)
 }
 
 func run(t *testing.T, name string, args ...string) string {
@@ -139,9 +137,7 @@ func accel() string {
 
 func TestRealQEMU(t *testing.T) {
 	requireTools(t, "qemu-system-x86_64", "qemu-img", "qemu-io")
-	if testing.Short() {
-		t.Skip("boots QEMU; skipped with -short")
-	}
+	gate.Long(t)
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
 	disk := filepath.Join(dir, "disk.qcow2")
