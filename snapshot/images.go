@@ -47,15 +47,11 @@ func RemoveImage(ctx context.Context, h *domain.Host, st Store, images image.Sto
 	if err != nil {
 		return err
 	}
-	unlock, err := h.Lock()
+	users, unlock, err := lockedUsers(ctx, h, st)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	users, err := ImageUsers(ctx, h, st)
-	if err != nil {
-		return err
-	}
 	var names []string
 	for disk, us := range users {
 		if strings.HasPrefix(disk, filepath.Dir(filepath.Dir(im.Disk))+"/") {
@@ -72,14 +68,25 @@ func RemoveImage(ctx context.Context, h *domain.Host, st Store, images image.Sto
 // PruneImage removes the older versions of the image called name that no
 // box or snapshot builds on.
 func PruneImage(ctx context.Context, h *domain.Host, st Store, images image.Store, name string) error {
-	unlock, err := h.Lock()
+	users, unlock, err := lockedUsers(ctx, h, st)
 	if err != nil {
 		return err
 	}
 	defer unlock()
+	return images.Prune(name, func(disk string) bool { return users[disk] != nil })
+}
+
+// lockedUsers takes the host lock and returns ImageUsers under it; the
+// caller unlocks once it has acted on them.
+func lockedUsers(ctx context.Context, h *domain.Host, st Store) (map[string][]string, func(), error) {
+	unlock, err := h.Lock()
+	if err != nil {
+		return nil, nil, err
+	}
 	users, err := ImageUsers(ctx, h, st)
 	if err != nil {
-		return err
+		unlock()
+		return nil, nil, err
 	}
-	return images.Prune(name, func(disk string) bool { return users[disk] != nil })
+	return users, unlock, nil
 }
