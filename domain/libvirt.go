@@ -69,6 +69,16 @@ func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 	return f, nil
 }
 
+// DACLabel is the static DAC label boxes run QEMU with, "+UID:+GID" of
+// libvirt's QEMU user; "" when libvirt reports none (QEMU as root).
+func (h *Host) DACLabel() (string, error) {
+	f, err := h.hostFacts()
+	if err != nil || f.uid < 0 {
+		return "", err
+	}
+	return fmt.Sprintf("+%d:+%d", f.uid, f.gid), nil
+}
+
 // kvmRunsStockKernels reports whether /dev/kvm is hardware virtualization
 // (kvm_intel or kvm_amd). A /dev/kvm from kvm_pvm (pagetable-based nested
 // virtualization, seen on cloud sandboxes whose CPUs lack vmx/svm) only runs

@@ -118,6 +118,10 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 	if err := overlay.CreateLarger(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat, max(s.DiskBytes, s.Boot.VirtualSize)); err != nil {
 		return err
 	}
+	// QEMU writes the box's own disk; libvirt chowns nothing (DACLabel).
+	if err := h.ChownForQEMU(disk); err != nil {
+		return err
+	}
 	typ, err := h.DomainType()
 	if err != nil {
 		return err
@@ -263,11 +267,16 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	if err != nil {
 		return "", err
 	}
+	dac, err := h.DACLabel()
+	if err != nil {
+		return "", err
+	}
 	return Render(h.Template, TemplateData{
 		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
 		Bridge: meta.Bridge, MAC: meta.MAC, ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
+		DACLabel: dac,
 	})
 }
 

@@ -33,6 +33,12 @@ type TemplateData struct {
 	AgentPorts  []AgentPort
 	Vsock       bool
 	QemuArgs    []string
+	// DACLabel is "+UID:+GID" of the user QEMU runs as. The template puts
+	// it in a static DAC seclabel, so libvirt runs QEMU as that user
+	// without relabelling (chowning) anything: the base images and
+	// snapshot files a box builds on stay root's, read-only to QEMU
+	// through its group, and kvbox gives QEMU what it may write itself.
+	DACLabel string
 }
 
 // Render renders a domain template.

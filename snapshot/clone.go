@@ -87,6 +87,14 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if err := overlay.Create(ctx, disk, snap.Path(DiskFile), "qcow2"); err != nil {
 		return err
 	}
+	// QEMU writes the clone's own disk; libvirt chowns nothing (DACLabel).
+	if err := h.ChownForQEMU(disk); err != nil {
+		return err
+	}
+	dac, err := h.DACLabel()
+	if err != nil {
+		return err
+	}
 	memFile := snap.Memory.File
 	if memFile == "" {
 		memFile = MemoryFile
@@ -99,6 +107,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	cl.spec = CloneXMLSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
 		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
+		DACLabel: dac,
 	}
 	xml, err := CloneXML(cl.srcXML, cl.spec)
 	if err != nil {

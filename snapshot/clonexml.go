@@ -31,6 +31,10 @@ type CloneXMLSpec struct {
 	MemBytes int64
 	// UUID is empty for the first define (libvirt picks one).
 	UUID string
+	// DACLabel, when set, is this host's static DAC label for QEMU
+	// (domain.Host.DACLabel): the clone runs as that user and libvirt
+	// chowns nothing, neither the snapshot's files nor its base image.
+	DACLabel string
 	// BootRAM, when set, asks for the clone's definition for its next
 	// cold boot instead: RAM in this shared file of its own (as any
 	// box), no -incoming. Clone redefines the running clone with it, so
@@ -64,6 +68,9 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	d.HWUUID = ""
 	d.GenID = &libvirtxml.DomainGenID{}
 	d.SecLabel = nil
+	if s.DACLabel != "" {
+		d.SecLabel = []libvirtxml.DomainSecLabel{{Type: "static", Model: "dac", Relabel: "no", Label: s.DACLabel}}
+	}
 	md, err := replaceMeta(d.Metadata, s.Meta)
 	if err != nil {
 		return "", err

@@ -3,6 +3,8 @@
 package testenv
 
 import (
+	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -131,9 +133,7 @@ func TestIsolationModesAtRest(t *testing.T) {
 	for _, e := range ents {
 		fi, _ := os.Lstat(filepath.Join(snapDir, e.Name()))
 		st := fi.Sys().(*syscall.Stat_t)
-		// disk.qcow2 is the clone's backing file: libvirt's DAC relabel
-		// lends it to QEMU's user while the clone runs (open in issue 10).
-		if (st.Uid != 0 && e.Name() != "disk.qcow2") || fi.Mode().Perm() != 0o440 {
+		if st.Uid != 0 || fi.Mode().Perm() != 0o440 {
 			t.Errorf("snapshot file %s: uid %d gid %d mode %v, want root-owned 0440", e.Name(), st.Uid, st.Gid, fi.Mode())
 		}
 	}
@@ -153,5 +153,79 @@ func TestIsolationModesAtRest(t *testing.T) {
 	// Sanity: the same command as root reads it, so the refusal above is the modes'.
 	if out, err := exec.Command("head", "-c", "16", mem).CombinedOutput(); err != nil {
 		t.Errorf("root cannot read %s: %v %s", mem, err, out)
+	}
+}
+
+// TestIsolationSharedFilesStayRoots: while a box and a clone run, the base
+// image they build on and the snapshot the clone maps stay root's (libvirt
+// relabels nothing: boxes run QEMU under a static DAC label), so QEMU's user
+// can read them through its group but neither write them nor chmod them;
+// each box's own disk is QEMU's. A fresh copy of the tiny image is used, so
+// no other run's box shares it.
+func TestIsolationSharedFilesStayRoots(t *testing.T) {
+	var tiny struct{ Disk, Kernel, Initrd, Cmdline string }
+	b, err := os.ReadFile(filepath.Join(stateDir, "images", "tiny", "image.json"))
+	if err != nil || json.Unmarshal(b, &tiny) != nil {
+		t.Fatalf("read the tiny image: %v", err)
+	}
+	img, src, snap, cl := name(t, "rootimg"), name(t, "rootsrc"), name(t, "rootsnap"), name(t, "rootcl")
+	t.Cleanup(func() {
+		kvbox(t, "rm", "--force", cl, src)
+		kvbox(t, "snapshots", "rm", snap)
+		kvbox(t, "images", "rm", img)
+	})
+	mustKvbox(t, "images", "import", img, tiny.Disk, "--kernel", tiny.Kernel, "--initrd", tiny.Initrd, "--cmdline", tiny.Cmdline, "--agent", "yes")
+	newBox(t, src, "--image", img)
+	mustKvbox(t, "snapshots", "new", src, snap)
+	if r := newClone(t, snap, cl); r.code != 0 {
+		t.Fatalf("clone: %s", r)
+	}
+	inBox(t, cl, "echo ok")
+	var im struct{ Disk string }
+	b, _ = os.ReadFile(filepath.Join(stateDir, "images", img, "image.json"))
+	if json.Unmarshal(b, &im) != nil || im.Disk == "" {
+		t.Fatalf("image %s has no disk in its image.json", img)
+	}
+	shared, _ := filepath.Glob(filepath.Join(filepath.Dir(im.Disk), "*"))
+	snapFiles, _ := filepath.Glob(filepath.Join(stateDir, "snapshots", snap, "*"))
+	shared = append(shared, snapFiles...)
+	if len(shared) < 5 {
+		t.Fatalf("found only %v", shared)
+	}
+	qemuUID := ""
+	for _, p := range shared {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := fi.Sys().(*syscall.Stat_t)
+		if st.Uid != 0 || fi.Mode().Perm()&0o222 != 0 {
+			t.Errorf("%s: uid %d, mode %v while boxes run on it; want root's and read-only", p, st.Uid, fi.Mode())
+		}
+		qemuUID = fmt.Sprint(st.Gid) // QEMU's group, and (Debian) its user has the same id
+	}
+	for _, p := range []string{im.Disk, filepath.Join(stateDir, "snapshots", snap, "disk.qcow2")} {
+		as := func(args ...string) (string, error) {
+			out, err := exec.Command("setpriv", append([]string{"--reuid=" + qemuUID, "--regid=" + qemuUID, "--clear-groups"}, args...)...).CombinedOutput()
+			return string(out), err
+		}
+		if out, err := as("head", "-c", "1", p); err != nil {
+			t.Errorf("QEMU's user cannot read %s: %v %s", p, err, out)
+		}
+		if out, err := as("dd", "if=/dev/null", "of="+p, "conv=notrunc", "status=none"); err == nil || !strings.Contains(out, "Permission denied") {
+			t.Errorf("QEMU's user opening %s for writing: %v %s", p, err, out)
+		}
+		if out, err := as("chmod", "u+w", p); err == nil || !strings.Contains(out, "not permitted") {
+			t.Errorf("QEMU's user chmod of %s: %v %s", p, err, out)
+		}
+	}
+	for _, n := range []string{src, cl} {
+		fi, err := os.Stat(filepath.Join(stateDir, "boxes", n, "disk.qcow2"))
+		if err != nil || fmt.Sprint(fi.Sys().(*syscall.Stat_t).Uid) != qemuUID {
+			t.Errorf("box %s: its own disk is not QEMU's: %v %v", n, fi, err)
+		}
+	}
+	if out, err := virsh("dumpxml", cl); err != nil || !strings.Contains(out, "model='dac' relabel='no'") {
+		t.Errorf("the clone's domain has no static DAC label: %v\n%s", err, out)
 	}
 }
