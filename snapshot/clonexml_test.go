@@ -341,3 +341,20 @@ func TestCloneXMLVsockGetsItsOwnCID(t *testing.T) {
 		t.Fatalf("clone vsock: %+v", d.Devices.VSock)
 	}
 }
+
+// A clone runs QEMU under this host's static DAC label, whatever label the
+// source had: libvirt then relabels nothing the clone builds on.
+func TestCloneXMLStaticDACLabel(t *testing.T) {
+	src := strings.Replace(readTestdata(t, "domain-live.xml"), "</devices>",
+		"</devices><seclabel type='dynamic' model='dac' relabel='yes'><label>+107:+107</label></seclabel>", 1)
+	s := testSpec("/var/lib/kvbox/boxes/agent-1")
+	s.DACLabel = "+64055:+64055"
+	out, err := CloneXML(src, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := parseDomain(t, out)
+	if len(d.SecLabel) != 1 || d.SecLabel[0].Type != "static" || d.SecLabel[0].Model != "dac" || d.SecLabel[0].Relabel != "no" || d.SecLabel[0].Label != "+64055:+64055" {
+		t.Fatalf("clone seclabels: %+v", d.SecLabel)
+	}
+}
