@@ -198,7 +198,7 @@ func (in *installer) snapshot(ctx context.Context) (snapshot.Snapshot, error) {
 	if err := in.rebaseMeta(ctx, tmp); err != nil {
 		return snapshot.Snapshot{}, err
 	}
-	if err := os.WriteFile(filepath.Join(tmp, CompatFile), []byte(in.m.Annotations[AnnotCompat]), 0o640); err != nil {
+	if err := os.WriteFile(filepath.Join(tmp, snapshot.CompatFile), []byte(in.m.Annotations[AnnotCompat]), 0o640); err != nil {
 		return snapshot.Snapshot{}, err
 	}
 	if err := syncDir(tmp); err != nil {

@@ -86,7 +86,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 		return res, err
 	}
 	res.Digest = dig.String()
-	var compat Compat
+	var compat snapshot.Compat
 	if err := json.Unmarshal([]byte(m.Annotations[AnnotCompat]), &compat); err != nil {
 		return res, fmt.Errorf("%s: bad %s annotation: %w", refStr, AnnotCompat, err)
 	}

@@ -168,7 +168,7 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 	if err != nil {
 		return PushResult{}, err
 	}
-	compat, err := LoadCompat(conn, s.Dir)
+	compat, err := snapshot.LoadCompat(conn, s.Dir)
 	if err != nil {
 		return PushResult{}, err
 	}

@@ -278,7 +278,36 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if err := c.h.ChownForQEMU(c.disk); err != nil {
 		return err
 	}
-	return overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640)
+	if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
+		return err
+	}
+	return c.recordCompat(ctx)
+}
+
+// recordCompat writes what a restore of the snapshot needs, with this
+// host's versions today and the version of the agent in the box, so a
+// later upgrade of this host (or a pull on another) checks against the
+// QEMU that wrote the state, not against whatever runs then.
+func (c *creation) recordCompat(ctx context.Context) error {
+	compat, err := CompatOf(c.h.Conn, c.liveXML)
+	if err != nil {
+		return err
+	}
+	// A box whose agent does not answer at once is snapshotted all the
+	// same (its clones will say so); the field stays empty.
+	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if a, err := c.h.Dial(actx, c.box); err == nil {
+		if info, err := a.Ping(actx); err == nil {
+			compat.Agent = info.Version
+		}
+		a.Close()
+	}
+	b, err := json.Marshal(compat)
+	if err != nil {
+		return err
+	}
+	return overlay.WriteFileAtomic(filepath.Join(c.tmp, CompatFile), b, 0o640)
 }
 
 // suspend pauses the box: from here to resume is time it stands still.

@@ -303,34 +303,51 @@ func TestRegistryPushPull(t *testing.T) {
 	})
 
 	t.Run("IncompatibleRefused", func(t *testing.T) {
-		for _, tc := range []struct{ old, new, want string }{
-			{"machine='pc-q35-", "machine='pc-q35-99.", "needs machine type pc-q35-99."},
-			{"<domain type='qemu'", "<domain type='kvm'", "needs domain type kvm"},
+		// What a restore needs is recorded in the snapshot when it is
+		// taken (compat.json): a host that took the same snapshot on
+		// another machine type, domain type or agent protocol is a copy
+		// with that one field changed.
+		recorded, err := os.ReadFile(filepath.Join(stateDir, "snapshots", snap2, "compat.json"))
+		if err != nil {
+			t.Fatalf("the snapshot recorded no compat.json: %v", err)
+		}
+		var c map[string]any
+		if err := json.Unmarshal(recorded, &c); err != nil {
+			t.Fatal(err)
+		}
+		if c["agent"] == nil || c["qemu"] == nil || c["machine"] == nil {
+			t.Fatalf("compat.json lacks the agent, QEMU or machine: %s", recorded)
+		}
+		for _, tc := range []struct {
+			field string
+			value any
+			want  string
+		}{
+			{"machine", "pc-q35-99.0", "needs machine type pc-q35-99.0"},
+			{"domain_type", "kvm", "needs domain type kvm"},
+			{"agent", "9.0.0", "speaks protocol 9.0.0"},
+			{"qemu", 99000000, "written by QEMU 99.0.0"},
 		} {
-			src, err := os.ReadFile(filepath.Join(stateDir, "snapshots", snap2, "domain.xml"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !strings.Contains(string(src), tc.old) {
-				t.Logf("the snapshot's domain XML has no %q: this host is not the one this case is for", tc.old)
-				continue
-			}
-			// a host that took the same snapshot on another machine type
-			// or domain type: a copy with that one line changed
 			other := t.TempDir()
 			dst := filepath.Join(other, "snapshots", "odd")
 			os.MkdirAll(filepath.Dir(dst), 0o755)
 			if out, err := exec.Command("cp", "-a", "--sparse=always", filepath.Join(stateDir, "snapshots", snap2), dst).CombinedOutput(); err != nil {
 				t.Fatalf("cp: %v %s", err, out)
 			}
-			os.WriteFile(filepath.Join(dst, "domain.xml"), []byte(strings.Replace(string(src), tc.old, tc.new, 1)), 0o644)
+			odd := map[string]any{}
+			for k, v := range c {
+				odd[k] = v
+			}
+			odd[tc.field] = tc.value
+			b, _ := json.Marshal(odd)
+			os.WriteFile(filepath.Join(dst, "compat.json"), b, 0o644)
 			oref := testRegistry + "/kvbox-e2e/" + runID + "-odd:latest"
 			push(t, []string{"--state-dir", other}, "odd", oref)
 			h5 := host2(t, "d", "172.31.253.0/24")
 			r := kvbox(t, append(h5, "snapshots", "pull", "--insecure", oref, name(t, "rodd"))...)
 			line := strings.TrimSpace(r.stderr)
 			if r.code == 0 || !strings.Contains(line, tc.want) || strings.Count(line, "\n") != 0 {
-				t.Errorf("pull of a snapshot whose XML says %q: want one line with %q, got %s", tc.new, tc.want, r)
+				t.Errorf("pull of a snapshot whose %s is %v: want one line with %q, got %s", tc.field, tc.value, tc.want, r)
 			}
 			t.Logf("refused: %s", line)
 			if ents, _ := os.ReadDir(filepath.Join(dirOf(h5), "registry-cache")); len(ents) != 0 {

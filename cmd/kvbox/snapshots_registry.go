@@ -171,7 +171,7 @@ type inspection struct {
 	BaseBytes   int64           `json:"base_bytes"`
 	MemoryBytes int64           `json:"memory_bytes"`
 	Clones      []string        `json:"clones"`
-	Needs       registry.Compat `json:"needs"`
+	Needs       snapshot.Compat `json:"needs"`
 	HostOK      string          `json:"host_ok"` // "yes", or what this host lacks
 }
 
@@ -192,7 +192,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			compat, err := registry.LoadCompat(h.Conn, s.Dir)
+			compat, err := snapshot.LoadCompat(h.Conn, s.Dir)
 			if err != nil {
 				return err
 			}
@@ -248,7 +248,7 @@ func verString(v uint64) string {
 // (domain type, machine type, QEMU version, CPU), before a clone starts
 // and fails halfway.
 func checkHostFor(h *domain.Host, s snapshot.Snapshot) error {
-	compat, err := registry.LoadCompat(h.Conn, s.Dir)
+	compat, err := snapshot.LoadCompat(h.Conn, s.Dir)
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package registry
+package snapshot
 
 import (
 	"encoding/json"
@@ -9,6 +9,8 @@ import (
 
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
+
+	agent "kvbox.dev/kvbox/guest-agent"
 )
 
 // Compat is what a restore of the snapshot needs from a host: the same
@@ -25,15 +27,20 @@ type Compat struct {
 	// HostCPU is the <cpu> of the host that took the snapshot, for a
 	// host-passthrough/host-model CPU on KVM (libvirt compares it).
 	HostCPU string `json:"host_cpu,omitempty"`
+	// Agent is the version of the kvbox-agent running in the snapshot
+	// ("" when it did not answer): a host whose kvbox speaks another
+	// major protocol version could not re-identify its clones.
+	Agent string `json:"agent,omitempty"`
 }
 
-// CompatFile, in a snapshot folder, keeps the Compat of a pulled snapshot:
-// the versions of the host that took it, not of this one.
+// CompatFile, in a snapshot folder, keeps the snapshot's Compat as it was
+// when the snapshot was taken (or, for a pulled one, on the host that took
+// it): the versions of that host, not of this one today.
 const CompatFile = "compat.json"
 
 // LoadCompat returns what the snapshot in dir needs: its CompatFile if it
-// has one (a pulled snapshot), else what its domain XML and this host say
-// (a snapshot taken here).
+// has one, else (a snapshot an older kvbox took here) what its domain XML
+// and this host say.
 func LoadCompat(conn *libvirt.Connect, dir string) (Compat, error) {
 	if b, err := os.ReadFile(filepath.Join(dir, CompatFile)); err == nil {
 		var c Compat
@@ -99,6 +106,9 @@ func CompatOf(conn *libvirt.Connect, domainXML string) (Compat, error) {
 // kvbox uses on this host ("kvm" or "qemu"; "" if unknown): libvirt lists
 // kvm in its capabilities even where /dev/kvm cannot be used.
 func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
+	if c.Agent != "" && major(c.Agent) != major(agent.Version) {
+		return fmt.Errorf("incompatible host: the snapshot's kvbox-agent speaks protocol %s, this kvbox speaks %s (major versions differ)", c.Agent, agent.Version)
+	}
 	if c.DomainType == "kvm" && hostType != "" && hostType != "kvm" {
 		return fmt.Errorf("incompatible host: the snapshot needs domain type kvm (hardware virtualization), this host runs %s only", hostType)
 	}
@@ -175,6 +185,12 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 		}
 	}
 	return nil
+}
+
+// major is the major version of a "MAJOR.MINOR.PATCH" version.
+func major(v string) string {
+	m, _, _ := strings.Cut(v, ".")
+	return m
 }
 
 func orNone(s []string) string {
