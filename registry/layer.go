@@ -32,6 +32,9 @@ type fileLayer struct {
 	mt       types.MediaType
 	title    string
 	progress func(title string, done, total int64) // nil: none
+	// ensure, if set, puts the blob at path first (it may have been
+	// pruned since an earlier push encoded it).
+	ensure func() error
 }
 
 func (l *fileLayer) Digest() (v1.Hash, error)            { return l.dig, nil }
@@ -39,6 +42,11 @@ func (l *fileLayer) DiffID() (v1.Hash, error)            { return l.dig, nil }
 func (l *fileLayer) Size() (int64, error)                { return l.size, nil }
 func (l *fileLayer) MediaType() (types.MediaType, error) { return l.mt, nil }
 func (l *fileLayer) Compressed() (io.ReadCloser, error) {
+	if l.ensure != nil {
+		if err := l.ensure(); err != nil {
+			return nil, err
+		}
+	}
 	f, err := os.Open(l.path)
 	if err != nil {
 		return nil, err

@@ -135,7 +135,8 @@ type PushResult struct {
 	Ref      string        `json:"ref"`
 	Digest   string        `json:"digest"`
 	Parts    []Part        `json:"parts"`
-	Sent     int64         `json:"sent_bytes"` // request bodies, blobs and manifest
+	Known    int           `json:"known_parts"` // parts an earlier push had encoded: not encoded again
+	Sent     int64         `json:"sent_bytes"`  // request bodies, blobs and manifest
 	OnDisk   int64         `json:"on_disk_bytes"`
 	Encode   time.Duration `json:"encode_ns"`
 	Transfer time.Duration `json:"transfer_ns"`
@@ -173,71 +174,24 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 		return PushResult{}, err
 	}
 	c := cache{CacheDir(stateDir)}
-	res := PushResult{Ref: ref.String()}
+	p := &pusher{c: c, memo: loadMemo(c), o: o, res: PushResult{Ref: ref.String()}}
 	t0 := time.Now()
-	var adds []mutate.Addendum
-	add := func(kind, dir, file string, mt types.MediaType) error {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		path := filepath.Join(dir, file)
-		var size, data int64
-		dig, n, err := c.put(func(w io.Writer) error {
-			var err error
-			size, data, err = encodeSparse(path, w)
-			return err
-		})
-		if err != nil {
-			return err
-		}
-		p := Part{Title: kind + "/" + file, Digest: dig.String(), Blob: n, Apparent: size, DataBytes: data}
-		res.Parts = append(res.Parts, p)
-		adds = append(adds, mutate.Addendum{
-			Layer:     &fileLayer{path: c.blob(dig), dig: dig, size: n, mt: mt, title: p.Title, progress: o.Progress},
-			MediaType: mt,
-			Annotations: map[string]string{
-				AnnotTitle: p.Title, AnnotApparent: strconv.FormatInt(size, 10), AnnotDataBytes: strconv.FormatInt(data, 10),
-			},
-		})
-		o.logf("  %-24s %s, %s of data in %s apparent, %s blob", p.Title, short(dig), human(data), human(size), human(n))
-		return nil
-	}
-	files, err := regularFiles(s.Dir)
-	if err != nil {
-		return res, err
-	}
-	for _, f := range files {
-		if err := add("snapshot", s.Dir, f, PartType); err != nil {
-			return res, err
-		}
-	}
 	idir := imageDir(s)
-	ifiles, err := regularFiles(idir)
-	if err != nil {
-		return res, fmt.Errorf("base image of snapshot %q: %w", s.Name, err)
+	if err := p.addAll(ctx, s, idir); err != nil {
+		return p.res, err
 	}
-	for _, f := range ifiles {
-		if err := add("image", idir, f, ImagePartType); err != nil {
-			return res, err
-		}
-	}
-	if _, err := os.Stat(filepath.Join(filepath.Dir(idir), "image.json")); err == nil {
-		if err := add("image-meta", filepath.Dir(idir), "image.json", ImagePartType); err != nil {
-			return res, err
-		}
-	}
-	res.Encode = time.Since(t0)
+	p.res.Encode = time.Since(t0)
 	sd, _ := overlay.Du(s.Dir)
 	id, _ := overlay.Du(idir)
-	res.OnDisk = sd + id
-	defer pruneCache(c, res.Parts)
+	p.res.OnDisk = sd + id
+	defer pruneCache(c, p.res.Parts)
 
 	cj, _ := json.Marshal(compat)
 	img := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
 	img = mutate.ConfigMediaType(img, ConfigType)
-	img, err = mutate.Append(img, adds...)
+	img, err = mutate.Append(img, p.adds...)
 	if err != nil {
-		return res, err
+		return p.res, err
 	}
 	img = mutate.Annotations(img, map[string]string{
 		AnnotKind: ArtifactType, AnnotSnapshot: s.Name, AnnotStateDir: stateDir, AnnotImageDir: idir,
@@ -246,16 +200,108 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 	var cnt counter
 	t1 := time.Now()
 	if err := remote.Write(ref, img, o.remote(ctx, &cnt)...); err != nil {
-		return res, fmt.Errorf("push %s: %w", ref, err)
+		return p.res, fmt.Errorf("push %s: %w", ref, err)
 	}
-	res.Transfer = time.Since(t1)
-	res.Sent = cnt.sent.Load()
+	p.res.Transfer = time.Since(t1)
+	p.res.Sent = cnt.sent.Load()
+	p.memo.save()
 	d, err := img.Digest()
 	if err != nil {
-		return res, err
+		return p.res, err
 	}
-	res.Digest = d.String()
-	return res, nil
+	p.res.Digest = d.String()
+	return p.res, nil
+}
+
+// pusher gathers the parts of one push.
+type pusher struct {
+	c    cache
+	memo *memo
+	o    Options
+	res  PushResult
+	adds []mutate.Addendum
+}
+
+// addAll adds every file of the snapshot, of its base image's version
+// folder, and the image's metadata.
+func (p *pusher) addAll(ctx context.Context, s snapshot.Snapshot, idir string) error {
+	files, err := regularFiles(s.Dir)
+	if err != nil {
+		return err
+	}
+	for _, f := range files {
+		if err := p.add(ctx, "snapshot", s.Dir, f, PartType); err != nil {
+			return err
+		}
+	}
+	ifiles, err := regularFiles(idir)
+	if err != nil {
+		return fmt.Errorf("base image of snapshot %q: %w", s.Name, err)
+	}
+	for _, f := range ifiles {
+		if err := p.add(ctx, "image", idir, f, ImagePartType); err != nil {
+			return err
+		}
+	}
+	if _, err := os.Stat(filepath.Join(filepath.Dir(idir), "image.json")); err == nil {
+		return p.add(ctx, "image-meta", filepath.Dir(idir), "image.json", ImagePartType)
+	}
+	return nil
+}
+
+// add makes one file a part: encoded into the cache, or, when the memo
+// knows the file, its remembered digest with the encoding left to the
+// moment the registry turns out to lack the blob.
+func (p *pusher) add(ctx context.Context, kind, dir, file string, mt types.MediaType) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	path := filepath.Join(dir, file)
+	fi, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	key := memoKey(path, fi)
+	e, known := p.memo.get(key)
+	var dig v1.Hash
+	if known {
+		if dig, err = v1.NewHash(e.Digest); err != nil {
+			known = false
+		}
+	}
+	if !known {
+		var n, size, data int64
+		dig, n, err = p.c.put(func(w io.Writer) error {
+			var err error
+			size, data, err = encodeSparse(path, w)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		e = memoEntry{Digest: dig.String(), Blob: n, Apparent: size, Data: data}
+		p.memo.put(key, e)
+	}
+	part := Part{Title: kind + "/" + file, Digest: e.Digest, Blob: e.Blob, Apparent: e.Apparent, DataBytes: e.Data}
+	p.res.Parts = append(p.res.Parts, part)
+	l := &fileLayer{path: p.c.blob(dig), dig: dig, size: e.Blob, mt: mt, title: part.Title, progress: p.o.Progress}
+	if known {
+		p.res.Known++
+		l.ensure = func() error { return p.c.ensureBlob(p.memo, key, path, dig, e.Blob) }
+	}
+	p.adds = append(p.adds, mutate.Addendum{
+		Layer:     l,
+		MediaType: mt,
+		Annotations: map[string]string{
+			AnnotTitle: part.Title, AnnotApparent: strconv.FormatInt(e.Apparent, 10), AnnotDataBytes: strconv.FormatInt(e.Data, 10),
+		},
+	})
+	how := "encoded"
+	if known {
+		how = "known from an earlier push, not encoded"
+	}
+	p.o.logf("  %-24s %s, %s of data in %s apparent, %s blob (%s)", part.Title, short(dig), human(e.Data), human(e.Apparent), human(e.Blob), how)
+	return nil
 }
 
 // pruneCache removes the encoded parts of a push (they are only needed
