@@ -87,34 +87,9 @@ func benchCycle(ctx context.Context, e *env) error {
 	}
 
 	const par = 10
-	names := make([]string, par)
-	errs := make([]error, par)
-	var wg sync.WaitGroup
-	t0 := time.Now()
-	for i := range par {
-		names[i] = fmt.Sprintf("bench-par-%d", i)
-		wg.Add(1)
-		go func() { defer wg.Done(); _, errs[i] = e.kvboxCLI(ctx, "new", "--from", snap.Name, names[i]) }()
-	}
-	wg.Wait()
-	wall := time.Since(t0)
-	var pss []int64
-	for i, n := range names {
-		if errs[i] == nil {
-			if kb, err := qemuPSS(n); err == nil {
-				pss = append(pss, kb)
-			}
-		}
-	}
-	t0 = time.Now()
-	if _, err := e.kvboxCLI(context.Background(), append([]string{"rm", "--force"}, names...)...); err != nil {
+	wall, rmWall, pss, err := benchParallel(ctx, e, snap.Name, par)
+	if err != nil {
 		return err
-	}
-	rmWall := time.Since(t0)
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
 	}
 
 	cli := median(news)
@@ -133,6 +108,41 @@ func benchCycle(ctx context.Context, e *env) error {
 		fmt.Printf("  PSS per clone's QEMU: mean %.1f MB over %d clones\n", float64(sum)/float64(len(pss))/1024, len(pss))
 	}
 	return nil
+}
+
+// benchParallel starts par clones of snap at once through the CLI and
+// returns the wall time, the PSS (KiB) of each one's QEMU, and the wall time
+// of one rm of them all.
+func benchParallel(ctx context.Context, e *env, snap string, par int) (wall, rmWall time.Duration, pss []int64, err error) {
+	names := make([]string, par)
+	errs := make([]error, par)
+	var wg sync.WaitGroup
+	t0 := time.Now()
+	for i := range par {
+		names[i] = fmt.Sprintf("bench-par-%d", i)
+		wg.Add(1)
+		go func() { defer wg.Done(); _, errs[i] = e.kvboxCLI(ctx, "new", "--from", snap, names[i]) }()
+	}
+	wg.Wait()
+	wall = time.Since(t0)
+	for i, n := range names {
+		if errs[i] == nil {
+			if kb, err := qemuPSS(n); err == nil {
+				pss = append(pss, kb)
+			}
+		}
+	}
+	t0 = time.Now()
+	if _, err := e.kvboxCLI(context.Background(), append([]string{"rm", "--force"}, names...)...); err != nil {
+		return 0, 0, nil, err
+	}
+	rmWall = time.Since(t0)
+	for _, err := range errs {
+		if err != nil {
+			return 0, 0, nil, err
+		}
+	}
+	return wall, rmWall, pss, nil
 }
 
 // qemuPSS is the proportional set size (KiB) of the named domain's QEMU.

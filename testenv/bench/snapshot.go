@@ -73,62 +73,11 @@ func benchSnapshot(ctx context.Context, e *env) error {
 	}
 
 	// (c), (d): peers on a box kvbox made, driven by virsh.
-	peer := "bench-snap-peer"
-	peerBox, err := e.h.Create(ctx, spec(peer))
+	pr, err := benchSnapshotPeers(ctx, e, spec("bench-snap-peer"))
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
-	tmp, err := os.MkdirTemp(e.stateDir, "bench-snap-tmp-")
-	if err != nil {
-		return err
-	}
-	e.cleanup = append(e.cleanup, func() { os.RemoveAll(tmp) })
-	if err := e.h.ChownForQEMU(tmp); err != nil {
-		return err
-	}
-	var save []time.Duration
-	var saveSize int64
-	for i := range snapRuns {
-		f := filepath.Join(tmp, fmt.Sprintf("save-%d", i))
-		t0 := time.Now()
-		if out, err := virsh(ctx, "save", peer, f); err != nil {
-			return fmt.Errorf("virsh save: %v: %s", err, out)
-		}
-		save = append(save, time.Since(t0))
-		if fi, err := os.Stat(f); err == nil {
-			saveSize = fi.Size()
-		}
-		if out, err := virsh(ctx, "restore", f); err != nil {
-			return fmt.Errorf("virsh restore: %v: %s", err, out)
-		}
-		os.Remove(f)
-	}
-
-	var live []time.Duration
-	var liveGap []time.Duration
-	var liveNote string
-	for i := range snapRuns {
-		name := fmt.Sprintf("bench-snap-live%d", i)
-		mf, df := filepath.Join(tmp, name+".mem"), filepath.Join(tmp, name+".qcow2")
-		p, err := startPing(ctx, peerBox.IP)
-		if err != nil {
-			return err
-		}
-		t0 := time.Now()
-		out, verr := virsh(ctx, "snapshot-create-as", peer, name, "--live", "--no-metadata",
-			"--memspec", "file="+mf+",snapshot=external", "--diskspec", "vda,snapshot=external,file="+df)
-		total := time.Since(t0)
-		gap := p.stop(t0, time.Now())
-		if verr != nil {
-			liveNote = "libvirt refused: " + firstLine(out)
-			break
-		}
-		live = append(live, total)
-		liveGap = append(liveGap, gap)
-	}
-	// The peer box now runs on overlays in tmp: it is removed with the
-	// rest by the cleanup (rm --force, then tmp).
+	save, saveSize, live, liveGap, liveNote := pr.save, pr.saveSize, pr.live, pr.liveGap, pr.liveNote
 
 	fmt.Printf("ping gap with no snapshot (1 s, box idle)   %8.0f ms\n", ms(base))
 	a.print("kvbox snapshot of a source box")
@@ -149,6 +98,71 @@ func benchSnapshot(ctx context.Context, e *env) error {
 	ratio("source", a)
 	ratio("clone", b)
 	return nil
+}
+
+// peerSnaps are the timings of the peers: virsh save, and libvirt's
+// external live snapshot.
+type peerSnaps struct {
+	save, live, liveGap []time.Duration
+	saveSize            int64
+	liveNote            string // why there is no live figure
+}
+
+// benchSnapshotPeers times `virsh save` + `restore` and `virsh
+// snapshot-create-as --live` on a box of spec kvbox made.
+func benchSnapshotPeers(ctx context.Context, e *env, spec domain.Spec) (peerSnaps, error) {
+	var r peerSnaps
+	peer := spec.Name
+	peerBox, err := e.h.Create(ctx, spec)
+	if err != nil {
+		return r, err
+	}
+	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	tmp, err := os.MkdirTemp(e.stateDir, "bench-snap-tmp-")
+	if err != nil {
+		return r, err
+	}
+	e.cleanup = append(e.cleanup, func() { os.RemoveAll(tmp) })
+	if err := e.h.ChownForQEMU(tmp); err != nil {
+		return r, err
+	}
+	for i := range snapRuns {
+		f := filepath.Join(tmp, fmt.Sprintf("save-%d", i))
+		t0 := time.Now()
+		if out, err := virsh(ctx, "save", peer, f); err != nil {
+			return r, fmt.Errorf("virsh save: %v: %s", err, out)
+		}
+		r.save = append(r.save, time.Since(t0))
+		if fi, err := os.Stat(f); err == nil {
+			r.saveSize = fi.Size()
+		}
+		if out, err := virsh(ctx, "restore", f); err != nil {
+			return r, fmt.Errorf("virsh restore: %v: %s", err, out)
+		}
+		os.Remove(f)
+	}
+	for i := range snapRuns {
+		name := fmt.Sprintf("bench-snap-live%d", i)
+		mf, df := filepath.Join(tmp, name+".mem"), filepath.Join(tmp, name+".qcow2")
+		p, err := startPing(ctx, peerBox.IP)
+		if err != nil {
+			return r, err
+		}
+		t0 := time.Now()
+		out, verr := virsh(ctx, "snapshot-create-as", peer, name, "--live", "--no-metadata",
+			"--memspec", "file="+mf+",snapshot=external", "--diskspec", "vda,snapshot=external,file="+df)
+		total := time.Since(t0)
+		gap := p.stop(t0, time.Now())
+		if verr != nil {
+			r.liveNote = "libvirt refused: " + firstLine(out)
+			break
+		}
+		r.live = append(r.live, total)
+		r.liveGap = append(r.liveGap, gap)
+	}
+	// The peer box now runs on overlays in tmp: it is removed with the
+	// rest by the cleanup (rm --force, then tmp).
+	return r, nil
 }
 
 // kvSnaps are the timings of kvbox snapshots of one box.
