@@ -182,7 +182,7 @@ type creation struct {
 // pause and the copy by a live copy.
 func (c *creation) plan(ctx context.Context) step.Plan {
 	p := step.Plan{
-		{Name: "make-folder", Do: c.makeFolder, Undo: func() { os.RemoveAll(c.tmp) }},
+		{Name: "make-folder", Do: c.makeFolder, Undo: c.removeFolder},
 		{Name: "prepare", Do: c.prepare},
 		{Name: "pause", Do: c.suspend, Undo: c.resume},
 		{Name: "save-state", Do: c.saveState, Undo: c.restoreMigration},
@@ -201,6 +201,21 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 			Replace("copy-memory")
 	}
 	return p
+}
+
+// removeFolder is the last undo. Once the steps' own undos have run, it
+// puts the box back as Recover would (idempotent: no migration or backup
+// left, capabilities and parameters as they were, running if kvbox paused
+// it) and only then removes the partial folder. When QEMU or libvirt does
+// not answer (libvirtd restarting), the folder and its record stay, and the
+// next kvbox command's Recover finishes the job.
+func (c *creation) removeFolder() {
+	if c.p.Box != "" { // the record is written: QEMU may have been changed
+		if err := undoOnBox(context.Background(), c.h, c.p); err != nil {
+			return
+		}
+	}
+	os.RemoveAll(c.tmp)
 }
 
 func (c *creation) makeFolder(context.Context) error {

@@ -159,12 +159,21 @@ func (p Plan) RunKeep(ctx context.Context, r *revert.Reverter) (Timings, error) 
 // KillEnv names the environment variable that makes KillPoint kill kvbox.
 const KillEnv = "KVBOX_TEST_KILL_AT"
 
+// StopEnv names the environment variable that makes KillPoint stop kvbox
+// (SIGSTOP) instead: a test can then change the world under it (restart
+// libvirtd) and let it go on with SIGCONT.
+const StopEnv = "KVBOX_TEST_STOP_AT"
+
 // KillPoint kills this process with SIGKILL when KVBOX_TEST_KILL_AT names
-// point. Plans call it after each step; code outside a plan may call it for
-// points inside a step.
+// point, and stops it when KVBOX_TEST_STOP_AT does. Plans call it after each
+// step; code outside a plan may call it for points inside a step.
 func KillPoint(point string) {
 	if os.Getenv(KillEnv) == point {
 		syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	}
+	if os.Getenv(StopEnv) == point {
+		os.Unsetenv(StopEnv) // once: a point inside a loop is passed again
+		syscall.Kill(os.Getpid(), syscall.SIGSTOP)
 	}
 }
 
