@@ -67,7 +67,39 @@ func Render(tmpl string, d TemplateData) (string, error) {
 	if err := xml.Unmarshal(b.Bytes(), &probe); err != nil {
 		return "", fmt.Errorf("%w: domain template renders invalid XML: %v", ErrInvalid, err)
 	}
+	if err := checkRendered(b.String(), e); err != nil {
+		return "", err
+	}
 	return b.String(), nil
+}
+
+// checkRendered refuses a domain an operator's template rendered without
+// what kvbox needs from every box: its metadata (the box's only record),
+// the memory backend arguments (a snapshot copies the RAM file) and the
+// agent's channels (or vsock). Without them define would succeed and the
+// box fail later, or never be seen as a box at all.
+func checkRendered(out string, e TemplateData) error {
+	need := func(what, hint string) error {
+		return fmt.Errorf("%w: the domain template drops %s; keep %s as in the built-in template (kvbox's templates/box.xml)", ErrInvalid, what, hint)
+	}
+	d, err := parseDomainXML(out)
+	if err != nil || d.Metadata == nil {
+		return need("kvbox's metadata", "{{.Metadata}} inside <metadata>")
+	}
+	for _, a := range e.QemuArgs {
+		if !strings.Contains(out, a) {
+			return need("the memory backend", "the qemu:commandline range over {{.QemuArgs}}")
+		}
+	}
+	for _, p := range e.AgentPorts {
+		if !strings.Contains(out, p.Path) || !strings.Contains(out, p.Name) {
+			return need("the agent channels", "the <channel> range over {{.AgentPorts}}")
+		}
+	}
+	if e.Vsock && !strings.Contains(out, "<vsock") {
+		return need("the vsock device", "the {{if .Vsock}} <vsock> element")
+	}
+	return nil
 }
 
 // domainXML is the part of a libvirt domain description kvbox reads.

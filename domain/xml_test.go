@@ -2,6 +2,7 @@ package domain
 
 import (
 	"encoding/xml"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -60,6 +61,38 @@ func TestRenderRoundTrip(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("kvm, vsock, disk boot: lacks %q", want)
 		}
+	}
+}
+
+// An operator's template that drops what every box needs is refused at
+// render time, before anything is defined, with a line naming what.
+func TestRenderRefusesTemplatesWithoutKvboxParts(t *testing.T) {
+	for _, tc := range []struct{ cut, want string }{
+		{"{{.Metadata}}", "kvbox's metadata"},
+		{"{{- range .QemuArgs}}\n    <qemu:arg value='{{.}}'/>\n{{- end}}", "the memory backend"},
+		{"{{- range .AgentPorts}}", "the agent channels"},
+	} {
+		tmpl := strings.Replace(templates.Box, tc.cut, "", 1)
+		if tmpl == templates.Box {
+			t.Fatalf("the built-in template has no %q", tc.cut)
+		}
+		if tc.want == "the agent channels" {
+			// drop the whole channel block
+			a := strings.Index(templates.Box, "{{- range .AgentPorts}}")
+			b := strings.Index(templates.Box[a:], "{{- end}}") + a + len("{{- end}}")
+			tmpl = templates.Box[:a] + templates.Box[b:]
+		}
+		_, err := Render(tmpl, testData())
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, ErrInvalid) {
+			t.Errorf("template without %s: %v", tc.want, err)
+		}
+	}
+	kvm := testData()
+	kvm.Vsock = true
+	a := strings.Index(templates.Box, "{{- if .Vsock}}")
+	b := strings.Index(templates.Box[a:], "{{- end}}") + a + len("{{- end}}")
+	if _, err := Render(templates.Box[:a]+templates.Box[b:], kvm); err == nil || !strings.Contains(err.Error(), "vsock") {
+		t.Errorf("template without vsock on a vsock host: %v", err)
 	}
 }
 

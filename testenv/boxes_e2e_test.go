@@ -274,6 +274,26 @@ func TestBadInput(t *testing.T) {
 	existing := name(t, "exists")
 	newBox(t, existing)
 	long := strings.Repeat("x", 64)
+	// Operator templates that cannot make a box.
+	tdir := t.TempDir()
+	builtin, err := os.ReadFile("../templates/box.xml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := func(name, body string) string {
+		p := filepath.Join(tdir, name)
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	noMeta := tmpl("nometa.xml", strings.Replace(string(builtin), "{{.Metadata}}", "", 1))
+	noRAM := tmpl("noram.xml", strings.Replace(string(builtin), "<qemu:arg value='{{.}}'/>", "", 1))
+	bogus := tmpl("bogus.xml", "<domain type='{{.Type}}'><name>{{.Bogus}}</name></domain>")
+	garbage := tmpl("garbage.xml", "not XML {{.Name}}")
+	newWith := func(path string) []string {
+		return append([]string{"--template", path, "new"}, append(append([]string{}, smallBox...), name(t, "tpl"))...)
+	}
 	for _, tc := range []struct {
 		args []string
 		want string
@@ -299,6 +319,11 @@ func TestBadInput(t *testing.T) {
 		{[]string{"stop", name(t, "missing")}, "does not exist"},
 		{[]string{"--connect", "qemu+unix:///system?socket=/nonexistent/sock", "ls"}, "is libvirtd running?"},
 		{[]string{"ls", "--bogus"}, "unknown flag"},
+		{newWith(filepath.Join(tdir, "missing.xml")), "no such file"},
+		{newWith(bogus), "can't evaluate field Bogus"},
+		{newWith(garbage), "renders invalid XML"},
+		{newWith(noMeta), "drops kvbox's metadata"},
+		{newWith(noRAM), "drops the memory backend"},
 	} {
 		before := boxDirs(t)
 		r := kvbox(t, tc.args...)
