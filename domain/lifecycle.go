@@ -257,6 +257,48 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 	return removed, errors.Join(errs...)
 }
 
+// RemoveOrphanFolders removes the box folders that no domain of their name
+// owns and no creation is making (left by a kvbox killed between undefining
+// a box and removing its folder, or by an operator's virsh undefine), and
+// returns their names.
+func (h *Host) RemoveOrphanFolders() []string {
+	ents, _ := os.ReadDir(h.BoxesDir())
+	var removed []string
+	for _, e := range ents {
+		dir := filepath.Join(h.BoxesDir(), e.Name())
+		if _, err := os.Lstat(filepath.Join(dir, creatingMarker)); e.IsDir() && errors.Is(err, os.ErrNotExist) && h.removeOrphan(e.Name(), dir) {
+			removed = append(removed, e.Name())
+		}
+	}
+	return removed
+}
+
+// removeOrphan removes one such folder, checking again under the host
+// lock, which every creation holds from making its folder to defining its
+// domain.
+func (h *Host) removeOrphan(name, dir string) bool {
+	owned := func() bool {
+		d, err := h.Conn.LookupDomainByName(name)
+		if err != nil {
+			return !isNoDomain(err) // when in doubt, it is somebody's
+		}
+		d.Free()
+		return true
+	}
+	if owned() {
+		return false
+	}
+	unlock, err := h.Lock()
+	if err != nil {
+		return false
+	}
+	defer unlock()
+	if _, err := os.Lstat(filepath.Join(dir, creatingMarker)); !errors.Is(err, os.ErrNotExist) || owned() {
+		return false
+	}
+	return os.RemoveAll(dir) == nil
+}
+
 // Testpoint lets end-to-end tests kill kvbox at a named step
 // (KVBOX_TEST_KILL_AT=step) to prove a crash there loses nothing.
 func Testpoint(name string) { step.KillPoint(name) }

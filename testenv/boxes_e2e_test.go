@@ -419,3 +419,28 @@ func TestImageWithoutAgent(t *testing.T) {
 		t.Errorf("new on an image without the agent: %s", r)
 	}
 }
+
+// A box folder no domain owns (a kvbox killed between undefining a box and
+// removing its folder, or an operator's virsh undefine) is removed by the
+// next command, which says so; a box's folder is left alone.
+func TestOrphanBoxFolderIsRemoved(t *testing.T) {
+	keep := name(t, "orphkeep")
+	newBox(t, keep)
+	n := name(t, "orphan")
+	dir := filepath.Join(stateDir, "boxes", n)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(dir, "disk.qcow2"), []byte("left over"), 0o640)
+	r := kvbox(t, "ls")
+	if r.code != 0 || !strings.Contains(r.stderr, "removed the folder of box "+n) {
+		t.Errorf("kvbox ls after an orphan folder: %s", r)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("orphan folder left: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(stateDir, "boxes", keep, "disk.qcow2")); err != nil {
+		t.Errorf("a live box's folder was touched: %v", err)
+	}
+	inBox(t, keep, "true")
+}

@@ -261,6 +261,9 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted box creation: %v\n", err)
 	}
+	for _, n := range a.host.RemoveOrphanFolders() {
+		fmt.Fprintf(a.io.Err, "kvbox: removed the folder of box %s, which no domain has any more\n", n)
+	}
 	return a.host, nil
 }
 
