@@ -257,16 +257,19 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 	return removed, errors.Join(errs...)
 }
 
-// RemoveOrphanFolders removes the box folders that no domain of their name
-// owns and no creation is making (left by a kvbox killed between undefining
-// a box and removing its folder, or by an operator's virsh undefine), and
-// returns their names.
+// removingMarker, in a box folder, says kvbox is removing the box.
+const removingMarker = ".removing"
+
+// RemoveOrphanFolders removes the folders of boxes whose removal a killed
+// kvbox left half-done (the domain undefined, the folder still there), and
+// returns their names. A folder without the marker is left alone even with
+// no domain: an operator may have undefined the domain to define it again.
 func (h *Host) RemoveOrphanFolders() []string {
 	ents, _ := os.ReadDir(h.BoxesDir())
 	var removed []string
 	for _, e := range ents {
 		dir := filepath.Join(h.BoxesDir(), e.Name())
-		if _, err := os.Lstat(filepath.Join(dir, creatingMarker)); e.IsDir() && errors.Is(err, os.ErrNotExist) && h.removeOrphan(e.Name(), dir) {
+		if fi, err := os.Lstat(filepath.Join(dir, removingMarker)); e.IsDir() && err == nil && fi.Mode().IsRegular() && h.removeOrphan(e.Name(), dir) {
 			removed = append(removed, e.Name())
 		}
 	}
@@ -463,6 +466,13 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 		killQEMU(name)
 		if err := powerOff(dom, name); err != nil {
 			return err
+		}
+	}
+	// A kvbox killed from here until the folder is gone leaves this
+	// marker: the next command removes the folder (RemoveOrphanFolders).
+	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
+		if f, err := os.OpenFile(filepath.Join(b.Dir, removingMarker), os.O_CREATE|os.O_WRONLY|syscall.O_NOFOLLOW, 0o600); err == nil {
+			f.Close()
 		}
 	}
 	if err := Undefine(dom); err != nil {

@@ -420,24 +420,33 @@ func TestImageWithoutAgent(t *testing.T) {
 	}
 }
 
-// A box folder no domain owns (a kvbox killed between undefining a box and
-// removing its folder, or an operator's virsh undefine) is removed by the
-// next command, which says so; a box's folder is left alone.
+// The folder of a box whose removal a killed kvbox left half-done (domain
+// undefined, folder and its removal marker still there) is removed by the
+// next command, which says so. A folder with no domain and no marker (an
+// operator's virsh undefine, to define it again) is left as it is, and so
+// is every live box's.
 func TestOrphanBoxFolderIsRemoved(t *testing.T) {
 	keep := name(t, "orphkeep")
 	newBox(t, keep)
-	n := name(t, "orphan")
-	dir := filepath.Join(stateDir, "boxes", n)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
-		t.Fatal(err)
+	n, op := name(t, "orphan"), name(t, "undefined")
+	for _, d := range []string{n, op} {
+		dir := filepath.Join(stateDir, "boxes", d)
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		os.WriteFile(filepath.Join(dir, "disk.qcow2"), []byte("a disk"), 0o640)
 	}
-	os.WriteFile(filepath.Join(dir, "disk.qcow2"), []byte("left over"), 0o640)
+	os.WriteFile(filepath.Join(stateDir, "boxes", n, ".removing"), nil, 0o600)
 	r := kvbox(t, "ls")
-	if r.code != 0 || !strings.Contains(r.stderr, "removed the folder of box "+n) {
-		t.Errorf("kvbox ls after an orphan folder: %s", r)
+	if r.code != 0 || !strings.Contains(r.stderr, "removed the folder of box "+n) || strings.Contains(r.stderr, op) {
+		t.Errorf("kvbox ls after a half-done removal: %s", r)
 	}
-	if _, err := os.Stat(dir); !os.IsNotExist(err) {
-		t.Errorf("orphan folder left: %v", err)
+	if _, err := os.Stat(filepath.Join(stateDir, "boxes", n)); !os.IsNotExist(err) {
+		t.Errorf("the half-removed box's folder is left: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(stateDir, "boxes", op, "disk.qcow2")); err != nil || string(b) != "a disk" {
+		t.Errorf("the folder of an undefined box without the marker was touched: %q %v", b, err)
 	}
 	if _, err := os.Stat(filepath.Join(stateDir, "boxes", keep, "disk.qcow2")); err != nil {
 		t.Errorf("a live box's folder was touched: %v", err)
