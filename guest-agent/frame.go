@@ -49,12 +49,17 @@ const (
 	frameResize                        // host→guest: JSON WinSize
 	frameExit                          // guest→host: JSON exit status; last frame of an exec
 	frameSignal                        // host→guest: JSON signal to the exec's process group
+	frameData                          // both ways: bytes of a TCP stream (stream.go)
+	frameDataAck                       // both ways: one data frame written out
+	frameClose                         // both ways: the sender's end of a stream reached EOF
+	frameReset                         // both ways: a stream is aborted
 	frameTypeMax
 )
 
 func (t frameType) String() string {
 	names := [...]string{"?", "hello", "request", "response", "stdin", "stdin-eof",
-		"stdin-ack", "stdout", "stderr", "resize", "exit", "signal"}
+		"stdin-ack", "stdout", "stderr", "resize", "exit", "signal",
+		"data", "data-ack", "close", "reset"}
 	if int(t) < len(names) {
 		return names[t]
 	}

@@ -19,11 +19,12 @@ const SerialPortPrefix = "org.kvbox.agent."
 // Capabilities says what the guest can do.
 type Capabilities struct {
 	Exec     bool `json:"exec"`
-	TTY      bool `json:"tty"`      // /dev/ptmx works
-	Identify bool `json:"identify"` // netlink and an ethernet link are there
-	Clock    bool `json:"clock"`    // may set CLOCK_REALTIME
-	Entropy  bool `json:"entropy"`  // may credit entropy to the kernel RNG
-	Vsock    bool `json:"vsock"`    // the agent listens on vsock
+	TTY      bool `json:"tty"`               // /dev/ptmx works
+	Identify bool `json:"identify"`          // netlink and an ethernet link are there
+	Clock    bool `json:"clock"`             // may set CLOCK_REALTIME
+	Entropy  bool `json:"entropy"`           // may credit entropy to the kernel RNG
+	Vsock    bool `json:"vsock"`             // the agent listens on vsock
+	Forward  bool `json:"forward,omitempty"` // serves "dial" (TCP streams)
 }
 
 // Info is Ping's answer.
@@ -79,6 +80,7 @@ const (
 	methodIdentify   = "identify"
 	methodSetClock   = "set-clock"
 	methodAddEntropy = "add-entropy"
+	methodDial       = "dial" // forward.go
 )
 
 type request struct {

@@ -145,6 +145,8 @@ type session struct {
 	mu   sync.Mutex
 	proc *process
 
+	fwd forwards // TCP streams (forward.go)
+
 	// greeted is set by a HELLO: frames before the first HELLO of a host
 	// are leftovers of an earlier one and are dropped. Reader goroutine only.
 	greeted bool
@@ -196,6 +198,7 @@ func (ss *session) abort(why string) {
 		ss.srv.logf("%s: %s: killing exec %q", ss.name, why, p.argv0)
 		p.kill(unix.SIGKILL)
 	}
+	ss.fwd.abortAll()
 }
 
 func (ss *session) current(id uint32) *process {
@@ -234,6 +237,8 @@ func (ss *session) handle(f frame) {
 		if p := ss.current(f.ID); p != nil && json.Unmarshal(f.Payload, &m) == nil && m.Signal > 0 && m.Signal < 65 {
 			p.kill(unix.Signal(m.Signal))
 		}
+	case frameData, frameDataAck, frameClose, frameReset:
+		ss.streamFrame(f)
 	default:
 		// Frames only the guest sends: a loop-back or garbage; ignore.
 	}
@@ -294,6 +299,8 @@ func (ss *session) request(f frame) {
 			return
 		}
 		go func() { ss.reply(gen, f.ID, nil, s.sys().AddEntropy(b)) }()
+	case methodDial:
+		ss.dial(gen, f.ID, req.Params)
 	default:
 		ss.reply(gen, f.ID, nil, fmt.Errorf("unknown method %q", req.Method))
 	}
@@ -317,6 +324,7 @@ func (s *Server) sys() System {
 func (s *Server) info() Info {
 	in := Info{Version: Version, Capabilities: s.sys().Capabilities()}
 	in.Capabilities.Exec = true
+	in.Capabilities.Forward = true
 	in.Capabilities.Vsock = s.vsock.Load()
 	if _, err := os.Stat("/dev/ptmx"); err == nil {
 		in.Capabilities.TTY = true

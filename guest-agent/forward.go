@@ -1,0 +1,123 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+)
+
+// DialRequest asks the agent to open a TCP connection inside the guest.
+type DialRequest struct {
+	// Address is host:port as seen from inside the guest; a bare port
+	// means 127.0.0.1.
+	Address string `json:"address"`
+}
+
+// dialTimeout bounds the agent's own connect.
+const dialTimeout = 10 * time.Second
+
+// guestAddress normalises a dial address: "8000" is 127.0.0.1:8000.
+func guestAddress(a string) (string, error) {
+	if a == "" {
+		return "", errors.New("no address")
+	}
+	if _, _, err := net.SplitHostPort(a); err != nil {
+		if _, perr := fmt.Sscanf(a, "%d", new(int)); perr == nil {
+			return net.JoinHostPort("127.0.0.1", a), nil
+		}
+		return "", fmt.Errorf("address %q: %v", a, err)
+	}
+	return a, nil
+}
+
+// forwards is the agent side's set of streams of one session.
+type forwards struct {
+	mu      sync.Mutex
+	streams map[uint32]*stream
+}
+
+func (fw *forwards) get(id uint32) *stream {
+	fw.mu.Lock()
+	defer fw.mu.Unlock()
+	return fw.streams[id]
+}
+
+// abortAll ends every stream (a new host, or the host went away).
+func (fw *forwards) abortAll() {
+	fw.mu.Lock()
+	var all []*stream
+	for _, s := range fw.streams {
+		all = append(all, s)
+	}
+	fw.mu.Unlock()
+	for _, s := range all {
+		s.abort()
+	}
+}
+
+// dial serves a "dial" request: connect, register the stream, answer, and
+// only then start moving bytes (so the answer precedes the first data).
+func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
+	var req DialRequest
+	if err := json.Unmarshal(params, &req); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad dial request: %v", err))
+		return
+	}
+	addr, err := guestAddress(req.Address)
+	if err != nil {
+		ss.reply(gen, id, nil, err)
+		return
+	}
+	fw := &ss.fwd
+	go func() {
+		fw.mu.Lock()
+		n := len(fw.streams)
+		fw.mu.Unlock()
+		if n >= maxStreams {
+			ss.reply(gen, id, nil, fmt.Errorf("this connection already carries %d streams", n))
+			return
+		}
+		conn, err := net.DialTimeout("tcp", addr, dialTimeout)
+		if err != nil {
+			ss.reply(gen, id, nil, err)
+			return
+		}
+		send := func(t frameType, p []byte) error { return ss.send(gen, t, id, p) }
+		s := newStream(id, conn, send, func(s *stream) {
+			fw.mu.Lock()
+			if fw.streams[s.id] == s {
+				delete(fw.streams, s.id)
+			}
+			fw.mu.Unlock()
+		})
+		fw.mu.Lock()
+		if fw.streams == nil {
+			fw.streams = map[uint32]*stream{}
+		}
+		if old := fw.streams[id]; old != nil {
+			fw.mu.Unlock()
+			conn.Close()
+			ss.reply(gen, id, nil, fmt.Errorf("stream %d is already open", id))
+			return
+		}
+		fw.streams[id] = s
+		fw.mu.Unlock()
+		if gen != ss.gen.Load() {
+			s.abort() // the host changed while we dialled
+			return
+		}
+		ss.reply(gen, id, nil, nil)
+		s.start()
+	}()
+}
+
+// streamFrame routes a host frame of a stream; frames of unknown streams
+// (already ended) are dropped.
+func (ss *session) streamFrame(f frame) {
+	if s := ss.fwd.get(f.ID); s != nil {
+		s.deliver(f)
+	}
+}
