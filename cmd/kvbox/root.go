@@ -170,7 +170,8 @@ snapshot and cloned warm.`,
 	pf.StringVar(&a.template, "template", os.Getenv("KVBOX_TEMPLATE"), "domain XML template file instead of the built-in one (KVBOX_TEMPLATE)")
 	pf.StringVar(&a.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
-		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP())
+		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP(),
+		a.newCmdPortForward(), a.newCmdSSHProxy(), a.newCmdSSHConfig())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would
@@ -190,10 +191,10 @@ func (a *app) addCompletions(root *cobra.Command) {
 		}
 		return c
 	}
-	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}} {
+	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}, {"port-forward"}, {"ssh-proxy"}} {
 		find(p...).ValidArgsFunction = firstArg(a.completeBoxes)
 	}
-	for _, p := range [][]string{{"stop"}, {"rm"}} {
+	for _, p := range [][]string{{"stop"}, {"rm"}, {"ssh-config"}} {
 		find(p...).ValidArgsFunction = a.completeBoxes
 	}
 	find("snapshots", "rm").ValidArgsFunction = a.completeSnapshots

@@ -1,0 +1,390 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+	agent "kvbox.dev/kvbox/guest-agent"
+)
+
+// portSpec is one [ADDR:]HOSTPORT:GUESTPORT.
+type portSpec struct {
+	Addr      string `json:"address"` // host address to bind
+	HostPort  int    `json:"host_port"`
+	GuestPort int    `json:"guest_port"`
+}
+
+func (p portSpec) listenAddr() string { return net.JoinHostPort(p.Addr, strconv.Itoa(p.HostPort)) }
+func (p portSpec) guestAddr() string  { return "127.0.0.1:" + strconv.Itoa(p.GuestPort) }
+func (p portSpec) String() string     { return p.listenAddr() + ":" + strconv.Itoa(p.GuestPort) }
+
+// parsePortSpec reads [ADDR:]HOSTPORT:GUESTPORT; ADDR is 127.0.0.1 when
+// left out, and an IPv6 address goes in brackets ([::1]:8080:80).
+func parsePortSpec(s string) (portSpec, error) {
+	bad := func(why string) (portSpec, error) {
+		return portSpec{}, fmt.Errorf("%w: port %q: %s (give [ADDR:]HOSTPORT:GUESTPORT, e.g. 8080:8000 or 0.0.0.0:8080:8000)", errUsage, s, why)
+	}
+	i := strings.LastIndexByte(s, ':')
+	if i < 0 {
+		return bad("no guest port")
+	}
+	gp, err := strconv.Atoi(s[i+1:])
+	if err != nil || gp < 1 || gp > 65535 {
+		return bad("the guest port must be 1-65535")
+	}
+	host := s[:i]
+	p := portSpec{Addr: "127.0.0.1", GuestPort: gp}
+	hp := host
+	if j := strings.LastIndexByte(host, ':'); j >= 0 {
+		p.Addr, hp = host[:j], host[j+1:]
+		if a, ok := strings.CutPrefix(p.Addr, "["); ok {
+			p.Addr, ok = strings.CutSuffix(a, "]")
+			if !ok {
+				return bad("unbalanced [")
+			}
+		}
+		if net.ParseIP(p.Addr) == nil {
+			return bad("the host address must be an IP address")
+		}
+	}
+	p.HostPort, err = strconv.Atoi(hp)
+	if err != nil || p.HostPort < 0 || p.HostPort > 65535 {
+		return bad("the host port must be 0-65535")
+	}
+	return p, nil
+}
+
+func parsePortSpecs(args []string) ([]portSpec, error) {
+	var specs []portSpec
+	seen := map[string]bool{}
+	for _, s := range args {
+		p, err := parsePortSpec(s)
+		if err != nil {
+			return nil, err
+		}
+		if p.HostPort != 0 && seen[p.listenAddr()] {
+			return nil, fmt.Errorf("%w: %s is given twice", errUsage, p.listenAddr())
+		}
+		seen[p.listenAddr()] = true
+		specs = append(specs, p)
+	}
+	return specs, nil
+}
+
+// listenAll binds every spec, or none: on an error the ones bound are
+// closed. A spec with host port 0 gets the port the kernel picked.
+func listenAll(specs []portSpec) ([]*net.TCPListener, error) {
+	var ls []*net.TCPListener
+	for i, p := range specs {
+		l, err := net.Listen("tcp", p.listenAddr())
+		if err != nil {
+			for _, l := range ls {
+				l.Close()
+			}
+			return nil, fmt.Errorf("listen on %s: %w", p.listenAddr(), errors.Unwrap(err))
+		}
+		specs[i].HostPort = l.Addr().(*net.TCPAddr).Port
+		ls = append(ls, l.(*net.TCPListener))
+	}
+	return ls, nil
+}
+
+// openForwarder reaches the box's agent and makes its connection a stream
+// carrier.
+func (a *app) openForwarder(ctx context.Context, name string) (*domain.Host, *agent.Forwarder, error) {
+	h, err := a.Host()
+	if err != nil {
+		return nil, nil, err
+	}
+	b, err := h.Get(name)
+	if err != nil {
+		return nil, nil, err
+	}
+	client, err := a.dial(ctx, h, b)
+	if err != nil {
+		return nil, nil, err
+	}
+	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
+	defer cancel()
+	f, err := client.Forward(dctx)
+	if err != nil {
+		client.Close()
+		if errors.Is(err, agent.ErrNoForward) {
+			return nil, nil, fmt.Errorf("box %q: %v: %w", name, err, domain.ErrUnavailable)
+		}
+		return nil, nil, fmt.Errorf("box %q: %w", name, err)
+	}
+	return h, f, nil
+}
+
+// serveForwards accepts on every listener and carries each connection to
+// its guest port until ctx ends or the box's agent connection ends. A
+// connection the guest refuses is closed and reported on one line.
+func (a *app) serveForwards(ctx context.Context, name string, f *agent.Forwarder, specs []portSpec, ls []*net.TCPListener) {
+	var wg sync.WaitGroup
+	var emu sync.Mutex
+	for i, l := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := l.AcceptTCP()
+				if err != nil {
+					return
+				}
+				go func() {
+					if _, err := f.Connect(ctx, specs[i].guestAddr(), c); err != nil {
+						c.SetLinger(0)
+						c.Close()
+						if ctx.Err() == nil {
+							emu.Lock()
+							fmt.Fprintf(a.io.Err, "kvbox: %s -> %s:%d: %s\n", specs[i].listenAddr(), name, specs[i].GuestPort, remoteMessage(err))
+							emu.Unlock()
+						}
+					}
+				}()
+			}
+		}()
+	}
+	select {
+	case <-ctx.Done():
+	case <-f.Done():
+	}
+	for _, l := range ls {
+		l.Close()
+	}
+	wg.Wait()
+}
+
+func remoteMessage(err error) string {
+	var re *agent.RemoteError
+	if errors.As(err, &re) {
+		return re.Message
+	}
+	return err.Error()
+}
+
+// boxGone says how a forward to name ended when the agent connection went
+// away.
+func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
+	why := f.Err()
+	// The channel closes as QEMU ends, a moment before libvirt says so.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b, err := h.Get(name)
+		switch {
+		case errors.Is(err, domain.ErrNotFound):
+			return fmt.Errorf("box %q was removed: port forwarding ended", name)
+		case err == nil && b.State != "running":
+			return fmt.Errorf("box %q is %s: port forwarding ended", name, b.State)
+		}
+		if time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return fmt.Errorf("box %q: the agent connection ended (%v): port forwarding ended", name, why)
+}
+
+func (a *app) newCmdPortForward() *cobra.Command {
+	var listenFDs bool
+	c := &cobra.Command{
+		Use:   "port-forward NAME [ADDR:]HOSTPORT:GUESTPORT...",
+		Short: "Forward host ports to ports in a box through its agent, until Ctrl-C",
+		Long: `port-forward listens on each host port (127.0.0.1 unless an address is given)
+and carries every connection to 127.0.0.1:GUESTPORT inside the box through the
+box's agent channel: no network route to the box is needed. Many connections
+run at once, each closed cleanly on either side. It ends on Ctrl-C, or when the
+box stops or is removed. A host port of 0 picks a free one (printed).`,
+		Example: `  kvbox port-forward dev 8080:8000
+  kvbox port-forward dev 0.0.0.0:8080:8000 2222:22`,
+		Args: func(c *cobra.Command, args []string) error {
+			if len(args) < 2 {
+				return fmt.Errorf("%w: kvbox port-forward takes a box name and at least one [ADDR:]HOSTPORT:GUESTPORT", errUsage)
+			}
+			return nil
+		},
+		RunE: func(c *cobra.Command, args []string) error {
+			specs, err := parsePortSpecs(args[1:])
+			if err != nil {
+				return err
+			}
+			var ls []*net.TCPListener
+			if listenFDs {
+				ls, err = inheritedListeners(specs)
+			} else {
+				ls, err = listenAll(specs)
+			}
+			if err != nil {
+				return err
+			}
+			ctx := c.Context()
+			h, f, err := a.openForwarder(ctx, args[0])
+			if err != nil {
+				for _, l := range ls {
+					l.Close()
+				}
+				return err
+			}
+			defer f.Close()
+			for _, p := range specs {
+				fmt.Fprintf(a.io.Out, "forwarding %s -> %s:%d\n", p.listenAddr(), args[0], p.GuestPort)
+			}
+			a.serveForwards(ctx, args[0], f, specs, ls)
+			if ctx.Err() != nil {
+				return nil // Ctrl-C is how it is meant to end
+			}
+			return a.boxGone(h, args[0], f)
+		},
+	}
+	c.Flags().BoolVar(&listenFDs, "listen-fds", false, "use listeners inherited as fds 3.. (one per port, for new --publish)")
+	c.Flags().MarkHidden("listen-fds")
+	return c
+}
+
+// inheritedListeners takes the listening sockets a parent kvbox bound
+// (fds 3, 4, ... in the order of specs).
+func inheritedListeners(specs []portSpec) ([]*net.TCPListener, error) {
+	var ls []*net.TCPListener
+	for i := range specs {
+		f := os.NewFile(uintptr(3+i), "listener")
+		l, err := net.FileListener(f)
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("inherited listener %d: %w", i, err)
+		}
+		tl, ok := l.(*net.TCPListener)
+		if !ok {
+			return nil, fmt.Errorf("inherited listener %d is not TCP", i)
+		}
+		specs[i].HostPort = tl.Addr().(*net.TCPAddr).Port
+		ls = append(ls, tl)
+	}
+	return ls, nil
+}
+
+// stdioConn is standard input and output as one connection, for ssh's
+// ProxyCommand: the box's EOF closes stdout.
+type stdioConn struct {
+	in  io.Reader
+	out io.Writer
+}
+
+func (s stdioConn) Read(b []byte) (int, error)  { return s.in.Read(b) }
+func (s stdioConn) Write(b []byte) (int, error) { return s.out.Write(b) }
+func (s stdioConn) CloseWrite() error {
+	if c, ok := s.out.(io.Closer); ok {
+		return c.Close()
+	}
+	return nil
+}
+func (s stdioConn) Close() error {
+	s.CloseWrite()
+	if c, ok := s.in.(io.Closer); ok {
+		return c.Close()
+	}
+	return nil
+}
+
+func (a *app) newCmdSSHProxy() *cobra.Command {
+	var port int
+	c := &cobra.Command{
+		Use:   "ssh-proxy NAME",
+		Short: "Connect standard input and output to a box's SSH port through its agent (for ssh's ProxyCommand)",
+		Example: `  ssh -o ProxyCommand='kvbox ssh-proxy %h' root@dev
+  kvbox ssh-config >> ~/.ssh/config && ssh dev`,
+		Args: exactArgs(1, "one box name"),
+		RunE: func(c *cobra.Command, args []string) error {
+			if port < 1 || port > 65535 {
+				return fmt.Errorf("%w: --port must be 1-65535", errUsage)
+			}
+			ctx := c.Context()
+			h, f, err := a.openForwarder(ctx, args[0])
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			ended, err := f.Connect(ctx, "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.io.In, a.io.Out})
+			if err != nil {
+				return fmt.Errorf("box %q port %d: %s", args[0], port, remoteMessage(err))
+			}
+			select {
+			case <-ended:
+				return nil
+			case <-ctx.Done():
+				return nil
+			case <-f.Done():
+				return a.boxGone(h, args[0], f)
+			}
+		},
+	}
+	c.Flags().IntVar(&port, "port", 22, "the guest port to connect to")
+	return c
+}
+
+func (a *app) newCmdSSHConfig() *cobra.Command {
+	var user string
+	c := &cobra.Command{
+		Use:   "ssh-config [NAME...]",
+		Short: "Print ssh_config Host entries for boxes, reaching each through kvbox ssh-proxy",
+		Long: `ssh-config prints a Host entry per box (every box, or the ones named) that
+reaches it through 'kvbox ssh-proxy', so 'ssh NAME' and IDE remote-SSH work
+without a route to the box. Each entry names the box's UUID as its
+HostKeyAlias: a new box that reuses a name is a new host to ssh, not a
+changed key.`,
+		Example: "  kvbox ssh-config >> ~/.ssh/config\n  ssh dev",
+		RunE: func(c *cobra.Command, args []string) error {
+			boxes, err := a.boxes()
+			if err != nil {
+				return err
+			}
+			want := map[string]bool{}
+			for _, n := range args {
+				want[n] = true
+			}
+			self, err := os.Executable()
+			if err != nil {
+				self = "kvbox"
+			}
+			proxy := []string{self}
+			if a.stateDir != "/var/lib/kvbox" {
+				proxy = append(proxy, "--state-dir", a.stateDir)
+			}
+			if a.uri != domain.DefaultURI() {
+				proxy = append(proxy, "--connect", a.uri)
+			}
+			found := 0
+			for _, b := range boxes {
+				if len(want) > 0 && !want[b.Name] {
+					continue
+				}
+				found++
+				delete(want, b.Name)
+				fmt.Fprintf(a.io.Out, "Host %s\n  HostName %s\n  User %s\n  ProxyCommand %s ssh-proxy %%h\n  HostKeyAlias kvbox-%s\n\n",
+					b.Name, b.Name, user, strings.Join(proxy, " "), b.UUID)
+			}
+			for n := range want {
+				h, err := a.Host()
+				if err != nil {
+					return err
+				}
+				_, err = h.Get(n)
+				return err
+			}
+			return nil
+		},
+	}
+	c.Flags().StringVarP(&user, "user", "u", "root", "the user ssh logs in as")
+	return c
+}

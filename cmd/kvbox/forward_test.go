@@ -1,0 +1,30 @@
+package main
+
+import (
+	"errors"
+	"testing"
+)
+
+func TestParsePortSpec(t *testing.T) {
+	for in, want := range map[string]portSpec{
+		"8080:8000":           {"127.0.0.1", 8080, 8000},
+		"0.0.0.0:8080:8000":   {"0.0.0.0", 8080, 8000},
+		"[::1]:2222:22":       {"::1", 2222, 22},
+		"0:80":                {"127.0.0.1", 0, 80},
+		"10.1.2.3:65535:1":    {"10.1.2.3", 65535, 1},
+		"127.0.0.1:8081:8000": {"127.0.0.1", 8081, 8000},
+	} {
+		got, err := parsePortSpec(in)
+		if err != nil || got != want {
+			t.Errorf("%q: %+v, %v; want %+v", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "8080", "8080:0", "8080:70000", "x:8080:80", "[::1:80:80", "a:b", "-1:80", "host.example:80:80"} {
+		if _, err := parsePortSpec(in); !errors.Is(err, errUsage) {
+			t.Errorf("%q: %v, want a usage error", in, err)
+		}
+	}
+	if _, err := parsePortSpecs([]string{"8080:80", "127.0.0.1:8080:81"}); !errors.Is(err, errUsage) {
+		t.Errorf("the same host port twice: %v", err)
+	}
+}
