@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sort"
 	"strings"
 	"sync"
@@ -27,6 +28,11 @@ type newOptions struct {
 	verbose bool
 	count   int
 	asJSON  bool
+	publish []string
+
+	// ports are the bound --publish listeners (publish.go).
+	ports     []portSpec
+	listeners []*net.TCPListener
 }
 
 func (a *app) newCmdNew() *cobra.Command {
@@ -61,15 +67,31 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time went, step by step")
 	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
+	f.StringArrayVarP(&o.publish, "publish", "p", nil, "forward [ADDR:]HOSTPORT:GUESTPORT to the box while it lives (127.0.0.1 unless ADDR is given; repeatable)")
 	return c
 }
 
 func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if c.Flags().Changed("count") || o.asJSON {
+		if len(o.publish) > 0 {
+			return fmt.Errorf("%w: --publish starts one box's forwards: it does not go with --count or --json", errUsage)
+		}
 		return a.runNewMany(c, o)
 	}
 	if err := domain.ValidName(o.name); err != nil {
 		return err
+	}
+	if len(o.publish) > 0 {
+		// Bound before the box exists: a taken port creates nothing.
+		specs, err := parsePortSpecs(o.publish)
+		if err != nil {
+			return err
+		}
+		if o.listeners, err = listenAll(specs); err != nil {
+			return err
+		}
+		o.ports = specs
+		defer closeListeners(o.listeners)
 	}
 	if o.from != "" {
 		return a.runNewFrom(c, o)
@@ -111,6 +133,9 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)\n",
 		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	if err := a.publish(c.Context(), h, b, o); err != nil {
+		return err
+	}
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
 	if o.verbose {
 		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
@@ -144,6 +169,9 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)\n",
 		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	if err := a.publish(c.Context(), h, b, o); err != nil {
+		return err
+	}
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
 	if o.verbose {
 		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
@@ -165,7 +193,7 @@ func (a *app) newCmdLs() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				return a.printJSON(boxes)
+				return a.printJSON(withPublished(boxes))
 			}
 			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE")
 			for _, b := range boxes {
@@ -241,7 +269,7 @@ func (a *app) newCmdStart() *cobra.Command {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ box %s is running at %s\n", b.Name, b.IP)
-			return nil
+			return a.republish(b)
 		},
 	}
 	c.Flags().DurationVar(&timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
@@ -262,6 +290,11 @@ func (a *app) newCmdStop() *cobra.Command {
 				return err
 			}
 			for _, n := range args {
+				if b, err := h.Get(n); err == nil {
+					if err := stopPublish(b); err != nil {
+						return err
+					}
+				}
 				if err := h.Stop(c.Context(), n, timeout, force); err != nil {
 					return err
 				}
@@ -321,7 +354,13 @@ func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, f
 		go func() {
 			defer wg.Done()
 			slots <- struct{}{}
-			err := h.Remove(ctx, n, force)
+			var err error
+			if b, gerr := h.Get(n); gerr == nil {
+				err = stopPublish(b)
+			}
+			if err == nil {
+				err = h.Remove(ctx, n, force)
+			}
 			<-slots
 			mu.Lock()
 			defer mu.Unlock()

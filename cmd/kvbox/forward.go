@@ -199,6 +199,7 @@ func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
 
 func (a *app) newCmdPortForward() *cobra.Command {
 	var listenFDs bool
+	var readyFD int
 	c := &cobra.Command{
 		Use:   "port-forward NAME [ADDR:]HOSTPORT:GUESTPORT...",
 		Short: "Forward host ports to ports in a box through its agent, until Ctrl-C",
@@ -231,6 +232,7 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 			}
 			ctx := c.Context()
 			h, f, err := a.openForwarder(ctx, args[0])
+			signalReady(readyFD, err)
 			if err != nil {
 				for _, l := range ls {
 					l.Close()
@@ -250,6 +252,8 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 	}
 	c.Flags().BoolVar(&listenFDs, "listen-fds", false, "use listeners inherited as fds 3.. (one per port, for new --publish)")
 	c.Flags().MarkHidden("listen-fds")
+	c.Flags().IntVar(&readyFD, "ready-fd", 0, "write ok (or the error) on this fd once forwarding")
+	c.Flags().MarkHidden("ready-fd")
 	return c
 }
 
