@@ -345,6 +345,9 @@ func (s *Server) identify(id Identity) error {
 	if err := s.sys().ApplyIdentity(id); err != nil {
 		return err
 	}
+	if err := s.renewHostKeys(id); err != nil { // sshkeys.go
+		return err
+	}
 	s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
 	if s.StateDir == "" {
 		return nil

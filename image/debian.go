@@ -53,6 +53,7 @@ type DebianOptions struct {
 	Mirror   string    // "http://deb.debian.org/debian" when empty
 	CacheDir string    // downloaded .debs kept for the next build; "/var/cache/kvbox/debootstrap" when empty, "-" for none
 	DiskSize int64     // virtual size of the disk, 8 GiB when 0
+	SSH      bool      // include openssh-server, with no host keys (debian_ssh.go)
 	Progress *Progress // where stages are shown; nil for nowhere
 }
 
@@ -148,9 +149,13 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 
 	// 1. debootstrap
 	p.Printf("building image %s: Debian %s from %s, kvbox-agent %s\n", o.Name, o.Suite, o.Mirror, agent)
-	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(DebianPackages)))
+	pkgs := DebianPackages
+	if o.SSH {
+		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
+	}
+	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
 	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
-		"--include=" + strings.Join(DebianPackages, ","), "--components=main"}
+		"--include=" + strings.Join(pkgs, ","), "--components=main"}
 	if err := preseedInitramfs(root); err != nil {
 		return Image{}, false, st.End(err)
 	}
@@ -406,6 +411,13 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 			`mount -t proc proc "$1/proc"; mount -t sysfs sysfs "$1/sys"
 chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
 			return "", fmt.Errorf("update-initramfs: %w", err)
+		}
+	}
+
+	if o.SSH {
+		st.Status("openssh-server without host keys")
+		if err := configureSSH(root); err != nil {
+			return "", fmt.Errorf("ssh: %w", err)
 		}
 	}
 

@@ -237,7 +237,11 @@ stage_debian() {
 		log "bin/kvbox has no 'images build' yet: skipping the Debian image"
 		return 0
 	fi
-	"$kvbox" images build debian --agent "$REPO_DIR/bin/kvbox-agent"
+	"$kvbox" images build debian --agent "$REPO_DIR/bin/kvbox-agent" || return 1
+	# The same with openssh-server, for TestSSHProxy (a no-op while it exists).
+	if "$kvbox" images build --help 2>&1 | grep -q -- '--ssh'; then
+		"$kvbox" images build debian --ssh --name debian-ssh --agent "$REPO_DIR/bin/kvbox-agent"
+	fi
 }
 
 # What the guests can use here. kvbox's --domain-type auto picks kvm whenever libvirt offers it,

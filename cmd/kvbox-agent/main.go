@@ -24,7 +24,14 @@ func main() {
 	sysClass := flag.String("sys-class", "/sys/class/virtio-ports", "virtio-serial ports in sysfs")
 	devDir := flag.String("dev", "/dev", "where the port devices are")
 	noVsock := flag.Bool("no-vsock", false, "do not listen on vsock")
+	sshKeys := flag.Bool("ssh-host-keys", false, "make the missing SSH host keys and exit (ssh.service runs this before sshd)")
 	flag.Parse()
+	if *sshKeys {
+		if _, err := agent.NewLinuxSystem().SSHHostKeys(false); err != nil {
+			log.Fatalf("kvbox-agent: %v", err)
+		}
+		return
+	}
 
 	log.SetFlags(log.Lmicroseconds)
 	log.SetPrefix("kvbox-agent: ")

@@ -7,6 +7,8 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -102,7 +104,7 @@ func listenAll(specs []portSpec) ([]*net.TCPListener, error) {
 
 // openForwarder reaches the box's agent and makes its connection a stream
 // carrier.
-func (a *app) openForwarder(ctx context.Context, name string) (*domain.Host, *agent.Forwarder, error) {
+func (a *app) openForwarder(ctx context.Context, name string, before func(*agent.Client) error) (*domain.Host, *agent.Forwarder, error) {
 	h, err := a.Host()
 	if err != nil {
 		return nil, nil, err
@@ -114,6 +116,12 @@ func (a *app) openForwarder(ctx context.Context, name string) (*domain.Host, *ag
 	client, err := a.dial(ctx, h, b)
 	if err != nil {
 		return nil, nil, err
+	}
+	if before != nil {
+		if err := before(client); err != nil {
+			client.Close()
+			return nil, nil, fmt.Errorf("box %q: %w", name, err)
+		}
 	}
 	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
 	defer cancel()
@@ -231,7 +239,7 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 				return err
 			}
 			ctx := c.Context()
-			h, f, err := a.openForwarder(ctx, args[0])
+			h, f, err := a.openForwarder(ctx, args[0], nil)
 			signalReady(readyFD, err)
 			if err != nil {
 				for _, l := range ls {
@@ -303,6 +311,7 @@ func (s stdioConn) Close() error {
 
 func (a *app) newCmdSSHProxy() *cobra.Command {
 	var port int
+	var installKey bool
 	c := &cobra.Command{
 		Use:   "ssh-proxy NAME",
 		Short: "Connect standard input and output to a box's SSH port through its agent (for ssh's ProxyCommand)",
@@ -314,7 +323,15 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 				return fmt.Errorf("%w: --port must be 1-65535", errUsage)
 			}
 			ctx := c.Context()
-			h, f, err := a.openForwarder(ctx, args[0])
+			var before func(*agent.Client) error
+			if installKey {
+				pub, err := a.sshKey()
+				if err != nil {
+					return err
+				}
+				before = func(cl *agent.Client) error { return authorizeKey(ctx, cl, pub) }
+			}
+			h, f, err := a.openForwarder(ctx, args[0], before)
 			if err != nil {
 				return err
 			}
@@ -334,6 +351,7 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 		},
 	}
 	c.Flags().IntVar(&port, "port", 22, "the guest port to connect to")
+	c.Flags().BoolVar(&installKey, "install-key", true, "first add kvbox's SSH key (STATE-DIR/ssh/id_ed25519.pub) to root's authorized_keys in the box, if it has sshd")
 	return c
 }
 
@@ -375,8 +393,8 @@ changed key.`,
 				}
 				found++
 				delete(want, b.Name)
-				fmt.Fprintf(a.io.Out, "Host %s\n  HostName %s\n  User %s\n  ProxyCommand %s ssh-proxy %%h\n  HostKeyAlias kvbox-%s\n\n",
-					b.Name, b.Name, user, strings.Join(proxy, " "), b.UUID)
+				fmt.Fprintf(a.io.Out, "Host %s\n  HostName %s\n  User %s\n  ProxyCommand %s ssh-proxy %%h\n  HostKeyAlias kvbox-%s\n  IdentityFile %s\n  IdentitiesOnly yes\n\n",
+					b.Name, b.Name, user, strings.Join(proxy, " "), b.UUID, a.sshKeyPath())
 			}
 			for n := range want {
 				h, err := a.Host()
@@ -391,4 +409,40 @@ changed key.`,
 	}
 	c.Flags().StringVarP(&user, "user", "u", "root", "the user ssh logs in as")
 	return c
+}
+
+func (a *app) sshKeyPath() string { return filepath.Join(a.stateDir, "ssh", "id_ed25519") }
+
+// sshKey returns kvbox's SSH public key, making the pair on first use.
+func (a *app) sshKey() (string, error) {
+	k := a.sshKeyPath()
+	if _, err := os.Stat(k + ".pub"); err != nil {
+		if err := os.MkdirAll(filepath.Dir(k), 0o700); err != nil {
+			return "", err
+		}
+		out, err := exec.Command("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvbox", "-f", k).CombinedOutput()
+		if err != nil {
+			return "", fmt.Errorf("make kvbox's SSH key %s: %v: %s", k, err, strings.TrimSpace(string(out)))
+		}
+	}
+	b, err := os.ReadFile(k + ".pub")
+	return strings.TrimSpace(string(b)), err
+}
+
+// authorizeKeyScript adds $1 to root's authorized_keys once, in a box with
+// sshd.
+const authorizeKeyScript = `[ -x /usr/sbin/sshd ] || exit 0
+umask 077; mkdir -p /root/.ssh; touch /root/.ssh/authorized_keys
+grep -qxF "$1" /root/.ssh/authorized_keys || printf '%s\n' "$1" >>/root/.ssh/authorized_keys`
+
+func authorizeKey(ctx context.Context, c *agent.Client, pub string) error {
+	var stderr strings.Builder
+	code, err := c.Exec(ctx, agent.ExecRequest{Argv: []string{"/bin/sh", "-c", authorizeKeyScript, "sh", pub}}, nil, nil, &stderr, nil)
+	if err == nil && code != 0 {
+		err = fmt.Errorf("exit %d: %s", code, strings.TrimSpace(stderr.String()))
+	}
+	if err != nil {
+		return fmt.Errorf("add kvbox's SSH key to root's authorized_keys: %w", err)
+	}
+	return nil
 }

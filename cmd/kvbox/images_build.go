@@ -24,7 +24,8 @@ Building again does nothing while the image exists; --force rebuilds it
 (downloaded packages are kept in --cache-dir, so that is faster). Nothing is
 registered unless the whole build succeeds.`,
 		Example: `  kvbox images build debian
-  kvbox images build debian --force --agent ./bin/kvbox-agent`,
+  kvbox images build debian --force --agent ./bin/kvbox-agent
+  kvbox images build debian --ssh --name debian-ssh`,
 		Args: exactArgs(1, "the image to build: debian"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if args[0] != "debian" {
@@ -53,6 +54,7 @@ registered unless the whole build succeeds.`,
 	}
 	f := c.Flags()
 	f.BoolVar(&o.Force, "force", false, "rebuild even if the image exists")
+	f.BoolVar(&o.SSH, "ssh", false, "include openssh-server (no host keys in the image: each box and each clone makes its own; reach it with kvbox ssh-proxy)")
 	f.StringVar(&o.Name, "name", image.DefaultImage, "register the image under this name")
 	f.StringVar(&o.Agent, "agent", "", "kvbox-agent binary to install (default: $KVBOX_AGENT, else next to kvbox)")
 	f.StringVar(&o.Suite, "suite", "bookworm", "Debian suite")

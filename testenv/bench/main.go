@@ -60,6 +60,7 @@ var sections = []section{
 	{"cycle", benchCycle},
 	{"registry", benchRegistry},
 	{"snapshot", benchSnapshot},
+	{"ports", benchPorts},
 	{"debian", benchDebian},
 }
 
