@@ -3,11 +3,13 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -88,11 +90,39 @@ func (s *LinuxSystem) SSHHostKeys(renew bool) (bool, error) {
 		}
 	}
 	if made && s.Root == "/" {
-		if err := hupSSHD(); err != nil {
+		if err := reloadSSHD(); err != nil {
 			return true, err
 		}
 	}
 	return true, nil
+}
+
+// reloadSSHD makes a running sshd serve the new keys. Before OpenSSH 9.8
+// (Debian 12 has 9.2) sshd re-executes itself for every connection and the
+// new process reads the host keys from disk: nothing to do, and a SIGHUP
+// would only close the port for as long as sshd takes to start again
+// (tens of seconds under TCG). From 9.8 the listener hands its keys to
+// sshd-session: it must reload them, and the port is back before the
+// clone is reported ready.
+func reloadSSHD() error {
+	if _, err := os.Stat("/usr/lib/openssh/sshd-session"); err != nil {
+		return nil
+	}
+	if err := hupSSHD(); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", "127.0.0.1:22", time.Second)
+		if err == nil {
+			c.Close()
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("sshd did not come back after reloading its host keys: %w", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // hupSSHD makes a running sshd listener reload its host keys.

@@ -321,7 +321,13 @@ func sshRun(t *testing.T, cfg, boxName, knownHosts string, command ...string) (s
 	t.Helper()
 	args := append([]string{"-F", cfg, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
 		"-o", "UserKnownHostsFile=" + knownHosts, "-o", "ConnectTimeout=60", boxName}, command...)
-	out, err := exec.Command("ssh", args...).CombinedOutput()
+	var stderr strings.Builder
+	cmd := exec.Command("ssh", args...)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		err = fmt.Errorf("%v: %s", err, strings.TrimSpace(stderr.String()))
+	}
 	kh, _ := os.ReadFile(knownHosts)
 	f := strings.Fields(string(kh))
 	key := ""
@@ -344,7 +350,7 @@ func TestSSHProxy(t *testing.T) {
 	}
 	src := name(t, "sshsrc")
 	t.Cleanup(func() { kvbox(t, "rm", "--force", src) })
-	mustKvbox(t, "new", "--image", sshImage, "--cpus", "1", "--memory", "1G", src)
+	mustKvbox(t, "new", "--image", sshImage, "--cpus", "2", "--memory", "1G", "--timeout", "240s", src)
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "config")
 	conf := mustKvbox(t, "ssh-config", src)
