@@ -105,11 +105,22 @@ func benchPorts(ctx context.Context, e *env) error {
 			res[p.name] = r
 		}
 	}
+	// The channel itself, without a TCP stream: exec cat of the same file.
+	var cat []time.Duration
+	for range 3 {
+		cmd := exec.CommandContext(ctx, "bin/kvbox", "--state-dir", e.stateDir, "exec", box, "--", "cat", "/www/big")
+		t0 := time.Now()
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("exec cat: %v", err)
+		}
+		cat = append(cat, time.Since(t0))
+	}
 	fmt.Printf("%-14s %12s %16s %18s\n", "path", "32 MB MB/s", "1 request (ms)", "20 at once (ms)")
 	for _, p := range peers {
 		r := res[p.name]
 		fmt.Printf("%-14s %12.1f %16.2f %18.1f\n", p.name, 32*3/r[0].Seconds(), ms(r[1])/3, ms(r[2])/3)
 	}
+	fmt.Printf("%-14s %12.1f   (the agent channel without TCP: kvbox exec BOX -- cat, median of 3)\n", "exec cat", 32/median(cat).Seconds())
 	f, d := res[peers[0].name], res[peers[1].name]
 	fmt.Printf("port-forward / direct: throughput %.2fx, one request %.2fx the time, 20 at once %.2fx the time (means of 3 alternated rounds, one request: median of 20 per round)\n",
 		d[0].Seconds()/f[0].Seconds(), ms(f[1])/ms(d[1]), ms(f[2])/ms(d[2]))
