@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -274,5 +277,44 @@ func TestGuestAddress(t *testing.T) {
 		if _, err := guestAddress(in); err == nil {
 			t.Errorf("%q accepted", in)
 		}
+	}
+}
+
+// An agent from before streams (no Forward capability, no "dial" method):
+// Forward says so instead of sending frames it would drop as garbage.
+func TestForwardOldAgent(t *testing.T) {
+	hc, gc := socketpair(t)
+	go func() { // a minimal old agent: HELLO and ping only
+		d := newDecoder(gc)
+		for {
+			f, err := d.next()
+			if err != nil {
+				return
+			}
+			switch f.Type {
+			case frameHello:
+				b, _ := json.Marshal(helloMsg{Nonce: f.Payload, Version: "0.1.0"})
+				gc.Write(appendFrame(nil, frameHello, f.ID, b))
+			case frameRequest:
+				var req request
+				json.Unmarshal(f.Payload, &req)
+				resp := response{Error: fmt.Sprintf("unknown method %q", req.Method)}
+				if req.Method == methodPing {
+					resp = response{Result: mustJSON(Info{Version: "0.1.0", Capabilities: Capabilities{Exec: true}})}
+				}
+				b, _ := json.Marshal(resp)
+				gc.Write(appendFrame(nil, frameResponse, f.ID, b))
+			}
+		}
+	}()
+	c := NewClient(hc)
+	defer c.Close()
+	_, err := c.Forward(tctx(t))
+	if !errors.Is(err, ErrNoForward) || !strings.Contains(err.Error(), "0.1.0") {
+		t.Fatalf("Forward on an old agent: %v", err)
+	}
+	// The connection still serves calls.
+	if _, err := c.Ping(tctx(t)); err != nil {
+		t.Fatalf("ping after the refusal: %v", err)
 	}
 }

@@ -6,13 +6,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"testing"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 func TestSSHHostKeys(t *testing.T) {
-	keygen, err := exec.LookPath("ssh-keygen")
-	if err != nil {
-		t.Skip("no ssh-keygen on this host")
-	}
+	gate.Tools(t, "ssh-keygen")
+	keygen, _ := exec.LookPath("ssh-keygen")
 	root := t.TempDir()
 	for _, d := range []string{"usr/sbin", "usr/bin", "etc/ssh"} {
 		os.MkdirAll(filepath.Join(root, d), 0o755)

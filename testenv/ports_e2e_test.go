@@ -20,6 +20,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // forwardProc is a running `kvbox port-forward`.
@@ -342,9 +344,7 @@ func sshRun(t *testing.T, cfg, boxName, knownHosts string, command ...string) (s
 // box presents its own host key, and two clones of it each present a new
 // one, all different.
 func TestSSHProxy(t *testing.T) {
-	if _, err := exec.LookPath("ssh"); err != nil {
-		t.Skip("no ssh client on this host")
-	}
+	gate.Tools(t, "ssh")
 	if r := kvbox(t, "images", "ls"); !strings.Contains(r.stdout, sshImage) {
 		t.Fatalf("image %s is missing: bash testenv/setup.sh builds it (kvbox images build debian --ssh --name %s)", sshImage, sshImage)
 	}
