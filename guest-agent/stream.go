@@ -112,7 +112,10 @@ func (s *stream) readLoop() {
 				return
 			}
 		} else {
-			s.credits <- struct{}{}
+			select { // nothing sent: the credit goes back
+			case s.credits <- struct{}{}:
+			default:
+			}
 		}
 		if errors.Is(err, io.EOF) {
 			if s.isAborted() || s.send(frameClose, nil) != nil {
