@@ -2,6 +2,8 @@ package main
 
 import (
 	"errors"
+	"os"
+	"os/exec"
 	"testing"
 )
 
@@ -26,5 +28,26 @@ func TestParsePortSpec(t *testing.T) {
 	}
 	if _, err := parsePortSpecs([]string{"8080:80", "127.0.0.1:8080:81"}); !errors.Is(err, errUsage) {
 		t.Errorf("the same host port twice: %v", err)
+	}
+}
+
+// holderAlive only takes a live process whose arguments are a port holder's
+// for that box: a reused pid of anything else is not one.
+func TestHolderAlive(t *testing.T) {
+	cmd := exec.Command("sh", "-c", "sleep 30", "port-forward", "--listen-fds", "box1")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	if !holderAlive(pid, "box1") {
+		t.Error("a live holder of box1 not recognised")
+	}
+	if holderAlive(pid, "box2") || holderAlive(os.Getpid(), "box1") || holderAlive(0, "box1") {
+		t.Error("another process taken for a holder")
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	if holderAlive(pid, "box1") {
+		t.Error("a reaped holder is still alive")
 	}
 }
