@@ -188,19 +188,28 @@ func remoteMessage(err error) string {
 func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
 	why := f.Err()
 	// The channel closes as QEMU ends, a moment before libvirt says so.
+	// A removed box is stopped first, then undefined: a box seen stopped
+	// is said stopped only if it is still there a second later.
 	deadline := time.Now().Add(5 * time.Second)
+	var stoppedAt time.Time
+	state := ""
 	for {
 		b, err := h.Get(name)
 		switch {
 		case errors.Is(err, domain.ErrNotFound):
 			return fmt.Errorf("box %q was removed: port forwarding ended", name)
 		case err == nil && b.State != "running":
-			return fmt.Errorf("box %q is %s: port forwarding ended", name, b.State)
+			if stoppedAt.IsZero() {
+				stoppedAt, state = time.Now(), b.State
+			}
+		}
+		if !stoppedAt.IsZero() && time.Since(stoppedAt) > time.Second {
+			return fmt.Errorf("box %q is %s: port forwarding ended", name, state)
 		}
 		if time.Now().After(deadline) {
 			break
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
 	}
 	return fmt.Errorf("box %q: the agent connection ended (%v): port forwarding ended", name, why)
 }
