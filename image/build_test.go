@@ -52,18 +52,6 @@ func TestRunToolErrorHasTail(t *testing.T) {
 	}
 }
 
-func TestClearRootPassword(t *testing.T) {
-	p := filepath.Join(t.TempDir(), "shadow")
-	os.WriteFile(p, []byte("root:*:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"), 0o640)
-	if err := clearRootPassword(p); err != nil {
-		t.Fatal(err)
-	}
-	b, _ := os.ReadFile(p)
-	if string(b) != "root::19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n" {
-		t.Errorf("shadow %q", b)
-	}
-}
-
 func TestMounts(t *testing.T) {
 	if got := unescapeMount(`/a\040b/c`); got != "/a b/c" {
 		t.Errorf("unescape: %q", got)

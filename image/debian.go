@@ -1,7 +1,6 @@
 package image
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -96,29 +95,9 @@ func EnsureDebian(ctx context.Context, s Store, o DebianOptions) (Image, error) 
 // build registers nothing.
 func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built bool, err error) {
 	o.defaults()
-	if err := domain.ValidName(o.Name); err != nil {
-		return Image{}, false, err
-	}
-	if os.Geteuid() != 0 {
-		return Image{}, false, fmt.Errorf("%w: building an image needs root (debootstrap, chroot, root-owned files)", domain.ErrUnavailable)
-	}
-	if !o.Force {
-		if im, err := s.Get(o.Name); err == nil {
-			if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
-				o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
-			}
-			return im, false, nil
-		}
-	}
-	if err := requireTools(map[string]string{
-		"debootstrap": "debootstrap", "unshare": "util-linux", "mkfs.ext4": "e2fsprogs",
-		"qemu-img": "qemu-utils", "xz": "xz-utils", "chroot": "coreutils",
-	}); err != nil {
-		return Image{}, false, fmt.Errorf("%w: %v", domain.ErrUnavailable, err)
-	}
-	agent, err := FindAgent(o.Agent)
-	if err != nil {
-		return Image{}, false, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+	agent, im, have, err := checkBuild(s, o)
+	if err != nil || have {
+		return im, false, err
 	}
 	if err := os.MkdirAll(s.Dir, 0o755); err != nil {
 		return Image{}, false, err
@@ -149,40 +128,12 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 
 	// 1. debootstrap
 	p.Printf("building image %s: Debian %s from %s, kvbox-agent %s\n", o.Name, o.Suite, o.Mirror, agent)
-	pkgs := DebianPackages
-	if o.SSH {
-		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
-	}
-	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
-	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
-		"--include=" + strings.Join(pkgs, ","), "--components=main"}
-	if err := preseedInitramfs(root); err != nil {
-		return Image{}, false, st.End(err)
-	}
-	if err := writeFiles(root, map[string]string{"etc/dpkg/dpkg.cfg.d/kvbox-slim": dpkgSlim}); err != nil {
-		return Image{}, false, st.End(err)
-	}
-	if o.CacheDir != "-" {
-		if err := os.MkdirAll(o.CacheDir, 0o755); err != nil {
-			return Image{}, false, st.End(err)
-		}
-		args = append(args, "--cache-dir="+o.CacheDir)
-	}
-	args = append(args, o.Suite, root, o.Mirror)
-	// A private mount namespace: whatever debootstrap mounts in the
-	// target (proc, sys, devpts) goes away with it, even if it is killed.
-	if err := st.End(runTool(ctx, st, nil, "unshare", args...)); err != nil {
-		if ctx.Err() != nil {
-			return Image{}, false, fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
-		}
-		if strings.Contains(err.Error(), "Failed getting release file") {
-			return Image{}, false, fmt.Errorf("%w: cannot download from %s: building an image needs that mirror (run kvbox images build outside a network namespace without an uplink): %v", domain.ErrUnavailable, o.Mirror, err)
-		}
-		return Image{}, false, fmt.Errorf("debootstrap: %w", err)
+	if err := debootstrap(ctx, p, root, o); err != nil {
+		return Image{}, false, err
 	}
 
 	// 2. configure the guest
-	st = p.Start("configure: agent service, modules, network to the agent")
+	st := p.Start("configure: agent service, modules, network to the agent")
 	kver, err := configureDebian(ctx, st, root, agent, o)
 	if err := st.End(err); err != nil {
 		return Image{}, false, fmt.Errorf("configure: %w", err)
@@ -218,6 +169,73 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
 		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(used))
 	return im, true, nil
+}
+
+// checkBuild checks the options and the host before a build, and returns
+// the agent to put in the image, or the image when it is built already
+// (have) and no --force asks for another.
+func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, err error) {
+	if err := domain.ValidName(o.Name); err != nil {
+		return "", Image{}, false, err
+	}
+	if os.Geteuid() != 0 {
+		return "", Image{}, false, fmt.Errorf("%w: building an image needs root (debootstrap, chroot, root-owned files)", domain.ErrUnavailable)
+	}
+	if !o.Force {
+		if im, err := s.Get(o.Name); err == nil {
+			if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
+				o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
+			}
+			return "", im, true, nil
+		}
+	}
+	if err := requireTools(map[string]string{
+		"debootstrap": "debootstrap", "unshare": "util-linux", "mkfs.ext4": "e2fsprogs",
+		"qemu-img": "qemu-utils", "xz": "xz-utils", "chroot": "coreutils",
+	}); err != nil {
+		return "", Image{}, false, fmt.Errorf("%w: %v", domain.ErrUnavailable, err)
+	}
+	if agent, err = FindAgent(o.Agent); err != nil {
+		return "", Image{}, false, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+	}
+	return agent, Image{}, false, nil
+}
+
+// debootstrap makes the image's root filesystem in root: Debian's minbase
+// with kvbox's packages, in a private mount namespace, so whatever
+// debootstrap mounts in the target (proc, sys, devpts) goes away with it,
+// even if it is killed.
+func debootstrap(ctx context.Context, p *Progress, root string, o DebianOptions) error {
+	pkgs := DebianPackages
+	if o.SSH {
+		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
+	}
+	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
+	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
+		"--include=" + strings.Join(pkgs, ","), "--components=main"}
+	if err := preseedInitramfs(root); err != nil {
+		return st.End(err)
+	}
+	if err := writeFiles(root, map[string]string{"etc/dpkg/dpkg.cfg.d/kvbox-slim": dpkgSlim}); err != nil {
+		return st.End(err)
+	}
+	if o.CacheDir != "-" {
+		if err := os.MkdirAll(o.CacheDir, 0o755); err != nil {
+			return st.End(err)
+		}
+		args = append(args, "--cache-dir="+o.CacheDir)
+	}
+	args = append(args, o.Suite, root, o.Mirror)
+	if err := st.End(runTool(ctx, st, nil, "unshare", args...)); err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
+		}
+		if strings.Contains(err.Error(), "Failed getting release file") {
+			return fmt.Errorf("%w: cannot download from %s: building an image needs that mirror (run kvbox images build outside a network namespace without an uplink): %v", domain.ErrUnavailable, o.Mirror, err)
+		}
+		return fmt.Errorf("debootstrap: %w", err)
+	}
+	return nil
 }
 
 // The kvbox-agent unit: early (a box is ready when the agent answers), no
@@ -390,11 +408,9 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 	if err != nil {
 		return "", err
 	}
-	// root: no password (console login; kvbox exec and connect go through
-	// the agent).
-	if err := clearRootPassword(p("etc/shadow")); err != nil {
-		return "", err
-	}
+	// root keeps debootstrap's locked password ("*"): kvbox exec and
+	// connect go through the agent, and no user in the box can su to root
+	// without one.
 
 	kver, err = kernelVersion(root)
 	if err != nil {
@@ -440,23 +456,6 @@ func kernelVersion(root string) (string, error) {
 	}
 	sort.Strings(m)
 	return strings.TrimPrefix(filepath.Base(m[len(m)-1]), "vmlinuz-"), nil
-}
-
-func clearRootPassword(shadow string) error {
-	b, err := os.ReadFile(shadow)
-	if err != nil {
-		return err
-	}
-	var out bytes.Buffer
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		f := strings.Split(sc.Text(), ":")
-		if len(f) > 2 && f[0] == "root" {
-			f[1] = ""
-		}
-		out.WriteString(strings.Join(f, ":") + "\n")
-	}
-	return os.WriteFile(shadow, out.Bytes(), 0o640)
 }
 
 // extractBoot copies the kernel and initrd out of root/boot into work. The

@@ -99,4 +99,8 @@ func TestDebianImage(t *testing.T) {
 	if s := strings.TrimSpace(inBox(t, n, "systemctl is-active kvbox-agent")); s != "active" {
 		t.Errorf("kvbox-agent service is %q", s)
 	}
+	// root's password is locked: no user in the box can su to root.
+	if pw := strings.TrimSpace(inBox(t, n, "getent shadow root | cut -d: -f2")); pw != "*" && !strings.HasPrefix(pw, "!") {
+		t.Errorf("root's password field is %q, want locked (* or !)", pw)
+	}
 }
