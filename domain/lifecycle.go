@@ -97,7 +97,7 @@ func (h *Host) CreateTimed(ctx context.Context, s Spec) (Box, step.Timings, erro
 	if err := s.Validate(); err != nil {
 		return Box{}, nil, err
 	}
-	if err := h.Net.Ensure(); err != nil {
+	if err := h.EnsureNetwork(); err != nil {
 		return Box{}, nil, err
 	}
 	c := &Creation{Host: h, Name: s.Name, AgentTimeout: s.AgentTimeout}
@@ -319,7 +319,7 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	return Render(h.Template, TemplateData{
 		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
-		Bridge: meta.Bridge, MAC: meta.MAC, ConsoleLog: filepath.Join(meta.Dir, "console.log"),
+		Bridge: meta.Bridge, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
 		DACLabel: dac,
 	})
@@ -413,7 +413,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	if b.State != "stopped" && b.State != "crashed" {
 		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
 	}
-	if err := h.Net.Ensure(); err != nil {
+	if err := h.EnsureNetwork(); err != nil {
 		return Box{}, err
 	}
 	// The file still holds the RAM of the last run when an operator shut

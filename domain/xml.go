@@ -29,6 +29,8 @@ type TemplateData struct {
 	Disk        string
 	Bridge      string
 	MAC         string
+	IP          string // the box's address, pinned by the port filter
+	Filter      string // kvbox's libvirt network filter (network.FilterName)
 	ConsoleLog  string
 	AgentPorts  []AgentPort
 	Vsock       bool
@@ -48,7 +50,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
 	}
 	e := d
-	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.MAC, &e.ConsoleLog} {
+	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
 		*s = html.EscapeString(*s)
 	}
 	e.AgentPorts = nil
@@ -70,7 +72,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 	if err := checkRendered(b.String(), e); err != nil {
 		return "", err
 	}
-	return b.String(), nil
+	return filterInterfaces(b.String(), d)
 }
 
 // checkRendered refuses a domain an operator's template rendered without

@@ -16,7 +16,7 @@ func testData() TemplateData {
 	return TemplateData{
 		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
 		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
-		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", ConsoleLog: "/b/x/console.log",
+		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Filter: "kvbox-box-v1", ConsoleLog: "/b/x/console.log",
 		AgentPorts: AgentSockets("/b/x"), QemuArgs: SharedRAMArgs(256<<20, "/b/x/memory"),
 	}
 }
@@ -120,5 +120,42 @@ func TestSharedRAMArgsEscapeCommas(t *testing.T) {
 	got := SharedRAMArgs(1<<20, "/var/lib/a,b/memory")
 	if got[1] != "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=/var/lib/a,,b/memory,share=on" || got[3] != "memory-backend=kvbox.ram" {
 		t.Errorf("SharedRAMArgs = %q", got)
+	}
+}
+
+// Every interface carries kvbox's port filter with the box's address on an
+// isolated port: the built-in template has them, an operator's template
+// without them gets them, one that points elsewhere is refused.
+func TestRenderFiltersInterfaces(t *testing.T) {
+	out, err := Render(templates.Box, testData())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"<filterref filter='kvbox-box-v1'>", "<parameter name='IP' value='172.30.0.2'/>", "<port isolated='yes'/>"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("built-in template lacks %q", want)
+		}
+	}
+	bare := strings.Replace(templates.Box, "<filterref filter='{{.Filter}}'>", "<!--", 1)
+	bare = strings.Replace(bare, "</filterref>", "-->", 1)
+	bare = strings.Replace(bare, "<port isolated='yes'/>", "", 1)
+	out, err = Render(bare, testData())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`<filterref filter="kvbox-box-v1">`, `<parameter name="IP" value="172.30.0.2">`, `<port isolated="yes">`, "mem-path=/b/x/memory,share=on"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("an operator template without the filter: rendered XML lacks %q\n%s", want, out)
+		}
+	}
+	for name, tmpl := range map[string]string{
+		"other filter": strings.Replace(templates.Box, "filter='{{.Filter}}'", "filter='clean-traffic'", 1),
+		"other IP":     strings.Replace(templates.Box, "value='{{.IP}}'", "value='172.30.0.3'", 1),
+		"user NIC":     strings.Replace(templates.Box, "</devices>", "<interface type='user'><model type='virtio'/></interface></devices>", 1),
+		"other bridge": strings.Replace(templates.Box, "<source bridge='{{.Bridge}}'/>", "<source bridge='virbr0'/>", 1),
+	} {
+		if _, err := Render(tmpl, testData()); !errors.Is(err, ErrInvalid) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("%s: rendered or not one clear line: %v", name, err)
+		}
 	}
 }

@@ -44,8 +44,16 @@ func Parse(bridge, subnet string) (Config, error) {
 func (c Config) Gateway() netip.Addr { return c.Subnet.Masked().Addr().Next() }
 
 // Ensure creates the bridge with the gateway address if it is missing, brings
-// it up, and sets up NAT where the host has a default route.
-func (c Config) Ensure() error {
+// it up, puts kvbox's firewall in place, and sets up NAT where the host has a
+// default route.
+func (c Config) Ensure() error { return c.ensure(hasUplink()) }
+
+// EnsureNAT is Ensure with NAT whether or not the host has a default route
+// (an uplink reached through more specific routes); NAT stays until the
+// network is removed.
+func (c Config) EnsureNAT() error { return c.ensure(true) }
+
+func (c Config) ensure(nat bool) error {
 	link, err := netlink.LinkByName(c.Bridge)
 	if err != nil {
 		var nf netlink.LinkNotFoundError
@@ -67,11 +75,30 @@ func (c Config) Ensure() error {
 	if err := netlink.AddrAdd(link, gw); err != nil && !errors.Is(err, os.ErrExist) {
 		return fmt.Errorf("add %s to %s: %w", gw.IPNet, c.Bridge, err)
 	}
+	// The host takes no IPv6 router advertisement, nor any IPv6 address,
+	// from the bridge (boxes' IPv6 is also dropped by the port filter). A
+	// kernel without IPv6 has no such files.
+	for _, k := range []string{"accept_ra", "autoconf", "disable_ipv6"} {
+		v := "0\n"
+		if k == "disable_ipv6" {
+			v = "1\n"
+		}
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+c.Bridge+"/"+k, []byte(v), 0o644); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("IPv6 off on %s: %w", c.Bridge, err)
+		}
+	}
 	if err := netlink.LinkSetUp(link); err != nil {
 		return fmt.Errorf("bring %s up: %w", c.Bridge, err)
 	}
-	if hasUplink() {
-		return c.ensureNAT()
+	ipt, err := iptables.New()
+	if err != nil {
+		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+	}
+	if err := c.ensureFirewall(ipt); err != nil {
+		return err
+	}
+	if nat {
+		return c.ensureNAT(ipt)
 	}
 	return nil
 }
@@ -83,6 +110,8 @@ type Status struct {
 	Gateway string `json:"gateway"`
 	Present bool   `json:"present"` // the bridge exists
 	NAT     bool   `json:"nat"`     // kvbox's masquerade rule is in place
+	// Firewall: kvbox's isolation chains for this bridge are in place.
+	Firewall bool `json:"firewall"`
 }
 
 // Status reads the state of the network on this host.
@@ -92,8 +121,8 @@ func (c Config) Status() Status {
 		st.Present = true
 	}
 	if ipt, err := iptables.New(); err == nil {
-		r := c.natRules()[0]
-		st.NAT, _ = ipt.Exists(r.table, r.chain, r.spec...)
+		_, st.NAT = c.natRule(ipt)
+		st.Firewall, _ = ipt.ChainExists("filter", c.fwdChain())
 	}
 	return st
 }
@@ -102,13 +131,12 @@ func (c Config) Status() Status {
 func (c Config) Remove() error {
 	var errs []error
 	if ipt, err := iptables.New(); err == nil {
-		for _, r := range c.natRules() {
-			if ok, _ := ipt.Exists(r.table, r.chain, r.spec...); ok {
-				if err := ipt.Delete(r.table, r.chain, r.spec...); err != nil {
-					errs = append(errs, err)
-				}
-			}
+		if err := c.removeNAT(ipt); err != nil {
+			errs = append(errs, fmt.Errorf("NAT for %s: %w", c.Bridge, err))
 		}
+		errs = append(errs, c.removeFirewall(ipt)...)
+	} else {
+		errs = append(errs, err)
 	}
 	if link, err := netlink.LinkByName(c.Bridge); err == nil {
 		if err := netlink.LinkDel(link); err != nil {
@@ -121,32 +149,6 @@ func (c Config) Remove() error {
 type rule struct {
 	table, chain string
 	spec         []string
-}
-
-func (c Config) natRules() []rule {
-	sub := c.Subnet.String()
-	comment := []string{"-m", "comment", "--comment", "kvbox " + c.Bridge}
-	return []rule{
-		{"nat", "POSTROUTING", append([]string{"-s", sub, "!", "-o", c.Bridge, "-j", "MASQUERADE"}, comment...)},
-		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-s", sub, "-j", "ACCEPT"}, comment...)},
-		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-d", sub, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}, comment...)},
-	}
-}
-
-func (c Config) ensureNAT() error {
-	ipt, err := iptables.New()
-	if err != nil {
-		return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
-	}
-	for _, r := range c.natRules() {
-		if err := ipt.AppendUnique(r.table, r.chain, r.spec...); err != nil {
-			return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
-		}
-	}
-	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1\n"), 0o644); err != nil {
-		return fmt.Errorf("enable IPv4 forwarding: %w", err)
-	}
-	return nil
 }
 
 // hasUplink reports whether this network namespace has an IPv4 default route.
@@ -226,7 +228,12 @@ func ClosePort(tap string) error {
 	return nil
 }
 
-// OpenPort attaches a box's tap device to the bridge and brings it up.
+// OpenPort attaches a box's tap device to the bridge as an isolated port
+// and brings it up. A new bridge port starts with the kernel's defaults
+// (not isolated), so the tap is down until the flag is set: not one frame
+// passes between boxes meanwhile. libvirt sets the flag itself for a box
+// it attaches (<port isolated='yes'/>); this is for a clone's port, which
+// kvbox re-attaches.
 func (c Config) OpenPort(tap string) error {
 	link, err := netlink.LinkByName(tap)
 	if err != nil {
@@ -236,8 +243,15 @@ func (c Config) OpenPort(tap string) error {
 	if err != nil {
 		return fmt.Errorf("open port %s: bridge %s: %w", tap, c.Bridge, err)
 	}
+	if err := netlink.LinkSetDown(link); err != nil {
+		return fmt.Errorf("open port %s: %w", tap, err)
+	}
 	if err := netlink.LinkSetMaster(link, br); err != nil {
 		return fmt.Errorf("open port %s on %s: %w", tap, c.Bridge, err)
+	}
+	if err := netlink.LinkSetIsolated(link, true); err != nil {
+		netlink.LinkSetNoMaster(link)
+		return fmt.Errorf("open port %s on %s: isolate it: %w", tap, c.Bridge, err)
 	}
 	return netlink.LinkSetUp(link)
 }

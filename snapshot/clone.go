@@ -39,7 +39,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	if err != nil {
 		return domain.Box{}, nil, fmt.Errorf("snapshot %q: %w", snap.Name, err)
 	}
-	if err := h.Net.Ensure(); err != nil {
+	if err := h.EnsureNetwork(); err != nil {
 		return domain.Box{}, nil, err
 	}
 	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout}}

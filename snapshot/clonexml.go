@@ -12,6 +12,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/network"
 )
 
 // ramID is the id of the memory backend kvbox puts a box's RAM in.
@@ -219,7 +220,9 @@ func cloneDisk(devs *libvirtxml.DomainDeviceList, disk string) error {
 }
 
 // cloneInterface gives the box's interface the clone's MAC and bridge and
-// forgets the source's tap.
+// forgets the source's tap. Its port filter pins the clone's own MAC and
+// address, never the source's: a clone whose agent lies and keeps the
+// source's identity gets not one frame through.
 func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 	if len(devs.Interfaces) != 1 {
 		return fmt.Errorf("%w: the snapshot's domain has %d network interfaces; a kvbox box has one", domain.ErrInvalid, len(devs.Interfaces))
@@ -230,6 +233,12 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 	if m.Bridge != "" {
 		ifc.Source = &libvirtxml.DomainInterfaceSource{Bridge: &libvirtxml.DomainInterfaceSourceBridge{Bridge: m.Bridge}}
 	}
+	if m.IP == "" {
+		return fmt.Errorf("%w: clone XML: the clone has no address for its port filter", domain.ErrInvalid)
+	}
+	ifc.FilterRef = &libvirtxml.DomainInterfaceFilterRef{Filter: network.FilterName,
+		Parameters: []libvirtxml.DomainInterfaceFilterParam{{Name: "IP", Value: m.IP}}}
+	ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
 	return nil
 }
 

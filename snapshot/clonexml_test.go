@@ -14,6 +14,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/network"
 )
 
 // testdata/domain-migratable.xml is `virsh dumpxml --migratable` of a tiny
@@ -120,6 +121,12 @@ func TestCloneXML(t *testing.T) {
 			if ifc.MAC.Address != "52:54:00:aa:bb:cc" || ifc.Target != nil || ifc.Source.Bridge.Bridge != "kvbox0" ||
 				!reflect.DeepEqual(ifc.Address, src.Devices.Interfaces[0].Address) {
 				t.Errorf("interface: %+v", ifc)
+			}
+			// The port filter pins the clone's address, not the source's.
+			if f := ifc.FilterRef; f == nil || f.Filter != network.FilterName || len(f.Parameters) != 1 ||
+				f.Parameters[0] != (libvirtxml.DomainInterfaceFilterParam{Name: "IP", Value: "172.30.0.9"}) ||
+				ifc.PortOptions == nil || ifc.PortOptions.Isolated != "yes" {
+				t.Errorf("interface filter %+v, port %+v", ifc.FilterRef, ifc.PortOptions)
 			}
 			want := domain.AgentSockets(dir)
 			if len(d.Devices.Channels) != len(want) {

@@ -4,7 +4,6 @@ package testenv
 
 import (
 	"encoding/json"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -63,10 +62,9 @@ func TestCountClones(t *testing.T) {
 			}
 		}
 	}
-	// The clones reach each other: each pings the next.
-	for i, x := range res {
-		next := res[(i+1)%len(res)]
-		inBox(t, x.Name, fmt.Sprintf("ping -c 1 -W 5 %s >/dev/null", next.IP))
+	// Each clone answers on its own address (boxes cannot reach each other).
+	for _, x := range res {
+		hostPing(t, x.IP)
 	}
 
 	// One name of the next --count is taken (prefix-2 of a new prefix):

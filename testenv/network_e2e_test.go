@@ -34,13 +34,13 @@ func TestNetworkNATWithUplink(t *testing.T) {
 
 	kv := []string{kvboxBin, "--bridge", "kvnat0", "--subnet", "172.31.250.0/24", "--state-dir", t.TempDir()}
 	var st struct {
-		Present, NAT bool
-		Gateway      string
+		Present, NAT, Firewall bool
+		Gateway                string
 	}
 	if err := json.Unmarshal([]byte(in(append(kv, "network", "up", "--json")...)), &st); err != nil {
 		t.Fatal(err)
 	}
-	if !st.Present || !st.NAT || st.Gateway != "172.31.250.1" {
+	if !st.Present || !st.NAT || !st.Firewall || st.Gateway != "172.31.250.1" {
 		t.Errorf("network up: %+v", st)
 	}
 	nat := in("iptables", "-t", "nat", "-S", "POSTROUTING")
@@ -58,6 +58,10 @@ func TestNetworkNATWithUplink(t *testing.T) {
 	in(append(kv, "network", "rm")...)
 	if rules := in("iptables-save"); strings.Contains(rules, "kvnat0") {
 		t.Errorf("rules left after network rm:\n%s", rules)
+	}
+	// A new namespace forwards nothing: rm puts that back.
+	if fwd := in("cat", "/proc/sys/net/ipv4/ip_forward"); strings.TrimSpace(fwd) != "0" {
+		t.Errorf("ip_forward = %s after network rm, was 0 before up", fwd)
 	}
 	if out, err := exec.Command("ip", "netns", "exec", ns, "ip", "link", "show", "kvnat0").CombinedOutput(); err == nil {
 		t.Errorf("bridge left after network rm: %s", out)

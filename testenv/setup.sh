@@ -15,11 +15,13 @@ require_root
 
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
 # are too old for kvbox (see DESIGN.md), so "installed" is not enough for them.
-BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libvirt-dev"
+# libvirt-daemon-driver-nwfilter applies kvbox's port filter with ebtables/iptables (the
+# iptables package ships ebtables-nft on Debian 12 and 13).
+BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
 BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
-	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
+	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-daemon-driver-nwfilter]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
 )
 
 pkg_ok() { # pkg_ok PKG: installed (and new enough if it has a minimum)

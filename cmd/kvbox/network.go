@@ -14,23 +14,29 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Use:   "network",
 		Short: "Show, set up or remove kvbox's bridge and NAT rules",
 	}
-	c.AddCommand(&cobra.Command{
+	up := &cobra.Command{
 		Use:     "up",
-		Short:   "Create the bridge (and NAT where the host has an uplink); kvbox new does this too",
-		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up",
+		Short:   "Create the bridge and its firewall (and NAT where the host has a default route); kvbox new does this too",
+		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up --nat",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
 			nc, err := a.network()
 			if err != nil {
 				return err
 			}
-			if err := nc.Ensure(); err != nil {
+			ensure := nc.Ensure
+			if nat, _ := c.Flags().GetBool("nat"); nat {
+				ensure = nc.EnsureNAT
+			}
+			if err := ensure(); err != nil {
 				return err
 			}
 			asJSON, _ := c.Flags().GetBool("json")
 			return a.printNetwork(nc, asJSON)
 		},
-	}, &cobra.Command{
+	}
+	up.Flags().Bool("nat", false, "NAT even without a default route (the uplink is reached through other routes); kept until network rm")
+	c.AddCommand(up, &cobra.Command{
 		Use:     "show",
 		Short:   "Show the bridge, its subnet and whether NAT is on",
 		Example: "  kvbox network show --json",

@@ -1,0 +1,288 @@
+package network
+
+import (
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/coreos/go-iptables/iptables"
+)
+
+// Boxes reach the internet through the NAT and nothing else. kvbox's
+// rules live in chains of their own, one pair per bridge, jumped to from
+// the top of INPUT and FORWARD; `network rm` deletes the jumps and the
+// chains and never touches another rule.
+
+func (c Config) inChain() string  { return "KVBOX-IN-" + c.Bridge }
+func (c Config) fwdChain() string { return "KVBOX-FWD-" + c.Bridge }
+
+// Blocked are the destinations a box never reaches through the host:
+// private ranges (the host's LAN, other bridges, other boxes' subnets),
+// shared address space (carrier-grade NAT), link-local (a cloud's metadata
+// service at 169.254.169.254), loopback, "this network", multicast and
+// reserved space.
+var Blocked = []netip.Prefix{
+	netip.MustParsePrefix("0.0.0.0/8"),
+	netip.MustParsePrefix("10.0.0.0/8"),
+	netip.MustParsePrefix("100.64.0.0/10"),
+	netip.MustParsePrefix("127.0.0.0/8"),
+	netip.MustParsePrefix("169.254.0.0/16"),
+	netip.MustParsePrefix("172.16.0.0/12"),
+	netip.MustParsePrefix("192.168.0.0/16"),
+	netip.MustParsePrefix("224.0.0.0/3"),
+}
+
+func (c Config) jumps() []rule {
+	comment := c.comment()
+	return []rule{
+		{"filter", "INPUT", append([]string{"-i", c.Bridge, "-j", c.inChain()}, comment...)},
+		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-j", c.fwdChain()}, comment...)},
+		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-j", c.fwdChain()}, comment...)},
+	}
+}
+
+func (c Config) comment() []string {
+	return []string{"-m", "comment", "--comment", "kvbox " + c.Bridge}
+}
+
+// inRules: a box talks to the host only in connections the host opened
+// (the host pings boxes, kvbox's tests connect to them). Boxes get their
+// address from kvbox and their resolvers are the host's own upstream
+// ones, so they need no service on the host.
+func (c Config) inRules(resolvers []netip.Addr) [][]string {
+	r := [][]string{{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}}
+	// A resolver may be one of the host's own addresses (a local dnsmasq).
+	r = append(r, dnsRules(c.Bridge, c.Subnet.String(), resolvers)...)
+	return append(r, []string{"-j", "DROP"})
+}
+
+func dnsRules(br, sub string, resolvers []netip.Addr) [][]string {
+	var r [][]string
+	for _, a := range resolvers {
+		for _, p := range []string{"udp", "tcp"} {
+			r = append(r, []string{"-i", br, "-s", sub, "-d", a.String() + "/32", "-p", p, "-m", p, "--dport", "53", "-j", "ACCEPT"})
+		}
+	}
+	return r
+}
+
+// fwdRules: frames bridged between two ports (handed to iptables where
+// br_netfilter is loaded) are left to the bridge, which isolates box ports
+// and filters each with kvbox's nwfilter; replies come back; nothing new
+// comes in; DNS to the host's resolvers passes even where they sit in a
+// private range (a cloud's resolver); blocked ranges are dropped; the rest
+// from the subnet goes out.
+func (c Config) fwdRules(resolvers []netip.Addr) [][]string {
+	br, sub := c.Bridge, c.Subnet.String()
+	r := [][]string{
+		{"-i", br, "-o", br, "-j", "ACCEPT"},
+		{"-o", br, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"},
+		{"-o", br, "-j", "DROP"},
+	}
+	r = append(r, dnsRules(br, sub, resolvers)...)
+	for _, p := range Blocked {
+		r = append(r, []string{"-i", br, "-d", p.String(), "-j", "DROP"})
+	}
+	return append(r,
+		[]string{"-i", br, "-s", sub, "-j", "ACCEPT"},
+		[]string{"-j", "DROP"},
+	)
+}
+
+// ensureChain makes chain hold exactly rules, in order. A chain already
+// right is left alone (no window without rules); one that differs (an
+// older kvbox, changed resolvers) is flushed and refilled.
+func ensureChain(ipt *iptables.IPTables, table, chain string, rules [][]string) error {
+	ok, err := ipt.ChainExists(table, chain)
+	if err != nil {
+		return err
+	}
+	if ok {
+		have, err := ipt.List(table, chain)
+		if err != nil {
+			return err
+		}
+		// have[0] is "-N CHAIN".
+		if len(have) == len(rules)+1 {
+			same := true
+			for _, spec := range rules {
+				if e, err := ipt.Exists(table, chain, spec...); err != nil || !e {
+					same = false
+					break
+				}
+			}
+			if same {
+				return nil
+			}
+		}
+	}
+	if err := ipt.ClearChain(table, chain); err != nil {
+		return err
+	}
+	for _, spec := range rules {
+		if err := ipt.Append(table, chain, spec...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ensureFirewall puts kvbox's chains and their jumps in place.
+func (c Config) ensureFirewall(ipt *iptables.IPTables) error {
+	resolvers := Resolvers()
+	if err := ensureChain(ipt, "filter", c.inChain(), c.inRules(resolvers)); err != nil {
+		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+	}
+	if err := ensureChain(ipt, "filter", c.fwdChain(), c.fwdRules(resolvers)); err != nil {
+		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+	}
+	for _, j := range c.jumps() {
+		ok, err := ipt.Exists(j.table, j.chain, j.spec...)
+		if err != nil {
+			return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+		}
+		if !ok {
+			// At the top: an ACCEPT of another firewall must not let a
+			// box past kvbox's rules.
+			if err := ipt.Insert(j.table, j.chain, 1, j.spec...); err != nil {
+				return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+			}
+		}
+	}
+	// An older kvbox accepted everything from the bridge in FORWARD.
+	for _, r := range c.legacyRules() {
+		deleteIfExists(ipt, r)
+	}
+	return nil
+}
+
+func (c Config) removeFirewall(ipt *iptables.IPTables) []error {
+	var errs []error
+	for _, r := range append(c.jumps(), c.legacyRules()...) {
+		if err := deleteIfExists(ipt, r); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, ch := range []string{c.inChain(), c.fwdChain()} {
+		if ok, _ := ipt.ChainExists("filter", ch); ok {
+			if err := ipt.ClearAndDeleteChain("filter", ch); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errs
+}
+
+func deleteIfExists(ipt *iptables.IPTables, r rule) error {
+	if ok, _ := ipt.Exists(r.table, r.chain, r.spec...); ok {
+		return ipt.Delete(r.table, r.chain, r.spec...)
+	}
+	return nil
+}
+
+// legacyRules are what kvbox before its isolation chains added.
+func (c Config) legacyRules() []rule {
+	sub := c.Subnet.String()
+	return []rule{
+		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-s", sub, "-j", "ACCEPT"}, c.comment()...)},
+		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-d", sub, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}, c.comment()...)},
+	}
+}
+
+// masquerade is the NAT rule. Its comment records what ip_forward was
+// before kvbox set it, so `network rm` can put it back: the record lives
+// exactly as long as the rule (both go at reboot). prev is "0", "1" or ""
+// (a rule an older kvbox made, without the record).
+func (c Config) masquerade(prev string) rule {
+	text := "kvbox " + c.Bridge
+	if prev != "" {
+		text += " ip_forward=" + prev
+	}
+	return rule{"nat", "POSTROUTING", []string{"-s", c.Subnet.String(), "!", "-o", c.Bridge, "-j", "MASQUERADE", "-m", "comment", "--comment", text}}
+}
+
+// natRule finds kvbox's masquerade rule for this bridge and what it
+// recorded.
+func (c Config) natRule(ipt *iptables.IPTables) (rule, bool) {
+	for _, prev := range []string{"0", "1", ""} {
+		r := c.masquerade(prev)
+		if ok, _ := ipt.Exists(r.table, r.chain, r.spec...); ok {
+			return r, true
+		}
+	}
+	return rule{}, false
+}
+
+const ipForward = "/proc/sys/net/ipv4/ip_forward"
+
+func (c Config) ensureNAT(ipt *iptables.IPTables) error {
+	if _, ok := c.natRule(ipt); !ok {
+		b, err := os.ReadFile(ipForward)
+		if err != nil {
+			return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
+		}
+		prev := "0"
+		if strings.TrimSpace(string(b)) == "1" {
+			prev = "1"
+		}
+		r := c.masquerade(prev)
+		if err := ipt.Append(r.table, r.chain, r.spec...); err != nil {
+			return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
+		}
+	}
+	if err := os.WriteFile(ipForward, []byte("1\n"), 0o644); err != nil {
+		return fmt.Errorf("enable IPv4 forwarding: %w", err)
+	}
+	return nil
+}
+
+// removeNAT deletes the masquerade rule and, when kvbox turned forwarding
+// on and no other kvbox bridge still NATs, turns it off again.
+func (c Config) removeNAT(ipt *iptables.IPTables) error {
+	r, ok := c.natRule(ipt)
+	if !ok {
+		return nil
+	}
+	if err := ipt.Delete(r.table, r.chain, r.spec...); err != nil {
+		return err
+	}
+	if !slices.Contains(r.spec, "kvbox "+c.Bridge+" ip_forward=0") {
+		return nil
+	}
+	rules, err := ipt.List("nat", "POSTROUTING")
+	if err != nil {
+		return err
+	}
+	for _, l := range rules {
+		if strings.Contains(l, `--comment "kvbox `) && strings.Contains(l, "MASQUERADE") {
+			return nil // another kvbox bridge forwards still
+		}
+	}
+	return os.WriteFile(ipForward, []byte("0\n"), 0o644)
+}
+
+// Resolvers are the host's non-loopback nameservers, which boxes are
+// told to use.
+func Resolvers() []netip.Addr {
+	for _, f := range []string{"/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"} {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		var ns []netip.Addr
+		for _, line := range strings.Split(string(data), "\n") {
+			fl := strings.Fields(line)
+			if len(fl) >= 2 && fl[0] == "nameserver" {
+				if a, err := netip.ParseAddr(fl[1]); err == nil && a.Is4() && !a.IsLoopback() && !slices.Contains(ns, a) {
+					ns = append(ns, a)
+				}
+			}
+		}
+		if len(ns) > 0 {
+			return ns
+		}
+	}
+	return nil
+}

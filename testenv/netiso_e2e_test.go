@@ -1,0 +1,251 @@
+//go:build e2e
+
+package testenv
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// hostPing checks that the host side of the bridge (this namespace)
+// reaches a box.
+func hostPing(t *testing.T, ip string) {
+	t.Helper()
+	if out, err := exec.Command("ping", "-c", "1", "-W", "5", ip).CombinedOutput(); err != nil {
+		t.Errorf("ping %s from the namespace: %v\n%s", ip, err, out)
+	}
+}
+
+// isoNet is a kvbox bridge of this test's own with NAT to an "internet"
+// namespace, so no other test's bridge or firewall is touched.
+type isoNet struct {
+	br, sub, gw string
+	flags       []string // --bridge and --subnet for kvbox
+}
+
+const (
+	inetAddr    = "203.0.113.10"    // the "internet" server (a documentation range)
+	privateAddr = "10.99.0.10"      // a private-range server beyond the bridge
+	metaAddr    = "169.254.169.254" // a cloud's metadata service
+	hostPort    = "8081"            // a server of the host on the bridge's address
+)
+
+// setupIsoNet makes the bridge (network up --nat) and, beside this
+// namespace, a namespace that answers HTTP on inetAddr, privateAddr and
+// metaAddr, reached over a veth pair (192.0.2.0/24, nothing leaves the
+// test's namespaces). It has no route back to the bridge's subnet: only
+// NAT'd traffic gets answers. The host listens on the gateway address.
+func setupIsoNet(t *testing.T) isoNet {
+	t.Helper()
+	id := strings.TrimPrefix(runID, "e2e")
+	n := isoNet{br: "kvi" + id, sub: "172.31.251.0/24", gw: "172.31.251.1"}
+	n.flags = []string{"--bridge", n.br, "--subnet", n.sub}
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	ns := "kvbox-inet-" + runID
+	run("ip", "netns", "add", ns)
+	t.Cleanup(func() { exec.Command("ip", "netns", "del", ns).Run() })
+	in := func(args ...string) { t.Helper(); run(append([]string{"ip", "netns", "exec", ns}, args...)...) }
+	up, peer := "kvu"+id, "kvp"+id
+	run("ip", "link", "add", up, "type", "veth", "peer", "name", peer, "netns", ns)
+	t.Cleanup(func() { exec.Command("ip", "link", "del", up).Run() })
+	run("ip", "addr", "add", "192.0.2.1/24", "dev", up)
+	run("ip", "link", "set", up, "up")
+	in("ip", "link", "set", "lo", "up")
+	in("ip", "addr", "add", "192.0.2.2/24", "dev", peer)
+	in("ip", "link", "set", peer, "up")
+	for _, a := range []string{inetAddr, privateAddr, metaAddr} {
+		in("ip", "addr", "add", a+"/32", "dev", "lo")
+		run("ip", "route", "replace", a+"/32", "via", "192.0.2.2", "dev", up)
+	}
+	www := t.TempDir()
+	os.WriteFile(filepath.Join(www, "index.html"), []byte("beyond\n"), 0o644)
+	os.Chmod(www, 0o755)
+	httpd := exec.Command("ip", "netns", "exec", ns, "busybox", "httpd", "-f", "-p", "80", "-h", www)
+	if err := httpd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { httpd.Process.Kill(); httpd.Wait() })
+
+	t.Cleanup(func() { kvbox(t, append(n.flags, "network", "rm")...) })
+	var st struct{ Present, NAT, Firewall bool }
+	if err := json.Unmarshal([]byte(mustKvbox(t, append(n.flags, "network", "up", "--nat", "--json")...)), &st); err != nil {
+		t.Fatal(err)
+	}
+	if !st.Present || !st.NAT || !st.Firewall {
+		t.Fatalf("network up --nat: %+v", st)
+	}
+	l, err := net.Listen("tcp", n.gw+":"+hostPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, "host") })}
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	// Each server answers from here: a box that cannot reach one is held
+	// back by kvbox's rules, not by a broken test bench.
+	eventually(t, 10*time.Second, func() error {
+		for _, u := range []string{"http://" + inetAddr + "/", "http://" + privateAddr + "/", "http://" + metaAddr + "/", "http://" + n.gw + ":" + hostPort + "/"} {
+			if _, err := httpGet(u); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return n
+}
+
+// boxGet fetches url from inside a box: its body, or "" when it cannot.
+func boxGet(t *testing.T, n, url string) string {
+	t.Helper()
+	out := inBox(t, n, "timeout 5 wget -q -O - "+url+" 2>/dev/null || echo UNREACHABLE")
+	if strings.Contains(out, "UNREACHABLE") {
+		return ""
+	}
+	return strings.TrimSpace(out)
+}
+
+// boxPings reports whether a box gets an answer to a ping.
+func boxPings(t *testing.T, n, ip string) bool {
+	t.Helper()
+	return strings.TrimSpace(inBox(t, n, "ping -c 2 -W 2 "+ip+" >/dev/null 2>&1 && echo yes || echo no")) == "yes"
+}
+
+// By default a box reaches the internet through the NAT and nothing else:
+// not another box, not the host, not a private range or the metadata
+// address beyond the bridge. Spoofing its address, its MAC or the
+// gateway's ARP gets nothing onto the bridge, and a clone that keeps its
+// source's identity gets no traffic through.
+func TestNetworkIsolation(t *testing.T) {
+	n := setupIsoNet(t)
+	a := newBox(t, name(t, "isoa"), n.flags...)
+	b := newBox(t, name(t, "isob"), n.flags...)
+	inBox(t, a.Name, "mkdir -p /www && echo box-a > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1")
+	inet := "http://" + inetAddr + "/"
+
+	t.Run("internet", func(t *testing.T) {
+		for _, x := range []box{a, b} {
+			if got := boxGet(t, x.Name, inet); got != "beyond" {
+				t.Errorf("box %s cannot reach the internet server through the NAT: %q", x.Name, got)
+			}
+		}
+	})
+	t.Run("box to box", func(t *testing.T) {
+		if body, err := httpGet("http://" + a.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "box-a" {
+			t.Fatalf("the host cannot reach box a's server: %q %v", body, err)
+		}
+		if boxPings(t, b.Name, a.IP) {
+			t.Errorf("box b pings box a")
+		}
+		if got := boxGet(t, b.Name, "http://"+a.IP+":8080/"); got != "" {
+			t.Errorf("box b reaches box a's server: %q", got)
+		}
+	})
+	t.Run("host", func(t *testing.T) {
+		if got := boxGet(t, b.Name, "http://"+n.gw+":"+hostPort+"/"); got != "" {
+			t.Errorf("box b reaches the host's server on the bridge address: %q", got)
+		}
+		if boxPings(t, b.Name, n.gw) {
+			t.Errorf("box b pings the host")
+		}
+		hostPing(t, b.IP) // the host still reaches the box
+	})
+	t.Run("beyond the bridge", func(t *testing.T) {
+		for _, addr := range []string{metaAddr, privateAddr} {
+			if got := boxGet(t, b.Name, "http://"+addr+"/"); got != "" {
+				t.Errorf("box b reaches http://%s/: %q", addr, got)
+			}
+		}
+	})
+
+	t.Run("spoofing", func(t *testing.T) {
+		hostPing(t, a.IP) // the host knows a's MAC
+		// Everything b sends below is spoofed: a frame of it on the
+		// bridge (the host's side of every port) means it got through.
+		stop := capture(t, "-i", n.br, fmt.Sprintf("ether src 52:54:00:de:ad:01 or (ether src %s and not ((ip and src host %s) or (arp and arp[14:4] = %s)))", b.MAC, b.IP, hexIP(b.IP)))
+		out := inBox(t, b.Name, strings.Join([]string{
+			// take a's address
+			"ip addr flush dev eth0", "ip addr add " + a.IP + "/24 dev eth0", "ip route add default via " + n.gw,
+			"timeout 4 wget -q -O - " + inet + " && echo GOT-THROUGH-AS-A",
+			"arping -c 2 -U -I eth0 -s " + a.IP + " " + a.IP,
+			// claim the gateway
+			"arping -c 2 -U -I eth0 -s " + n.gw + " " + n.gw,
+			"arping -c 2 -A -I eth0 -s " + n.gw + " " + a.IP,
+			// back to its own address, another MAC
+			"ip addr flush dev eth0", "ip link set eth0 address 52:54:00:de:ad:01", "ip addr add " + b.IP + "/24 dev eth0",
+			"ip route add default via " + n.gw,
+			"timeout 4 wget -q -O - " + inet + " && echo GOT-THROUGH-WITH-MAC",
+			"ip link set eth0 address " + b.MAC,
+			// IPv6: link-local all-nodes
+			"ping -6 -c 2 -W 1 ff02::1%eth0",
+			"true",
+		}, " >/dev/null 2>&1; ")+" 2>&1")
+		if strings.Contains(out, "GOT-THROUGH") {
+			t.Errorf("spoofed traffic reached the internet server: %s", out)
+		}
+		var leaked []string
+		for _, l := range stop() {
+			if strings.TrimSpace(l) != "" {
+				leaked = append(leaked, l)
+			}
+		}
+		if lines := leaked; len(lines) > 0 {
+			t.Errorf("spoofed frames of box b reached the bridge: %q", lines)
+		}
+		neigh, _ := exec.Command("ip", "neigh", "show", a.IP, "dev", n.br).CombinedOutput()
+		if !strings.Contains(strings.ToLower(string(neigh)), strings.ToLower(a.MAC)) {
+			t.Errorf("the host's neighbour entry for box a is %q, want a's MAC %s", neigh, a.MAC)
+		}
+		if got := boxGet(t, a.Name, inet); got != "beyond" {
+			t.Errorf("box a lost its network after b's spoofing: %q", got)
+		}
+		// b, itself again, works: what failed was the spoofing.
+		if got := boxGet(t, b.Name, inet); got != "beyond" {
+			t.Errorf("box b, back to its own identity, cannot reach the internet: %q", got)
+		}
+	})
+
+	t.Run("clone keeping its source's identity", func(t *testing.T) {
+		snap := name(t, "isosnap")
+		t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+		mustKvbox(t, "snapshots", "new", a.Name, snap)
+		c := name(t, "isoclone")
+		t.Cleanup(func() { kvbox(t, "rm", "--force", c) })
+		mustKvbox(t, append([]string{"new", "--from", snap, c}, n.flags...)...)
+		cb := getBox(t, c)
+		// What an agent that refused the new identity would leave: the
+		// source's MAC and address.
+		out := inBox(t, c, strings.Join([]string{
+			"ip link set eth0 down", "ip link set eth0 address " + a.MAC, "ip link set eth0 up",
+			"ip addr flush dev eth0", "ip addr add " + a.IP + "/24 dev eth0", "ip route add default via " + n.gw,
+			"timeout 5 wget -q -O - " + inet + " && echo GOT-THROUGH-AS-SOURCE",
+			"ip link set eth0 down", "ip link set eth0 address " + cb.MAC, "ip link set eth0 up",
+			"ip addr flush dev eth0", "ip addr add " + cb.IP + "/24 dev eth0", "ip route add default via " + n.gw,
+			"true",
+		}, " >/dev/null 2>&1; ")+" 2>&1")
+		if strings.Contains(out, "GOT-THROUGH") {
+			t.Errorf("a clone with its source's MAC and address reached the internet server")
+		}
+		if got := boxGet(t, c, inet); got != "beyond" {
+			t.Errorf("the clone with its own identity cannot reach the internet: %q", got)
+		}
+	})
+}
+
+// hexIP is an IPv4 address as tcpdump's 32-bit literal.
+func hexIP(s string) string {
+	ip := net.ParseIP(s).To4()
+	return fmt.Sprintf("0x%02x%02x%02x%02x", ip[0], ip[1], ip[2], ip[3])
+}
