@@ -90,6 +90,9 @@ func (h *Host) Identity(b Box) agent.Identity {
 		DNS:       hostNameservers(),
 		MachineID: strings.ReplaceAll(b.UUID, "-", ""),
 	}
+	if b.IP == "" { // no network (--network none)
+		id.MAC, id.Address, id.Gateway, id.DNS = "", "", "", nil
+	}
 	return id
 }
 

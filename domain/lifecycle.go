@@ -41,6 +41,9 @@ type Spec struct {
 	Boot        Boot
 	// AgentTimeout bounds the wait for the agent's first answer.
 	AgentTimeout time.Duration
+	// NoNetwork: the box has no network interface at all (--network
+	// none); its agent still works over its own channel.
+	NoNetwork bool
 }
 
 // Validate checks a spec before anything is created.
@@ -130,6 +133,9 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
 		MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
 		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
+	}
+	if s.NoNetwork {
+		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge = "", 0, "", "", ""
 	}
 	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, SharedRAMArgs(s.MemoryBytes, MemoryFile(dir)))
 	if err != nil {

@@ -31,6 +31,9 @@ func filterInterfaces(x string, d TemplateData) (string, error) {
 	if dom.Devices == nil || len(dom.Devices.Interfaces) == 0 {
 		return x, nil
 	}
+	if d.Bridge == "" {
+		return "", fmt.Errorf("%w: domain template gives a box without network (--network none) an interface: wrap <interface> in {{if .Bridge}} ... {{end}}", ErrInvalid)
+	}
 	changed := false
 	for i := range dom.Devices.Interfaces {
 		ifc := &dom.Devices.Interfaces[i]

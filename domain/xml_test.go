@@ -148,6 +148,16 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 			t.Errorf("an operator template without the filter: rendered XML lacks %q\n%s", want, out)
 		}
 	}
+	// --network none: no interface; a template that adds one anyway is refused.
+	none := testData()
+	none.Bridge, none.MAC, none.IP = "", "", ""
+	if out, err := Render(templates.Box, none); err != nil || strings.Contains(out, "<interface") {
+		t.Errorf("--network none: %v\n%s", err, out)
+	}
+	always := strings.Replace(templates.Box, "{{- if .Bridge}}\n    <interface", "{{- if true}}\n    <interface", 1)
+	if _, err := Render(always, none); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "--network none") {
+		t.Errorf("a template with an interface for a --network none box: %v", err)
+	}
 	for name, tmpl := range map[string]string{
 		"other filter": strings.Replace(templates.Box, "filter='{{.Filter}}'", "filter='clean-traffic'", 1),
 		"other IP":     strings.Replace(templates.Box, "value='{{.IP}}'", "value='172.30.0.3'", 1),

@@ -64,7 +64,7 @@ func (cl *cloning) plan() step.Plan {
 			step.Step{Name: "resume", Do: cl.resume},
 		).
 		After("identify",
-			step.Step{Name: "open-port", Do: func(context.Context) error { return c.Host.Net.OpenPort(c.Box.Tap) }},
+			step.Step{Name: "open-port", Do: cl.openPort},
 			step.Step{Name: "persist", Do: cl.persist},
 		)
 }
@@ -104,6 +104,9 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		Gateway: h.Net.Gateway().String(), MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
+	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
+		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge = "", 0, "", "", ""
+	}
 	cl.spec = CloneXMLSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
 		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
@@ -125,10 +128,20 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 // (gratuitous ARP with the source's MAC and IP), and QEMU announces when
 // the incoming migration ends.
 func (cl *cloning) closePort(context.Context) error {
+	if cl.spec.Meta.Bridge == "" {
+		return nil // a box without network: no port
+	}
 	if cl.c.Box.Tap == "" {
 		return fmt.Errorf("clone %q has no network port to close", cl.c.Name)
 	}
 	return network.ClosePort(cl.c.Box.Tap)
+}
+
+func (cl *cloning) openPort(context.Context) error {
+	if cl.spec.Meta.Bridge == "" {
+		return nil
+	}
+	return cl.c.Host.Net.OpenPort(cl.c.Box.Tap)
 }
 
 func (cl *cloning) load(ctx context.Context) error {

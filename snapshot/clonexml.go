@@ -60,8 +60,8 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	if err := d.Unmarshal(src); err != nil {
 		return "", fmt.Errorf("parse the snapshot's domain XML: %w", err)
 	}
-	if s.Name == "" || s.Meta.Dir == "" || s.Disk == "" || s.MemPath == "" || s.Meta.MAC == "" {
-		return "", fmt.Errorf("%w: clone XML: name, dir, disk, memory path and MAC are required", domain.ErrInvalid)
+	if s.Name == "" || s.Meta.Dir == "" || s.Disk == "" || s.MemPath == "" {
+		return "", fmt.Errorf("%w: clone XML: name, dir, disk and memory path are required", domain.ErrInvalid)
 	}
 	d.ID = nil
 	d.Name = s.Name
@@ -224,6 +224,12 @@ func cloneDisk(devs *libvirtxml.DomainDeviceList, disk string) error {
 // address, never the source's: a clone whose agent lies and keeps the
 // source's identity gets not one frame through.
 func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
+	if len(devs.Interfaces) == 0 && m.Bridge == "" && m.MAC == "" {
+		return nil // a box without network (--network none)
+	}
+	if m.MAC == "" {
+		return fmt.Errorf("%w: clone XML: the clone has no MAC", domain.ErrInvalid)
+	}
 	if len(devs.Interfaces) != 1 {
 		return fmt.Errorf("%w: the snapshot's domain has %d network interfaces; a kvbox box has one", domain.ErrInvalid, len(devs.Interfaces))
 	}
@@ -445,4 +451,11 @@ func stripRuntime(v reflect.Value) {
 			stripRuntime(v.Index(i))
 		}
 	}
+}
+
+// hasInterface reports whether a domain XML has a network interface (a box
+// made with --network none has none).
+func hasInterface(domXML string) bool {
+	var d libvirtxml.Domain
+	return d.Unmarshal(domXML) == nil && d.Devices != nil && len(d.Devices.Interfaces) > 0
 }

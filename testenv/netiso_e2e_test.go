@@ -249,3 +249,40 @@ func hexIP(s string) string {
 	ip := net.ParseIP(s).To4()
 	return fmt.Sprintf("0x%02x%02x%02x%02x", ip[0], ip[1], ip[2], ip[3])
 }
+
+// --network none: a box with no network interface at all, reached through
+// its agent only; its clones have none either.
+func TestNetworkNone(t *testing.T) {
+	n := name(t, "nonet")
+	b := newBox(t, n, "--network", "none")
+	if b.IP != "" || b.MAC != "" {
+		t.Errorf("a box without network has address %q, MAC %q", b.IP, b.MAC)
+	}
+	if got := inBox(t, n, "ls /sys/class/net"); strings.Fields(got)[0] != "lo" || len(strings.Fields(got)) != 1 {
+		t.Errorf("interfaces in a --network none box: %q", got)
+	}
+	if x, err := virsh("dumpxml", n); err != nil || strings.Contains(x, "<interface") {
+		t.Errorf("virsh dumpxml %s: %v, has an interface: %v", n, err, strings.Contains(x, "<interface"))
+	}
+	snap := name(t, "nonetsnap")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", n, snap)
+	c := name(t, "nonetclone")
+	if r := newClone(t, snap, c); r.code != 0 {
+		t.Fatalf("clone of a --network none box: %s", r)
+	}
+	if got := inBox(t, c, "hostname; ls /sys/class/net"); got != c+"\nlo\n" {
+		t.Errorf("in the clone: %q", got)
+	}
+	if cb := getBox(t, c); cb.IP != "" || cb.MAC != "" {
+		t.Errorf("the clone of a box without network has address %q, MAC %q", cb.IP, cb.MAC)
+	}
+	for _, args := range [][]string{
+		{"new", "--from", snap, "--network", "none", name(t, "nonetx")},
+		{"new", "--network", "bogus", name(t, "nonety")},
+	} {
+		if r := kvbox(t, args...); r.code != 2 || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+			t.Errorf("kvbox %v: want exit 2 and one line: %s", args, r)
+		}
+	}
+}

@@ -33,6 +33,7 @@ type newOptions struct {
 	// ports are the bound --publish listeners (publish.go).
 	ports     []portSpec
 	listeners []*net.TCPListener
+	network   string
 }
 
 func (a *app) newCmdNew() *cobra.Command {
@@ -68,6 +69,7 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	f.StringArrayVarP(&o.publish, "publish", "p", nil, "forward [ADDR:]HOSTPORT:GUESTPORT to the box while it lives (127.0.0.1 unless ADDR is given; repeatable)")
+	f.StringVar(&o.network, "network", "isolated", "isolated: on kvbox's bridge, the internet through NAT and nothing else; none: no network interface at all (exec still works)")
 	return c
 }
 
@@ -79,6 +81,9 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		return a.runNewMany(c, o)
 	}
 	if err := domain.ValidName(o.name); err != nil {
+		return err
+	}
+	if err := o.checkNetwork(c); err != nil {
 		return err
 	}
 	if len(o.publish) > 0 {
@@ -123,7 +128,7 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	start := time.Now()
 	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
 	b, tm, err := h.CreateTimed(c.Context(), domain.Spec{
-		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout,
+		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none",
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
 	})
@@ -400,3 +405,18 @@ type failedError struct {
 
 func (e failedError) Error() string { return e.msg }
 func (e failedError) Unwrap() error { return e.cause }
+
+// checkNetwork refuses a --network kvbox does not know, and --network with
+// --from: a clone has its snapshot's devices (the migration stream holds
+// them), a network interface or none.
+func (o *newOptions) checkNetwork(c *cobra.Command) error {
+	switch o.network {
+	case "isolated", "none":
+	default:
+		return fmt.Errorf("%w: --network %q: give isolated (the default) or none", domain.ErrInvalid, o.network)
+	}
+	if o.from != "" && c.Flags().Changed("network") {
+		return fmt.Errorf("%w: --network with --from: a clone keeps its snapshot's network (with it or without it)", domain.ErrInvalid)
+	}
+	return nil
+}

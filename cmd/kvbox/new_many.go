@@ -93,7 +93,7 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 	}
 	return starter{from: "image " + im.Name, start: func(ctx context.Context, name string) (domain.Box, string, error) {
 		b, err := h.Create(ctx, domain.Spec{
-			Name: name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout,
+			Name: name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none",
 			Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 				Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
 		})
@@ -114,6 +114,9 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 			return err
 		}
 	} else if err := domain.ValidName(o.name); err != nil {
+		return err
+	}
+	if err := o.checkNetwork(c); err != nil {
 		return err
 	}
 	h, err := a.Host()
