@@ -37,9 +37,9 @@ var Blocked = []netip.Prefix{
 func (c Config) jumps() []rule {
 	comment := c.comment()
 	return []rule{
-		{"filter", "INPUT", append([]string{"-i", c.Bridge, "-j", c.inChain()}, comment...)},
-		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-j", c.fwdChain()}, comment...)},
-		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-j", c.fwdChain()}, comment...)},
+		{"filter", "INPUT", append(append([]string{"-i", c.Bridge}, comment...), "-j", c.inChain())},
+		{"filter", "FORWARD", append(append([]string{"-i", c.Bridge}, comment...), "-j", c.fwdChain())},
+		{"filter", "FORWARD", append(append([]string{"-o", c.Bridge}, comment...), "-j", c.fwdChain())},
 	}
 }
 
@@ -62,7 +62,7 @@ func dnsRules(br, sub string, resolvers []netip.Addr) [][]string {
 	var r [][]string
 	for _, a := range resolvers {
 		for _, p := range []string{"udp", "tcp"} {
-			r = append(r, []string{"-i", br, "-s", sub, "-d", a.String() + "/32", "-p", p, "-m", p, "--dport", "53", "-j", "ACCEPT"})
+			r = append(r, []string{"-s", sub, "-d", a.String() + "/32", "-i", br, "-p", p, "-m", p, "--dport", "53", "-j", "ACCEPT"})
 		}
 	}
 	return r
@@ -83,39 +83,42 @@ func (c Config) fwdRules(resolvers []netip.Addr) [][]string {
 	}
 	r = append(r, dnsRules(br, sub, resolvers)...)
 	for _, p := range Blocked {
-		r = append(r, []string{"-i", br, "-d", p.String(), "-j", "DROP"})
+		r = append(r, []string{"-d", p.String(), "-i", br, "-j", "DROP"})
 	}
 	return append(r,
-		[]string{"-i", br, "-s", sub, "-j", "ACCEPT"},
+		[]string{"-s", sub, "-i", br, "-j", "ACCEPT"},
 		[]string{"-j", "DROP"},
 	)
+}
+
+// Rule specs here are written in the order iptables -S prints them, so
+// that one listing of a chain tells whether it is as kvbox wants it: every
+// check costs one iptables run, and kvbox checks on every box it starts.
+
+// line is how iptables -S prints a rule of chain.
+func line(chain string, spec []string) string {
+	q := make([]string, len(spec))
+	for i, a := range spec {
+		if strings.ContainsAny(a, " \t") {
+			a = `"` + a + `"`
+		}
+		q[i] = a
+	}
+	return "-A " + chain + " " + strings.Join(q, " ")
 }
 
 // ensureChain makes chain hold exactly rules, in order. A chain already
 // right is left alone (no window without rules); one that differs (an
 // older kvbox, changed resolvers) is flushed and refilled.
 func ensureChain(ipt *iptables.IPTables, table, chain string, rules [][]string) error {
-	ok, err := ipt.ChainExists(table, chain)
-	if err != nil {
-		return err
-	}
-	if ok {
-		have, err := ipt.List(table, chain)
-		if err != nil {
-			return err
+	// A missing chain fails to list; ClearChain below creates it.
+	if have, err := ipt.List(table, chain); err == nil {
+		want := []string{"-N " + chain}
+		for _, spec := range rules {
+			want = append(want, line(chain, spec))
 		}
-		// have[0] is "-N CHAIN".
-		if len(have) == len(rules)+1 {
-			same := true
-			for _, spec := range rules {
-				if e, err := ipt.Exists(table, chain, spec...); err != nil || !e {
-					same = false
-					break
-				}
-			}
-			if same {
-				return nil
-			}
+		if slices.Equal(have, want) {
+			return nil
 		}
 	}
 	if err := ipt.ClearChain(table, chain); err != nil {
@@ -138,12 +141,16 @@ func (c Config) ensureFirewall(ipt *iptables.IPTables) error {
 	if err := ensureChain(ipt, "filter", c.fwdChain(), c.fwdRules(resolvers)); err != nil {
 		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
 	}
+	listed := map[string][]string{}
 	for _, j := range c.jumps() {
-		ok, err := ipt.Exists(j.table, j.chain, j.spec...)
-		if err != nil {
-			return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+		if listed[j.chain] == nil {
+			l, err := ipt.List(j.table, j.chain)
+			if err != nil {
+				return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+			}
+			listed[j.chain] = l
 		}
-		if !ok {
+		if !slices.Contains(listed[j.chain], line(j.chain, j.spec)) {
 			// At the top: an ACCEPT of another firewall must not let a
 			// box past kvbox's rules.
 			if err := ipt.Insert(j.table, j.chain, 1, j.spec...); err != nil {
@@ -152,8 +159,13 @@ func (c Config) ensureFirewall(ipt *iptables.IPTables) error {
 		}
 	}
 	// An older kvbox accepted everything from the bridge in FORWARD.
-	for _, r := range c.legacyRules() {
-		deleteIfExists(ipt, r)
+	for _, l := range listed["FORWARD"] {
+		if strings.Contains(l, `--comment "kvbox `+c.Bridge+`"`) && strings.HasSuffix(l, "-j ACCEPT") {
+			for _, r := range c.legacyRules() {
+				deleteIfExists(ipt, r)
+			}
+			break
+		}
 	}
 	return nil
 }
@@ -200,15 +212,19 @@ func (c Config) masquerade(prev string) rule {
 	if prev != "" {
 		text += " ip_forward=" + prev
 	}
-	return rule{"nat", "POSTROUTING", []string{"-s", c.Subnet.String(), "!", "-o", c.Bridge, "-j", "MASQUERADE", "-m", "comment", "--comment", text}}
+	return rule{"nat", "POSTROUTING", []string{"-s", c.Subnet.String(), "!", "-o", c.Bridge, "-m", "comment", "--comment", text, "-j", "MASQUERADE"}}
 }
 
 // natRule finds kvbox's masquerade rule for this bridge and what it
 // recorded.
 func (c Config) natRule(ipt *iptables.IPTables) (rule, bool) {
+	have, err := ipt.List("nat", "POSTROUTING")
+	if err != nil {
+		return rule{}, false
+	}
 	for _, prev := range []string{"0", "1", ""} {
 		r := c.masquerade(prev)
-		if ok, _ := ipt.Exists(r.table, r.chain, r.spec...); ok {
+		if slices.Contains(have, line(r.chain, r.spec)) {
 			return r, true
 		}
 	}

@@ -59,3 +59,38 @@ func TestNewMAC(t *testing.T) {
 		t.Fatalf("NewMAC gave %q and %q", a, b)
 	}
 }
+
+// kvbox's rules are written as iptables -S prints them (seen on iptables
+// 1.8.9): one listing tells whether a chain is right, and a chain that is
+// right is never flushed.
+func TestRulesAsIptablesPrintsThem(t *testing.T) {
+	c := Default
+	got := []string{}
+	for _, s := range c.fwdRules([]netip.Addr{netip.MustParseAddr("10.255.255.53")})[:5] {
+		got = append(got, line(c.fwdChain(), s))
+	}
+	for _, j := range c.jumps() {
+		got = append(got, line(j.chain, j.spec))
+	}
+	m := c.masquerade("0")
+	got = append(got, line(m.chain, m.spec))
+	want := []string{
+		"-A KVBOX-FWD-kvbox0 -i kvbox0 -o kvbox0 -j ACCEPT",
+		"-A KVBOX-FWD-kvbox0 -o kvbox0 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+		"-A KVBOX-FWD-kvbox0 -o kvbox0 -j DROP",
+		"-A KVBOX-FWD-kvbox0 -s 172.30.0.0/24 -d 10.255.255.53/32 -i kvbox0 -p udp -m udp --dport 53 -j ACCEPT",
+		"-A KVBOX-FWD-kvbox0 -s 172.30.0.0/24 -d 10.255.255.53/32 -i kvbox0 -p tcp -m tcp --dport 53 -j ACCEPT",
+		`-A INPUT -i kvbox0 -m comment --comment "kvbox kvbox0" -j KVBOX-IN-kvbox0`,
+		`-A FORWARD -i kvbox0 -m comment --comment "kvbox kvbox0" -j KVBOX-FWD-kvbox0`,
+		`-A FORWARD -o kvbox0 -m comment --comment "kvbox kvbox0" -j KVBOX-FWD-kvbox0`,
+		`-A POSTROUTING -s 172.30.0.0/24 ! -o kvbox0 -m comment --comment "kvbox kvbox0 ip_forward=0" -j MASQUERADE`,
+	}
+	for i := range want {
+		if i >= len(got) || got[i] != want[i] {
+			t.Errorf("rule %d:\n got %q\nwant %q", i, got[i], want[i])
+		}
+	}
+	if n := len(c.fwdRules(nil)); n != 3+len(Blocked)+2 {
+		t.Errorf("%d forward rules without resolvers", n)
+	}
+}
