@@ -6,6 +6,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"syscall"
 
 	"github.com/coreos/go-iptables/iptables"
 )
@@ -112,14 +113,8 @@ func line(chain string, spec []string) string {
 // older kvbox, changed resolvers) is flushed and refilled.
 func ensureChain(ipt *iptables.IPTables, table, chain string, rules [][]string) error {
 	// A missing chain fails to list; ClearChain below creates it.
-	if have, err := ipt.List(table, chain); err == nil {
-		want := []string{"-N " + chain}
-		for _, spec := range rules {
-			want = append(want, line(chain, spec))
-		}
-		if slices.Equal(have, want) {
-			return nil
-		}
+	if have, err := ipt.List(table, chain); err == nil && slices.Equal(have, chainLines(chain, rules)) {
+		return nil
 	}
 	if err := ipt.ClearChain(table, chain); err != nil {
 		return err
@@ -128,6 +123,63 @@ func ensureChain(ipt *iptables.IPTables, table, chain string, rules [][]string) 
 		if err := ipt.Append(table, chain, spec...); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// firewallRight reports, reading only, whether kvbox's chains and jumps
+// for this bridge are exactly in place.
+func (c Config) firewallRight(ipt *iptables.IPTables) bool {
+	resolvers := Resolvers()
+	for chain, rules := range map[string][][]string{c.inChain(): c.inRules(resolvers), c.fwdChain(): c.fwdRules(resolvers)} {
+		have, err := ipt.List("filter", chain)
+		if err != nil || !slices.Equal(have, chainLines(chain, rules)) {
+			return false
+		}
+	}
+	listed := map[string][]string{}
+	for _, j := range c.jumps() {
+		if listed[j.chain] == nil {
+			l, err := ipt.List(j.table, j.chain)
+			if err != nil {
+				return false
+			}
+			listed[j.chain] = l
+		}
+		if !slices.Contains(listed[j.chain], line(j.chain, j.spec)) {
+			return false
+		}
+	}
+	return true
+}
+
+func (c Config) hasNAT(ipt *iptables.IPTables) bool { _, ok := c.natRule(ipt); return ok }
+
+func chainLines(chain string, rules [][]string) []string {
+	want := []string{"-N " + chain}
+	for _, spec := range rules {
+		want = append(want, line(chain, spec))
+	}
+	return want
+}
+
+// lockNetwork takes a host-wide lock for changing one bridge's rules.
+// /run goes at reboot, as the rules do.
+func lockNetwork(bridge string) (func(), error) {
+	f, err := os.OpenFile("/run/kvbox-network-"+bridge+".lock", os.O_CREATE|os.O_RDWR|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { f.Close() }, nil
+}
+
+func setForwarding() error {
+	if err := os.WriteFile(ipForward, []byte("1\n"), 0o644); err != nil {
+		return fmt.Errorf("enable IPv4 forwarding: %w", err)
 	}
 	return nil
 }
@@ -248,10 +300,7 @@ func (c Config) ensureNAT(ipt *iptables.IPTables) error {
 			return fmt.Errorf("NAT for %s: %w", c.Bridge, err)
 		}
 	}
-	if err := os.WriteFile(ipForward, []byte("1\n"), 0o644); err != nil {
-		return fmt.Errorf("enable IPv4 forwarding: %w", err)
-	}
-	return nil
+	return setForwarding()
 }
 
 // removeNAT deletes the masquerade rule and, when kvbox turned forwarding

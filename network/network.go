@@ -94,6 +94,20 @@ func (c Config) ensure(nat bool) error {
 	if err != nil {
 		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
 	}
+	if c.firewallRight(ipt) && (!nat || c.hasNAT(ipt)) {
+		if nat {
+			return setForwarding()
+		}
+		return nil
+	}
+	// Changes are serialized: two kvbox commands setting up the same
+	// bridge at once would interleave flushes and appends, or record
+	// ip_forward twice (the second seeing the first's 1).
+	unlock, err := lockNetwork(c.Bridge)
+	if err != nil {
+		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
+	}
+	defer unlock()
 	if err := c.ensureFirewall(ipt); err != nil {
 		return err
 	}
