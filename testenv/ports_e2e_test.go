@@ -397,3 +397,26 @@ func TestSSHProxy(t *testing.T) {
 		keys[key] = c
 	}
 }
+
+// A box with no network at all (--network none) is reached through its
+// agent: 20 parallel requests to a server in it through port-forward.
+func TestPortForwardNoNetwork(t *testing.T) {
+	n := name(t, "pfnonet")
+	b := newBox(t, n, "--network", "none")
+	if b.IP != "" || b.Tap != "" {
+		t.Fatalf("a --network none box has an address %q or a port %q", b.IP, b.Tap)
+	}
+	if out := inBox(t, n, "ls /sys/class/net | grep -v '^lo$' || true"); strings.TrimSpace(out) != "" {
+		t.Fatalf("a --network none box has interfaces: %q", out)
+	}
+	page, _ := startWebServer(t, n, 8000)
+	pf := portForward(t, n, "0:8000")
+	parallelGets(t, "http://"+pf.addrs[0]+"/index.html", page, 20)
+	mustKvbox(t, "rm", "--force", n)
+	select {
+	case <-pf.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("port-forward still runs after its box was removed")
+	}
+	pf.done <- nil // for the cleanup
+}
