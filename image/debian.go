@@ -341,7 +341,9 @@ func writeFiles(root string, files map[string]string) error {
 	return nil
 }
 
-func configureDebian(ctx context.Context, st *Stage, root, agent string, o DebianOptions) (kver string, err error) {
+// writeGuestConfig puts the agent, its unit and the guest's configuration
+// files in root: the network and the identity belong to the agent.
+func writeGuestConfig(root, agent string, o DebianOptions) (err error) {
 	p := func(name string) string { return filepath.Join(root, name) }
 	write := func(name, content string, mode os.FileMode) {
 		if err != nil {
@@ -368,15 +370,14 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 	}
 
 	// The agent and its unit.
-	st.Status("kvbox-agent")
 	if err := os.MkdirAll(p("usr/local/bin"), 0o755); err != nil {
-		return "", err
+		return err
 	}
 	if err := copyFile(p("usr/local/bin/kvbox-agent"), agent, 0o755); err != nil {
-		return "", err
+		return err
 	}
 	if err := os.MkdirAll(p("var/lib/kvbox-agent"), 0o700); err != nil {
-		return "", err
+		return err
 	}
 	write("etc/systemd/system/kvbox-agent.service", agentUnit, 0o644)
 	symlink("/etc/systemd/system/kvbox-agent.service", "etc/systemd/system/sysinit.target.wants/kvbox-agent.service")
@@ -405,13 +406,18 @@ func configureDebian(ctx context.Context, st *Stage, root, agent string, o Debia
 	write("etc/fstab", "# kvbox: the root disk is the box's virtio disk\n/dev/vda\t/\text4\trw,errors=remount-ro\t0\t1\n", 0o644)
 	write("etc/apt/sources.list", fmt.Sprintf("deb %[1]s %[2]s main\ndeb %[1]s %[2]s-updates main\ndeb http://deb.debian.org/debian-security %[2]s-security main\n", o.Mirror, o.Suite), 0o644)
 	write("etc/kvbox/image-release", fmt.Sprintf("kvbox image %s\nDebian %s from %s\nbuilt %s\n", o.Name, o.Suite, o.Mirror, time.Now().UTC().Format(time.RFC3339)), 0o644)
-	if err != nil {
+	return err
+}
+
+func configureDebian(ctx context.Context, st *Stage, root, agent string, o DebianOptions) (kver string, err error) {
+	p := func(name string) string { return filepath.Join(root, name) }
+	st.Status("kvbox-agent")
+	if err := writeGuestConfig(root, agent, o); err != nil {
 		return "", err
 	}
 	// root keeps debootstrap's locked password ("*"): kvbox exec and
 	// connect go through the agent, and no user in the box can su to root
 	// without one.
-
 	kver, err = kernelVersion(root)
 	if err != nil {
 		return "", err

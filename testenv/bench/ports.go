@@ -52,56 +52,17 @@ func benchPorts(ctx context.Context, e *env) error {
 		return fmt.Errorf("port-forward: %q %v", line, err)
 	}
 	peers := []struct{ name, base string }{{"port-forward", "http://" + m[1]}, {"direct TCP", "http://" + ip + ":8000"}}
-	get := func(url string) (int64, error) {
-		c := &http.Client{Timeout: 2 * time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
-		resp, err := c.Get(url)
-		if err != nil {
-			return 0, err
-		}
-		defer resp.Body.Close()
-		return io.Copy(io.Discard, resp.Body)
-	}
 	res := map[string][3]time.Duration{}
 	for round := 0; round < 3; round++ { // alternated, so load hits both
 		for _, p := range peers {
+			t, err := timePath(p.base)
+			if err != nil {
+				return fmt.Errorf("%s: %v", p.name, err)
+			}
 			r := res[p.name]
-			t0 := time.Now()
-			if n, err := get(p.base + "/big"); err != nil || n != 32<<20 {
-				return fmt.Errorf("%s: %d bytes, %v", p.name, n, err)
+			for i := range r {
+				r[i] += t[i]
 			}
-			big := time.Since(t0)
-			var one []time.Duration
-			for range 20 {
-				t0 := time.Now()
-				if _, err := get(p.base + "/index.html"); err != nil {
-					return fmt.Errorf("%s: %v", p.name, err)
-				}
-				one = append(one, time.Since(t0))
-			}
-			t0 = time.Now()
-			var wg sync.WaitGroup
-			var errOnce error
-			var mu sync.Mutex
-			for range 20 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					if _, err := get(p.base + "/index.html"); err != nil {
-						mu.Lock()
-						errOnce = err
-						mu.Unlock()
-					}
-				}()
-			}
-			wg.Wait()
-			if errOnce != nil {
-				return fmt.Errorf("%s parallel: %v", p.name, errOnce)
-			}
-			par := time.Since(t0)
-			// Keep the medians of this round; the medians of rounds below.
-			r[0] += big
-			r[1] += median(one)
-			r[2] += par
 			res[p.name] = r
 		}
 	}
@@ -125,4 +86,54 @@ func benchPorts(ctx context.Context, e *env) error {
 	fmt.Printf("port-forward / direct: throughput %.2fx, one request %.2fx the time, 20 at once %.2fx the time (means of 3 alternated rounds, one request: median of 20 per round)\n",
 		d[0].Seconds()/f[0].Seconds(), ms(f[1])/ms(d[1]), ms(f[2])/ms(d[2]))
 	return nil
+}
+
+// httpGet fetches url on a new connection and returns the body's length.
+func httpGet(url string) (int64, error) {
+	c := &http.Client{Timeout: 2 * time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	return io.Copy(io.Discard, resp.Body)
+}
+
+// timePath times one round against the server at base: the 32 MB download,
+// the median of 20 single requests, and 20 requests at once.
+func timePath(base string) ([3]time.Duration, error) {
+	var r [3]time.Duration
+	t0 := time.Now()
+	if n, err := httpGet(base + "/big"); err != nil || n != 32<<20 {
+		return r, fmt.Errorf("%d bytes, %v", n, err)
+	}
+	r[0] = time.Since(t0)
+	var one []time.Duration
+	for range 20 {
+		t0 := time.Now()
+		if _, err := httpGet(base + "/index.html"); err != nil {
+			return r, err
+		}
+		one = append(one, time.Since(t0))
+	}
+	r[1] = median(one)
+	t0 = time.Now()
+	errs := make(chan error, 20)
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := httpGet(base + "/index.html"); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return r, fmt.Errorf("parallel: %v", err)
+	}
+	r[2] = time.Since(t0)
+	return r, nil
 }
