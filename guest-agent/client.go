@@ -151,8 +151,15 @@ func (c *Client) readLoop() {
 	}
 }
 
-func (c *Client) recv(ctx context.Context) (frame, error) {
+func (c *Client) recv(ctx context.Context) (frame, error) { return c.recvOr(ctx, nil) }
+
+// errTimer is recvOr's answer when timer fired first.
+var errTimer = errors.New("timer")
+
+func (c *Client) recvOr(ctx context.Context, timer <-chan time.Time) (frame, error) {
 	select {
+	case <-timer:
+		return frame{}, errTimer
 	case f, ok := <-c.frames:
 		if !ok {
 			return f, fmt.Errorf("agent connection: %w", c.rerr)
@@ -427,8 +434,27 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 		}()
 	}
 	var outErr error
+	var timer <-chan time.Time
+	timedOut := false
+	if req.Timeout > 0 {
+		t := time.NewTimer(req.Timeout)
+		defer t.Stop()
+		timer = t.C
+	}
 	for {
-		f, err := c.recv(ctx)
+		f, err := c.recvOr(ctx, timer)
+		if errors.Is(err, errTimer) {
+			if timedOut {
+				return -1, fmt.Errorf("exec: the command's process group was killed after %s but the agent reported no exit", req.Timeout)
+			}
+			timedOut = true
+			timer = time.After(killGrace)
+			b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGKILL)})
+			if err := c.send(ctx, frameSignal, id, b); err != nil {
+				return -1, err
+			}
+			continue
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				// Best effort: the next call's HELLO kills it anyway.
@@ -472,6 +498,9 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 			}
 			if st.Error != "" {
 				return st.Code, fmt.Errorf("exec: the agent lost the process: %s", st.Error)
+			}
+			if timedOut && st.Code == 128+int(unix.SIGKILL) {
+				return st.Code, &TimeoutError{After: req.Timeout}
 			}
 			if outErr != nil {
 				return st.Code, fmt.Errorf("exec: writing output: %w", outErr)

@@ -54,12 +54,36 @@ func envLookup(env []string, key string) string {
 	return ""
 }
 
-// execEnv returns the environment of req: the given one, or defaults.
-func execEnv(req ExecRequest) []string {
-	if len(req.Env) == 0 {
-		return DefaultEnv(req.TTY, "")
+// execEnv returns the environment of req: the given one, or defaults
+// (with u's HOME, USER and LOGNAME when u is set), then EnvAdd on top.
+func execEnv(req ExecRequest, u *guestUser) []string {
+	env := req.Env
+	if len(env) == 0 {
+		env = DefaultEnv(req.TTY, "")
+		if u != nil {
+			env = MergeEnv(env, []string{"HOME=" + u.home, "USER=" + u.name, "LOGNAME=" + u.name})
+		}
 	}
-	return req.Env
+	return MergeEnv(env, req.EnvAdd)
+}
+
+// MergeEnv returns env with add applied: a variable of the same name is
+// replaced in place, a new one appended.
+func MergeEnv(env, add []string) []string {
+	out := append([]string(nil), env...)
+	for _, kv := range add {
+		k, _, _ := strings.Cut(kv, "=")
+		replaced := false
+		for i, old := range out {
+			if ok, _, _ := strings.Cut(old, "="); ok == k {
+				out[i], replaced = kv, true
+			}
+		}
+		if !replaced {
+			out = append(out, kv)
+		}
+	}
+	return out
 }
 
 // DefaultEnv is the environment a command gets when its request names
@@ -101,12 +125,29 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
 		return nil, errors.New("exec: empty argv")
 	}
-	env := execEnv(req)
+	var u *guestUser
+	if req.User != "" {
+		var err error
+		if u, err = lookupUser(req.User); err != nil {
+			return nil, err
+		}
+	}
+	for _, kv := range req.EnvAdd {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return nil, fmt.Errorf("env %q: not NAME=VALUE", kv)
+		}
+	}
+	env := execEnv(req, u)
+	dir := req.Dir
+	if dir != "" {
+		if err := checkWorkdir(dir); err != nil {
+			return nil, err
+		}
+	}
 	bin, err := lookPath(req.Argv[0], envLookup(env, "PATH"))
 	if err != nil {
 		return nil, err
 	}
-	dir := req.Dir
 	if dir == "" {
 		dir = envLookup(env, "HOME")
 		if st, err := os.Stat(dir); dir == "" || err != nil || !st.IsDir() {
@@ -161,8 +202,14 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 		// Own process group, so an abort kills the children too.
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	}
+	if u != nil {
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.uid, Gid: u.gid, Groups: u.groups}
+	}
 	if err := cmd.Start(); err != nil {
 		p.closeAll()
+		if u != nil && errors.Is(err, os.ErrPermission) {
+			return nil, fmt.Errorf("user %s: may not run %s in %s: %w", req.User, bin, dir, err)
+		}
 		return nil, err
 	}
 	p.pid = cmd.Process.Pid

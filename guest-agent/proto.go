@@ -34,6 +34,9 @@ type Info struct {
 	Kernel       string        `json:"kernel"` // uname release
 	Uptime       time.Duration `json:"uptime"`
 	Capabilities Capabilities  `json:"capabilities"`
+	// Features names the optional operations this agent knows (see
+	// features.go); an agent older than the list sends none.
+	Features []string `json:"features,omitempty"`
 }
 
 // ExecRequest describes a process to run in the guest.
@@ -49,6 +52,15 @@ type ExecRequest struct {
 	TTY  bool   `json:"tty,omitempty"`
 	Rows uint16 `json:"rows,omitempty"`
 	Cols uint16 `json:"cols,omitempty"`
+	// EnvAdd is added to Env (or to the defaults when Env is empty), a
+	// variable of the same name replaced. Needs FeatureExecUser.
+	EnvAdd []string `json:"env_add,omitempty"`
+	// User (a name or a numeric uid) runs the process as that user, with
+	// its groups and, in the defaults, its HOME. Needs FeatureExecUser.
+	User string `json:"user,omitempty"`
+	// Timeout, when positive, is enforced by the host: when it passes,
+	// the process group is killed and Exec returns a *TimeoutError.
+	Timeout time.Duration `json:"-"`
 }
 
 // WinSize is a terminal size.

@@ -326,6 +326,7 @@ func (s *Server) info() Info {
 	in.Capabilities.Exec = true
 	in.Capabilities.Forward = true
 	in.Capabilities.Vsock = s.vsock.Load()
+	in.Features = Features()
 	if _, err := os.Stat("/dev/ptmx"); err == nil {
 		in.Capabilities.TTY = true
 	}

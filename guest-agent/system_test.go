@@ -236,7 +236,7 @@ func TestDefaultEnvOnTerminal(t *testing.T) {
 			t.Errorf("DefaultEnv has %q", e)
 		}
 	}
-	if got := execEnv(ExecRequest{Argv: []string{"sh"}, TTY: true, Env: DefaultEnv(true, "")}); len(got) != 3 {
+	if got := execEnv(ExecRequest{Argv: []string{"sh"}, TTY: true, Env: DefaultEnv(true, "")}, nil); len(got) != 3 {
 		t.Errorf("execEnv of a terminal request = %q", got)
 	}
 }

@@ -34,7 +34,7 @@ func TestNewTwoAtOnceAndNetwork(t *testing.T) {
 		if r.code != 0 {
 			t.Fatalf("kvbox new %s: %s", names[i], r)
 		}
-		if !strings.Contains(r.stdout, "✓ box "+names[i]+" is running at 172.30.0.") || !strings.Contains(r.stdout, "kvbox connect "+names[i]) {
+		if !strings.Contains(r.stdout, "✓ box "+names[i]+" is running at "+subnetPrefix) || !strings.Contains(r.stdout, "kvbox connect "+names[i]) {
 			t.Errorf("kvbox new printed %q", r.stdout)
 		}
 	}

@@ -148,7 +148,7 @@ func TestWarmClones(t *testing.T) {
 	if r.code != 0 {
 		t.Fatalf("kvbox new --from %s %s: %s", snap, c1, r)
 	}
-	if !strings.Contains(r.stdout, "✓ box "+c1+" is running at 172.30.0.") || !strings.Contains(r.stdout, "from snapshot "+snap) {
+	if !strings.Contains(r.stdout, "✓ box "+c1+" is running at "+subnetPrefix) || !strings.Contains(r.stdout, "from snapshot "+snap) {
 		t.Errorf("kvbox new --from printed %q", r.stdout)
 	}
 	t.Logf("clone %s: %s", c1, strings.TrimSpace(r.stderr))
@@ -449,11 +449,12 @@ func TestCloneOfAClone(t *testing.T) {
 	}
 }
 
-// cloneBridge is the bridge the test boxes are on (kvbox's default).
-const cloneBridge = "kvbox0"
+// cloneBridge is the bridge the test boxes are on: KVBOX_BRIDGE, as for
+// the CLI, or kvbox's default.
+var cloneBridge = envOr("KVBOX_BRIDGE", "kvbox0")
 
-// cloneGateway is the host's address on it.
-const cloneGateway = "172.30.0.1"
+// cloneGateway is the host's address on it (the subnet's first address).
+var cloneGateway = subnetPrefix + "1"
 
 // A clone is a box like any other: stopped and started again it cold-boots
 // from its own disk (not the snapshot's memory) and keeps its identity.

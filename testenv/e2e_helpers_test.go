@@ -190,6 +190,24 @@ func parallel(n int, f func(i int)) {
 	wg.Wait()
 }
 
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+// subnetPrefix is the first three octets and a dot of the boxes' subnet
+// (KVBOX_SUBNET, as for the CLI, or kvbox's default 172.30.0.0/24): two
+// test runs on their own bridges keep their addresses apart.
+var subnetPrefix = func() string {
+	s := envOr("KVBOX_SUBNET", "172.30.0.0/24")
+	if i := strings.LastIndex(s, "."); i > 0 {
+		return s[:i+1]
+	}
+	return s
+}()
+
 // stateDir is the kvbox state directory the tests' kvbox uses:
 // KVBOX_STATE_DIR, as for the CLI, so that two test runs can keep apart.
 var stateDir = func() string {

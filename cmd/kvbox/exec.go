@@ -17,12 +17,20 @@ import (
 
 func (a *app) newCmdExec() *cobra.Command {
 	var tty bool
+	var o execOptions
 	c := &cobra.Command{
 		Use:   "exec NAME -- COMMAND [ARG...]",
 		Short: "Run a command in a box; its exit code is kvbox's",
+		Long: `Run a command in a box; its exit code is kvbox's.
+
+The command gets PATH and HOME (and TERM with -t); --env adds to them.
+Exit codes besides the command's own: 124 when --timeout passed (its
+process group was killed), 125 when --user or --workdir is wrong, 126/127
+when the command cannot be run / is not found.`,
 		Example: `  kvbox exec dev -- uname -a
   echo hello | kvbox exec dev -- cat
-  kvbox exec -t dev -- top`,
+  kvbox exec -t dev -- top
+  kvbox exec --env CI=1 --workdir /srv/app --user app --timeout 5m dev -- make test`,
 		Args: func(c *cobra.Command, args []string) error {
 			if len(args) < 2 {
 				return fmt.Errorf("%w: kvbox exec takes a box name and a command (kvbox exec dev -- uname -a)", errUsage)
@@ -30,10 +38,15 @@ func (a *app) newCmdExec() *cobra.Command {
 			return nil
 		},
 		RunE: func(c *cobra.Command, args []string) error {
-			return a.runExec(c, args[0], agent.ExecRequest{Argv: args[1:], TTY: tty})
+			req := agent.ExecRequest{Argv: args[1:], TTY: tty}
+			if err := o.apply(&req); err != nil {
+				return err
+			}
+			return a.runExec(c, args[0], req)
 		},
 	}
 	c.Flags().BoolVarP(&tty, "tty", "t", false, "run the command on a terminal (needs one here)")
+	o.flags(c)
 	return c
 }
 
@@ -82,7 +95,12 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 		}
 		// A request's environment replaces the agent's default one: send
 		// the defaults (PATH, HOME) along with this terminal's TERM.
-		req.Env = agent.DefaultEnv(true, os.Getenv("TERM"))
+		if req.User == "" {
+			req.Env = agent.DefaultEnv(true, os.Getenv("TERM"))
+		} else {
+			// The agent's defaults hold the user's HOME: add TERM to them.
+			req.EnvAdd = append([]string{"TERM=" + termOr(os.Getenv("TERM"))}, req.EnvAdd...)
+		}
 		old, err := term.MakeRaw(fd)
 		if err != nil {
 			return fmt.Errorf("put the terminal in raw mode: %w", err)
@@ -103,8 +121,20 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 			}
 		}()
 	}
+	if err := execCompat(c.Context(), client, &req); err != nil {
+		return fmt.Errorf("exec in box %q: %w", name, err)
+	}
 	code, err := client.Exec(c.Context(), req, a.io.In, a.io.Out, a.io.Err, resize)
 	var re *agent.RemoteError
+	var te *agent.TimeoutError
+	if errors.As(err, &te) {
+		fmt.Fprintf(a.io.Err, "kvbox: %s: %v\n", req.Argv[0], te)
+		return exitCodeError{exitTimedOut}
+	}
+	if errors.As(err, &re) && re.Method == "exec" && isSetupError(re.Message) {
+		fmt.Fprintf(a.io.Err, "kvbox: exec in box %q: %s\n", name, re.Message)
+		return exitCodeError{exitSetup}
+	}
 	if errors.As(err, &re) && re.Method == "exec" {
 		// The command could not be started (not found, not executable):
 		// report it the way a shell does.

@@ -1,0 +1,97 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	agent "kvbox.dev/kvbox/guest-agent"
+)
+
+// Exit codes of exec besides the command's own, as timeout(1) and
+// docker run use them.
+const (
+	exitTimedOut = 124 // --timeout passed: the process group was killed
+	exitSetup    = 125 // --user or --workdir cannot be used
+)
+
+// execOptions are exec's flags beyond -t.
+type execOptions struct {
+	env     []string
+	workdir string
+	user    string
+	timeout time.Duration
+}
+
+func (o *execOptions) flags(c *cobra.Command) {
+	f := c.Flags()
+	f.StringArrayVarP(&o.env, "env", "e", nil, "set NAME=VALUE in the command's environment, added to the defaults (repeatable)")
+	f.StringVarP(&o.workdir, "workdir", "w", "", "working directory in the box (default: the user's HOME, or /)")
+	f.StringVarP(&o.user, "user", "u", "", "run as this user (a name or a numeric uid in the box; default root)")
+	f.DurationVar(&o.timeout, "timeout", 0, "kill the command's process group after this long (exit 124), e.g. 30s, 5m")
+}
+
+// apply checks the flags and puts them in req.
+func (o *execOptions) apply(req *agent.ExecRequest) error {
+	for _, kv := range o.env {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" || strings.ContainsAny(k, " \t\n") {
+			return fmt.Errorf("%w: --env %q: want NAME=VALUE", errUsage, kv)
+		}
+	}
+	if o.timeout < 0 {
+		return fmt.Errorf("%w: --timeout %s: must be positive", errUsage, o.timeout)
+	}
+	if o.workdir != "" && !strings.HasPrefix(o.workdir, "/") {
+		return fmt.Errorf("%w: --workdir %q: must be an absolute path in the box", errUsage, o.workdir)
+	}
+	req.EnvAdd, req.Dir, req.User, req.Timeout = o.env, o.workdir, o.user, o.timeout
+	return nil
+}
+
+// execCompat makes req work with the agent behind client: an agent that
+// predates --user is refused (it would ignore the field and run the
+// command as root), and for one that predates --env the variables are sent
+// on top of the defaults as a whole environment, which every agent honours.
+func execCompat(ctx context.Context, client *agent.Client, req *agent.ExecRequest) error {
+	if req.User == "" && len(req.EnvAdd) == 0 {
+		return nil
+	}
+	in, err := client.Ping(ctx)
+	if err != nil {
+		return err
+	}
+	if in.Has(agent.FeatureExecUser) {
+		return nil
+	}
+	if req.User != "" {
+		return in.Require("--user", agent.FeatureExecUser)
+	}
+	base := req.Env
+	if len(base) == 0 {
+		base = agent.DefaultEnv(req.TTY, "")
+	}
+	req.Env = agent.MergeEnv(base, req.EnvAdd)
+	req.EnvAdd = nil
+	return nil
+}
+
+// isSetupError tells the agent's --user/--workdir/--env refusals from a
+// command that cannot be started.
+func isSetupError(msg string) bool {
+	for _, p := range []string{"user ", "workdir ", "env "} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
+}
+
+func termOr(t string) string {
+	if t == "" {
+		return "xterm-256color"
+	}
+	return t
+}
