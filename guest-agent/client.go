@@ -47,6 +47,9 @@ type Client struct {
 
 	wmu       sync.Mutex
 	closeOnce sync.Once
+
+	infoOnce sync.Mutex
+	info     *Info // Ping's answer, once a call needed it (require)
 }
 
 // NewClient wraps a connection to an agent. The HELLO handshake happens on

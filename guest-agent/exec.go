@@ -145,6 +145,9 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 		}
 	}
 	bin, err := lookPath(req.Argv[0], envLookup(env, "PATH"))
+	if req.Argv[0] == selfArgv0 {
+		bin, err = os.Executable() // the file helper (files.go)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,14 @@
 package testenv
 
 import (
+	"crypto/rand"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -79,4 +87,172 @@ func TestExecOptions(t *testing.T) {
 			t.Errorf("--timeout 30s of exit 3: %s", r)
 		}
 	})
+}
+
+// kvbox cp of a tree (modes, times, a symlink, a 200 MB file) both ways,
+// checksums equal; tar streams with -; one-line refusals; nothing left
+// behind by a failed copy.
+func TestCopy(t *testing.T) {
+	n := name(t, "cp")
+	newBox(t, n)
+	inBox(t, n, "mkdir /srv")
+	dir := t.TempDir()
+	src := filepath.Join(dir, "tree")
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.MkdirAll(filepath.Join(src, "bin"), 0o755))
+	must(os.MkdirAll(filepath.Join(src, "private"), 0o700))
+	must(os.WriteFile(filepath.Join(src, "bin", "run"), []byte("#!/bin/sh\necho ran\n"), 0o755))
+	must(os.WriteFile(filepath.Join(src, "private", "key"), []byte("k"), 0o600))
+	must(os.WriteFile(filepath.Join(src, "suid"), []byte("s"), 0o644))
+	must(os.Chmod(filepath.Join(src, "suid"), os.ModeSetuid|0o751))
+	must(os.Symlink("bin/run", filepath.Join(src, "link")))
+	big, err := os.Create(filepath.Join(src, "big"))
+	must(err)
+	_, err = io.CopyN(big, rand.Reader, 200<<20)
+	must(err)
+	must(big.Close())
+	old := time.Date(2021, 5, 6, 7, 8, 9, 0, time.UTC)
+	for _, p := range []string{"bin/run", "private/key", "suid", "big", "bin", "private", "."} {
+		must(os.Chtimes(filepath.Join(src, p), old, old))
+	}
+	// What the box must show for the tree: mode, mtime, link target, sum.
+	want := map[string]string{
+		".":           "755 1620284889",
+		"bin":         "755 1620284889",
+		"bin/run":     "755 1620284889 " + sha256File(t, filepath.Join(src, "bin/run")),
+		"private":     "700 1620284889",
+		"private/key": "600 1620284889 " + sha256File(t, filepath.Join(src, "private/key")),
+		"suid":        "4751 1620284889 " + sha256File(t, filepath.Join(src, "suid")),
+		"big":         "644 1620284889 " + sha256File(t, filepath.Join(src, "big")),
+		"link":        "-> bin/run",
+	}
+	guestView := func(root string) map[string]string {
+		t.Helper()
+		out := inBox(t, n, `cd `+root+` && for p in . bin bin/run private private/key suid big link; do
+			if [ -L "$p" ]; then echo "$p|-> $(readlink $p)"
+			elif [ -d "$p" ]; then echo "$p|$(stat -c '%a %Y' $p)"
+			else echo "$p|$(stat -c '%a %Y' $p) $(sha256sum < $p | cut -d' ' -f1)"; fi; done`)
+		m := map[string]string{}
+		for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+			k, v, _ := strings.Cut(l, "|")
+			m[k] = v
+		}
+		return m
+	}
+
+	start := time.Now()
+	if r := kvbox(t, "cp", src, n+":/srv/"); r.code != 0 || r.stdout != "" || r.stderr != "" {
+		t.Fatalf("cp in: %s", r)
+	}
+	t.Logf("cp in of the tree (200 MB): %s", time.Since(start).Round(time.Millisecond))
+	if got := guestView("/srv/tree"); !reflect.DeepEqual(got, want) {
+		t.Errorf("in the box:\n got %v\nwant %v", got, want)
+	}
+
+	back := filepath.Join(dir, "back")
+	start = time.Now()
+	if r := kvbox(t, "cp", n+":/srv/tree", back); r.code != 0 || r.stdout != "" || r.stderr != "" {
+		t.Fatalf("cp out: %s", r)
+	}
+	t.Logf("cp out of the tree (200 MB): %s", time.Since(start).Round(time.Millisecond))
+	for p, w := range want {
+		if got := localView(t, filepath.Join(back, p)); got != w {
+			t.Errorf("back on the host, %s: %q, want %q", p, got, w)
+		}
+	}
+	// A single file into a directory and to a new name.
+	mustKvbox(t, "cp", n+":/srv/tree/bin/run", dir)
+	mustKvbox(t, "cp", filepath.Join(src, "private", "key"), n+":/srv/key2")
+	if got := localView(t, filepath.Join(dir, "run")); got != want["bin/run"] {
+		t.Errorf("file into a directory: %q", got)
+	}
+	if got := inBox(t, n, "stat -c '%a %Y' /srv/key2; cat /srv/key2"); got != "600 1620284889\nk" {
+		t.Errorf("file to a new name in the box: %q", got)
+	}
+
+	t.Run("TarStreams", func(t *testing.T) {
+		inBox(t, n, "mkdir -p /srv/fromtar")
+		cmd := exec.Command("sh", "-c", "tar -C "+src+" -c bin private | "+kvboxBin+" cp - "+n+":/srv/fromtar")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("tar | kvbox cp -: %v %s", err, out)
+		}
+		if got := inBox(t, n, "stat -c '%a %Y' /srv/fromtar/bin/run /srv/fromtar/private; cat /srv/fromtar/bin/run"); got != "755 1620284889\n700 1620284889\n#!/bin/sh\necho ran\n" {
+			t.Errorf("after tar | kvbox cp -: %q", got)
+		}
+		out, err := exec.Command("sh", "-c", kvboxBin+" cp "+n+":/srv/tree/bin - | tar -tv").CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "bin/run") || !strings.Contains(string(out), "rwxr-xr-x") {
+			t.Errorf("kvbox cp BOX:PATH - | tar -tv: %v %s", err, out)
+		}
+	})
+
+	t.Run("Refusals", func(t *testing.T) {
+		file := filepath.Join(dir, "run")
+		for _, tc := range []struct {
+			args []string
+			code int
+			msg  string
+		}{
+			{[]string{"cp", src, name(t, "nosuchbox") + ":/srv"}, 3, "does not exist"},
+			{[]string{"cp", n + ":/nope", dir}, 3, "/nope: no such file or directory"},
+			{[]string{"cp", src, n + ":/nope/deeper"}, 3, "/nope: no such file or directory"},
+			{[]string{"cp", filepath.Join(dir, "missing"), n + ":/srv"}, 3, "missing: no such file or directory"},
+			{[]string{"cp", src, n + ":/srv/key2"}, 1, "/srv/key2: not a directory"},
+			{[]string{"cp", n + ":/srv/tree", file}, 1, file + ": not a directory"},
+			{[]string{"cp", n + ":/srv/tree", filepath.Join(dir, "no", "where")}, 3, "no: no such file or directory"},
+			{[]string{"cp", src, dir}, 2, "one of SRC and DST must be BOX:PATH"},
+			{[]string{"cp", src, n + ":relative"}, 2, "must be absolute"},
+		} {
+			r := kvbox(t, tc.args...)
+			if r.code != tc.code || !strings.Contains(r.stderr, tc.msg) || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+				t.Errorf("kvbox %s: want exit %d and one line with %q: %s", strings.Join(tc.args, " "), tc.code, tc.msg, r)
+			}
+		}
+		// A copy that fails midway (a 2 MB tmpfs fills up) leaves
+		// nothing: no partial file, no temporary name.
+		inBox(t, n, "mkdir -p /mnt/small && mount -t tmpfs -o size=2m tmpfs /mnt/small && echo keep > /mnt/small/big")
+		r := kvbox(t, "cp", filepath.Join(src, "big"), n+":/mnt/small/big")
+		if r.code != 1 || !strings.Contains(r.stderr, "no space left on device") || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+			t.Errorf("cp of 200 MB into a 2 MB tmpfs: %s", r)
+		}
+		if out := inBox(t, n, "ls -A /mnt/small; cat /mnt/small/big"); out != "big\nkeep\n" {
+			t.Errorf("a failed copy left in /mnt/small (or changed the old file): %q", out)
+		}
+	})
+}
+
+func sha256File(t *testing.T, p string) string {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fmt.Sprintf("%x", sha256.Sum256(b))
+}
+
+// localView is guestView's line for a path on the host.
+func localView(t *testing.T, p string) string {
+	t.Helper()
+	fi, err := os.Lstat(p)
+	if err != nil {
+		return err.Error()
+	}
+	if fi.Mode()&os.ModeSymlink != 0 {
+		l, _ := os.Readlink(p)
+		return "-> " + l
+	}
+	m := fi.Mode()
+	perm := uint32(m.Perm())
+	if m&os.ModeSetuid != 0 {
+		perm |= 0o4000
+	}
+	s := fmt.Sprintf("%o %d", perm, fi.ModTime().Unix())
+	if fi.IsDir() {
+		return s
+	}
+	return s + " " + sha256File(t, p)
 }

@@ -172,6 +172,7 @@ snapshot and cloned warm.`,
 	root.AddCommand(a.newCmdNew(), a.newCmdLs(), a.newCmdExec(), a.newCmdConnect(), a.newCmdStart(),
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP(),
 		a.newCmdPortForward(), a.newCmdSSHProxy(), a.newCmdSSHConfig())
+	root.AddCommand(a.newCmdCp())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would

@@ -1,0 +1,330 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	"kvbox.dev/kvbox/domain"
+	agent "kvbox.dev/kvbox/guest-agent"
+)
+
+func (a *app) newCmdCp() *cobra.Command {
+	return &cobra.Command{
+		Use:   "cp SRC DST",
+		Short: "Copy a file or a tree into or out of a box, through its agent",
+		Long: `Copy a file or a whole tree into or out of a box. One side is BOX:PATH.
+
+The copy goes through the box's agent, so it works with no network in the box.
+It keeps modes (setuid/setgid/sticky too), modification and access times and
+symlinks (never followed, the top one included, as cp -a does); owners are not
+kept (the side that writes owns the files). A directory destination receives
+SRC under its own name; otherwise SRC is written as DST, whose parent must
+exist. A tree copied onto an existing directory is merged into it.
+
+Nothing half-written is left at the destination: each file is written under a
+temporary name (.kvbox-cp-…) beside it and renamed when complete, and a new
+tree is built in a temporary directory and renamed into place whole. Only a
+kvbox killed mid-copy (SIGKILL, or the box's side killed) can leave such a
+temporary name behind, never a partial file under the final name.
+
+SRC - reads a tar stream from stdin and extracts it into the directory
+BOX:DST; DST - writes BOX:SRC to stdout as a tar stream.`,
+		Example: `  kvbox cp ./repo dev:/srv/
+  kvbox cp dev:/srv/out/report.json .
+  tar -C src -c . | kvbox cp - dev:/srv/app
+  kvbox cp dev:/var/log - | tar -t`,
+		Args: exactArgs(2, "a source and a destination (kvbox cp ./repo dev:/srv/)"),
+		RunE: func(c *cobra.Command, args []string) error {
+			return a.runCp(c.Context(), args[0], args[1])
+		},
+		ValidArgsFunction: func(c *cobra.Command, args []string, prefix string) ([]string, cobra.ShellCompDirective) {
+			return nil, cobra.ShellCompDirectiveDefault
+		},
+	}
+}
+
+// splitBoxPath splits "BOX:PATH"; ok is false for a local path (no colon
+// before the first slash: ./a:b is local).
+func splitBoxPath(s string) (box, path string, ok bool) {
+	i := strings.IndexByte(s, ':')
+	if i <= 0 || strings.Contains(s[:i], "/") {
+		return "", s, false
+	}
+	return s[:i], s[i+1:], true
+}
+
+func (a *app) runCp(ctx context.Context, src, dst string) error {
+	sbox, spath, sremote := splitBoxPath(src)
+	dbox, dpath, dremote := splitBoxPath(dst)
+	switch {
+	case sremote == dremote:
+		return fmt.Errorf("%w: one of SRC and DST must be BOX:PATH, the other a local path or - (kvbox cp ./repo dev:/srv/)", errUsage)
+	case sremote && spath == "", dremote && dpath == "":
+		return fmt.Errorf("%w: BOX:PATH needs a path after the colon (dev:/srv)", errUsage)
+	case sremote && !strings.HasPrefix(spath, "/"), dremote && !strings.HasPrefix(dpath, "/"):
+		return fmt.Errorf("%w: the path in a box must be absolute (dev:/srv, not dev:srv)", errUsage)
+	}
+	boxName := sbox
+	if dremote {
+		boxName = dbox
+	}
+	if err := domain.ValidName(boxName); err != nil {
+		return err
+	}
+	if dremote && src != "-" {
+		// Check the local side before reaching the box.
+		if _, err := os.Lstat(src); err != nil {
+			return localPathError(src, err)
+		}
+	}
+	h, err := a.Host()
+	if err != nil {
+		return err
+	}
+	b, err := h.Get(boxName)
+	if err != nil {
+		return err
+	}
+	client, err := a.dial(ctx, h, b)
+	if err != nil {
+		return err
+	}
+	defer client.Close()
+	prog := a.newCopyProgress()
+	defer prog.stop()
+	if sremote {
+		err = a.copyOut(ctx, client, prog, spath, dst)
+	} else {
+		err = a.copyIn(ctx, client, prog, src, dpath)
+	}
+	prog.stop()
+	if err != nil {
+		return cpError(boxName, err)
+	}
+	prog.summary()
+	return nil
+}
+
+func localPathError(p string, err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%s: no such file or directory: %w", p, domain.ErrNotFound)
+	}
+	return err
+}
+
+// cpError says which side failed: a message from the box's side names the
+// box; a missing path exits 3, as a missing box does.
+func cpError(box string, err error) error {
+	var fe *agent.FilesError
+	if errors.As(err, &fe) {
+		if fe.NotFound {
+			return fmt.Errorf("box %q: %s: %w", box, fe.Msg, domain.ErrNotFound)
+		}
+		return fmt.Errorf("box %q: %s", box, fe.Msg)
+	}
+	if errors.Is(err, agent.ErrPathNotFound) {
+		return fmt.Errorf("%w: %w", err, domain.ErrNotFound)
+	}
+	if errors.Is(err, agent.ErrTooOld) {
+		return fmt.Errorf("box %q: %w", box, err)
+	}
+	return err
+}
+
+// copyOut copies BOX:src to the local dst (or stdout for -).
+func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgress, src, dst string) error {
+	if dst != "-" {
+		// Fail before any byte moves when dst's directory is missing.
+		if err := localDestOK(dst); err != nil {
+			return err
+		}
+	}
+	pr, pw := io.Pipe()
+	var guestDone atomic.Bool
+	gerrc := make(chan error, 1)
+	go func() {
+		err := client.CopyOut(ctx, src, prog.count(pw), prog.setTotal, a.cpWarn)
+		guestDone.Store(true)
+		pw.CloseWithError(err)
+		gerrc <- err
+	}()
+	var lerr error
+	if dst == "-" {
+		_, lerr = io.Copy(a.io.Out, pr)
+	} else {
+		_, lerr = agent.ExtractTree(pr, dst)
+	}
+	guestFirst := guestDone.Load()
+	pr.CloseWithError(errors.Join(lerr, io.ErrClosedPipe))
+	gerr := <-gerrc
+	switch {
+	case gerr != nil && (guestFirst || lerr == nil):
+		return gerr
+	case lerr != nil:
+		return lerr
+	}
+	return nil
+}
+
+// localDestOK reports a destination whose directory is missing.
+func localDestOK(dst string) error {
+	if _, err := os.Stat(dst); err == nil {
+		return nil
+	}
+	if strings.HasSuffix(dst, "/") {
+		return localPathError(dst, os.ErrNotExist)
+	}
+	parent := filepath.Dir(dst)
+	st, err := os.Stat(parent)
+	if err != nil {
+		return localPathError(parent, err)
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("%s: not a directory", parent)
+	}
+	return nil
+}
+
+// copyIn copies the local src (or a tar stream on stdin for -) to BOX:dst.
+func (a *app) copyIn(ctx context.Context, client *agent.Client, prog *copyProgress, src, dst string) error {
+	if src == "-" {
+		_, err := client.CopyIn(ctx, prog.countReader(a.io.In), dst, true)
+		return err
+	}
+	if _, total, err := agent.TreeSize(src); err == nil {
+		prog.setTotal(total)
+	}
+	pr, pw := io.Pipe()
+	var localDone atomic.Bool
+	lerrc := make(chan error, 1)
+	go func() {
+		err := agent.WriteTree(prog.count(pw), src, a.cpWarn)
+		localDone.Store(true)
+		pw.CloseWithError(err)
+		lerrc <- err
+	}()
+	_, gerr := client.CopyIn(ctx, pr, dst, false)
+	localFirst := localDone.Load()
+	pr.CloseWithError(io.ErrClosedPipe)
+	lerr := <-lerrc
+	switch {
+	case lerr != nil && (localFirst || gerr == nil):
+		return lerr
+	case gerr != nil:
+		return gerr
+	}
+	return nil
+}
+
+func (a *app) cpWarn(s string) { fmt.Fprintf(a.io.Err, "kvbox: cp: %s\n", s) }
+
+// copyProgress counts the bytes of a copy and, on a terminal, draws one
+// status line once the copy has taken more than a second.
+type copyProgress struct {
+	w       io.Writer // nil: not a terminal
+	start   time.Time
+	done    atomic.Int64
+	total   atomic.Int64
+	quit    chan struct{}
+	once    sync.Once
+	wg      sync.WaitGroup
+	drawn   atomic.Bool
+	stopped atomic.Bool
+}
+
+func (a *app) newCopyProgress() *copyProgress {
+	p := &copyProgress{start: time.Now(), quit: make(chan struct{})}
+	p.total.Store(-1)
+	if f, ok := a.io.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+		p.w = f
+		p.wg.Add(1)
+		go p.loop()
+	}
+	return p
+}
+
+func (p *copyProgress) setTotal(n int64) { p.total.Store(n) }
+
+func (p *copyProgress) loop() {
+	defer p.wg.Done()
+	t := time.NewTicker(200 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.quit:
+			return
+		case <-t.C:
+			if time.Since(p.start) > time.Second {
+				fmt.Fprint(p.w, "\r\033[K  "+p.line())
+				p.drawn.Store(true)
+			}
+		}
+	}
+}
+
+func (p *copyProgress) line() string {
+	done, total := p.done.Load(), p.total.Load()
+	secs := time.Since(p.start).Seconds()
+	rate := ""
+	if secs > 0 {
+		rate = fmt.Sprintf(" at %s/s", domain.FormatSize(int64(float64(done)/secs)))
+	}
+	if total > 0 {
+		return fmt.Sprintf("%s of %s (%d%%)%s", domain.FormatSize(min(done, total)), domain.FormatSize(total), min(done, total)*100/total, rate)
+	}
+	return fmt.Sprintf("%s%s", domain.FormatSize(done), rate)
+}
+
+func (p *copyProgress) stop() {
+	p.once.Do(func() {
+		close(p.quit)
+		p.wg.Wait()
+		if p.drawn.Load() {
+			fmt.Fprint(p.w, "\r\033[K")
+		}
+	})
+}
+
+// summary prints, on a terminal and for a copy that showed progress, what
+// was moved and how fast.
+func (p *copyProgress) summary() {
+	if p.drawn.Load() {
+		fmt.Fprintf(p.w, "copied %s in %.1fs\n", p.line(), time.Since(p.start).Seconds())
+	}
+}
+
+type countWriter struct {
+	w io.Writer
+	p *copyProgress
+}
+
+func (c countWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.p.done.Add(int64(n))
+	return n, err
+}
+
+type countReader struct {
+	r io.Reader
+	p *copyProgress
+}
+
+func (c countReader) Read(b []byte) (int, error) {
+	n, err := c.r.Read(b)
+	c.p.done.Add(int64(n))
+	return n, err
+}
+
+func (p *copyProgress) count(w io.Writer) io.Writer       { return countWriter{w, p} }
+func (p *copyProgress) countReader(r io.Reader) io.Reader { return countReader{r, p} }
