@@ -150,6 +150,10 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 			return err
 		}
 	}
+	// When the local side fails, the box's side is killed (SIGPIPE would
+	// not stop it: a Go program ignores a SIGPIPE it did not cause).
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	pr, pw := io.Pipe()
 	var guestDone atomic.Bool
 	gerrc := make(chan error, 1)
@@ -166,6 +170,9 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 		_, lerr = agent.ExtractTree(pr, dst)
 	}
 	guestFirst := guestDone.Load()
+	if lerr != nil {
+		cancel()
+	}
 	pr.CloseWithError(errors.Join(lerr, io.ErrClosedPipe))
 	gerr := <-gerrc
 	switch {
