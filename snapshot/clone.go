@@ -64,6 +64,7 @@ func (cl *cloning) plan() step.Plan {
 			step.Step{Name: "resume", Do: cl.resume},
 		).
 		After("identify",
+			step.Step{Name: "after-clone-hooks", Do: cl.hooks},
 			step.Step{Name: "open-port", Do: cl.openPort},
 			step.Step{Name: "persist", Do: cl.persist},
 		)
@@ -212,4 +213,14 @@ func errJoin(err, more error) error {
 		return err
 	}
 	return fmt.Errorf("%w (and: %v)", err, more)
+}
+
+// hooks runs the box's after-clone hooks (/etc/kvbox/after-clone.d): after
+// re-identification, before the port opens; a failing one fails the clone,
+// which the plan then undoes.
+func (cl *cloning) hooks(ctx context.Context) error {
+	if _, err := cl.c.Agent.RunAfterCloneHooks(ctx); err != nil {
+		return fmt.Errorf("clone %q: %w", cl.c.Name, err)
+	}
+	return nil
 }

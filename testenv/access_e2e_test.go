@@ -256,3 +256,51 @@ func localView(t *testing.T, p string) string {
 	}
 	return s + " " + sha256File(t, p)
 }
+
+// After-clone hooks run in name order after the clone is re-identified
+// and before its port opens; a failing one fails the clone, which is
+// rolled back (no domain, no folder).
+func TestAfterCloneHooks(t *testing.T) {
+	src, snap := name(t, "hooksrc"), name(t, "hooksnap")
+	newBox(t, src)
+	gw := subnetPrefix + "1"
+	inBox(t, src, `mkdir -p /etc/kvbox/after-clone.d && cd /etc/kvbox/after-clone.d &&
+printf '#!/bin/sh\necho 05 >> /root/order\n' > 05-first &&
+printf '#!/bin/sh\necho 10 >> /root/order\nif ping -c 1 -W 1 `+gw+` >/dev/null 2>&1; then r=reachable; else r=unreachable; fi\necho "$(hostname) $r $KVBOX_HOOK $(id -u)" > /root/hook.log\n' > 10-record &&
+printf '#!/bin/sh\ncase "$(hostname)" in *bad*) echo "boom from $(hostname)"; exit 3;; esac\necho 20 >> /root/order\n' > 20-maybe-fail &&
+printf '#!/bin/sh\necho never >> /root/order\n' > 30-not-executable &&
+chmod 755 05-first 10-record 20-maybe-fail && chmod 644 30-not-executable && sync`)
+	// The source itself can reach the gateway: the hook's "unreachable"
+	// below is the closed port, not the network.
+	inBox(t, src, "ping -c 1 -W 2 "+gw+" >/dev/null")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src, snap)
+
+	good := name(t, "hookgood")
+	if r := newClone(t, snap, good); r.code != 0 {
+		t.Fatalf("clone with passing hooks: %s", r)
+	}
+	if got := inBox(t, good, "cat /root/order; cat /root/hook.log"); got != "05\n10\n20\n"+good+" unreachable after-clone 0\n" {
+		t.Errorf("hooks of a good clone recorded %q, want them in order, as root, with the new hostname and the port still closed", got)
+	}
+	// And once the clone is up, its port is open.
+	inBox(t, good, "ping -c 1 -W 2 "+gw+" >/dev/null")
+
+	bad := name(t, "hookbad")
+	r := newClone(t, snap, bad)
+	if r.code == 0 || !strings.Contains(r.stderr, "after-clone hook 20-maybe-fail: exit status 3") || !strings.Contains(r.stderr, "boom from "+bad) {
+		t.Errorf("clone with a failing hook: want a failure with the hook's output: %s", r)
+	}
+	t.Logf("clone with a failing hook: %s", strings.TrimSpace(r.stderr))
+	if out, err := virsh("dominfo", bad); err == nil {
+		t.Errorf("the failed clone's domain is still defined: %s", out)
+	}
+	if _, err := os.Stat(filepath.Join(stateDir, "boxes", bad)); !os.IsNotExist(err) {
+		t.Errorf("the failed clone's folder is still there: %v", err)
+	}
+	for _, b := range listBoxes(t) {
+		if b.Name == bad {
+			t.Errorf("kvbox ls lists the failed clone: %+v", b)
+		}
+	}
+}

@@ -23,6 +23,9 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == agent.FilesHelperArg {
 		os.Exit(agent.RunFilesHelper(os.Args[2:]))
 	}
+	if len(os.Args) > 1 && os.Args[1] == agent.HooksHelperArg {
+		os.Exit(agent.RunHooksHelper(os.Args[2:]))
+	}
 	stateDir := flag.String("state-dir", "/var/lib/kvbox-agent", "where the identity is persisted")
 	sysClass := flag.String("sys-class", "/sys/class/virtio-ports", "virtio-serial ports in sysfs")
 	devDir := flag.String("dev", "/dev", "where the port devices are")
