@@ -27,8 +27,11 @@ const (
 	// MaxPayload bounds one frame's payload. It also bounds how much a
 	// decoder must buffer while resynchronising.
 	MaxPayload = 64 << 10
-	// chunkSize is the largest stream chunk either side sends.
-	chunkSize = 32 << 10
+	// chunkSize is the largest stream chunk either side sends: a frame
+	// (header included) of exactly 32 KiB, because the guest's
+	// virtio_console sends at most 32 KiB per write as one buffer, and a
+	// frame one byte larger costs a second buffer, write and interrupt.
+	chunkSize = 32<<10 - headerLen
 )
 
 var magic = [4]byte{'K', 'V', 'B', 1}
