@@ -54,7 +54,7 @@ var ErrTooOld = fmt.Errorf("the guest agent is too old")
 func (in Info) Require(what string, fs ...string) error {
 	for _, f := range fs {
 		if !in.Has(f) {
-			return fmt.Errorf("%w for %s (agent %s lacks %q): rebuild the image with this kvbox's agent (kvbox images build --agent), or make a new snapshot from a box that has it",
+			return fmt.Errorf("%w for %s (agent %s lacks %q): boxes and snapshots made from an image built with this kvbox's agent have it (kvbox images build --agent)",
 				ErrTooOld, what, in.Version, f)
 		}
 	}
