@@ -190,6 +190,20 @@ func TestCopy(t *testing.T) {
 		}
 	})
 
+	t.Run("ProgressOnTerminal", func(t *testing.T) {
+		// script(1) gives kvbox a terminal: a copy of over a second shows
+		// a status line and a summary; without one (every other run
+		// here) stderr stays empty.
+		f := filepath.Join(dir, "progress")
+		out, err := exec.Command("sh", "-c", "head -c 16777216 "+filepath.Join(src, "big")+" > "+f+" && script -qec '"+kvboxBin+" cp "+f+" "+n+":/srv/progress' /dev/null").CombinedOutput()
+		if err != nil {
+			t.Fatalf("cp on a terminal: %v %s", err, out)
+		}
+		if s := string(out); !strings.Contains(s, "MB of 16 MB (") || !strings.Contains(s, "/s") || !strings.Contains(s, "copied 16 MB") {
+			t.Errorf("cp on a terminal showed no progress: %q", s)
+		}
+	})
+
 	t.Run("Refusals", func(t *testing.T) {
 		file := filepath.Join(dir, "run")
 		for _, tc := range []struct {

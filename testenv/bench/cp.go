@@ -16,7 +16,8 @@ import (
 // benchCp times kvbox cp of a 32 MiB file into and out of a box (to a
 // tmpfs, so the guest's disk is out of it) against the peer measured in
 // the same run: the bare exec channel (`exec -- sh -c 'cat >/dev/null'` in,
-// `exec -- cat FILE` out). Besides wall time it prints the box's QEMU CPU
+// `exec -- cat FILE` out; and `cat > FILE` on the same tmpfs, which adds
+// the guest's write to the bare channel). Besides wall time it prints the box's QEMU CPU
 // time per transfer: under TCG the guest's CPU is what bounds a copy, and
 // CPU time is steadier than wall time on a shared machine.
 func benchCp(ctx context.Context, e *env) error {
@@ -50,7 +51,7 @@ func benchCp(ctx context.Context, e *env) error {
 
 	type m struct{ wall, cpu []time.Duration }
 	res := map[string]*m{}
-	order := []string{"cp in", "peer exec stdin", "cp out", "peer exec stdout"}
+	order := []string{"cp in", "peer exec stdin", "peer stdin > tmpfs", "cp out", "peer exec stdout"}
 	for _, k := range order {
 		res[k] = &m{}
 	}
@@ -73,9 +74,14 @@ func benchCp(ctx context.Context, e *env) error {
 			defer out.Close()
 			cmd.Stdout = out
 		}
+		var errb strings.Builder
+		cmd.Stderr = &errb
+		if cmd.Stdout == nil {
+			cmd.Stdout = &errb
+		}
 		t0 := time.Now()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("kvbox %s: %v %s", strings.Join(args, " "), err, out)
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("kvbox %s: %v %s", strings.Join(args, " "), err, errb.String())
 		}
 		res[k].wall = append(res[k].wall, time.Since(t0))
 		res[k].cpu = append(res[k].cpu, procCPU(qemu)-c0)
@@ -86,6 +92,9 @@ func benchCp(ctx context.Context, e *env) error {
 			return err
 		}
 		if err := run("peer exec stdin", src, "", "exec", b, "--", "sh", "-c", "cat > /dev/null"); err != nil {
+			return err
+		}
+		if err := run("peer stdin > tmpfs", src, "", "exec", b, "--", "sh", "-c", "cat > /mnt/ram/g"); err != nil {
 			return err
 		}
 		os.Remove(filepath.Join(dir, "back"))
