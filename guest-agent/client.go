@@ -407,38 +407,21 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 	}
 	ectx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	credits := make(chan struct{}, stdinWindow)
+	x := &execRun{c: c, id: id, req: req, stdout: stdout, stderr: stderr, credits: make(chan struct{}, stdinWindow)}
 	for range stdinWindow {
-		credits <- struct{}{}
+		x.credits <- struct{}{}
 	}
 	if stdin != nil {
-		go c.forwardStdin(ectx, id, stdin, credits)
+		go c.forwardStdin(ectx, id, stdin, x.credits)
 	} else if !req.TTY {
 		if err := c.send(ctx, frameStdinEOF, id, nil); err != nil {
 			return -1, err
 		}
 	}
 	if resize != nil {
-		go func() {
-			for {
-				select {
-				case ws, ok := <-resize:
-					if !ok {
-						return
-					}
-					b, _ := json.Marshal(ws)
-					if c.send(ectx, frameResize, id, b) != nil {
-						return
-					}
-				case <-ectx.Done():
-					return
-				}
-			}
-		}()
+		go c.forwardResize(ectx, id, resize)
 	}
-	var outErr error
 	var timer <-chan time.Time
-	timedOut := false
 	if req.Timeout > 0 {
 		t := time.NewTimer(req.Timeout)
 		defer t.Stop()
@@ -447,13 +430,12 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 	for {
 		f, err := c.recvOr(ctx, timer)
 		if errors.Is(err, errTimer) {
-			if timedOut {
+			if x.timedOut {
 				return -1, fmt.Errorf("exec: the command's process group was killed after %s but the agent reported no exit", req.Timeout)
 			}
-			timedOut = true
+			x.timedOut = true
 			timer = time.After(killGrace)
-			b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGKILL)})
-			if err := c.send(ctx, frameSignal, id, b); err != nil {
+			if err := c.signal(ctx, id, unix.SIGKILL); err != nil {
 				return -1, err
 			}
 			continue
@@ -462,8 +444,7 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 			if ctx.Err() != nil {
 				// Best effort: the next call's HELLO kills it anyway.
 				kctx, kcancel := context.WithTimeout(context.Background(), time.Second)
-				b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGKILL)})
-				c.send(kctx, frameSignal, id, b)
+				c.signal(kctx, id, unix.SIGKILL)
 				kcancel()
 			}
 			return -1, err
@@ -471,44 +452,86 @@ func (c *Client) exec(ctx context.Context, id uint32, req ExecRequest, stdin io.
 		if f.ID != id {
 			continue
 		}
-		switch f.Type {
-		case frameStdout, frameStderr:
-			if outErr != nil {
-				continue
+		if code, done, err := x.frame(ctx, f); done || err != nil {
+			return code, err
+		}
+	}
+}
+
+// execRun is one exec being run: where its output goes and what happened.
+type execRun struct {
+	c              *Client
+	id             uint32
+	req            ExecRequest
+	stdout, stderr io.Writer
+	credits        chan struct{} // stdin frames the agent may still take
+	outErr         error         // writing output failed
+	timedOut       bool          // the timeout killed the process group
+}
+
+// frame handles one frame of the exec; done is set by its exit.
+func (x *execRun) frame(ctx context.Context, f frame) (code int, done bool, err error) {
+	switch f.Type {
+	case frameStdout, frameStderr:
+		if x.outErr != nil {
+			return 0, false, nil
+		}
+		w := x.stdout
+		if f.Type == frameStderr {
+			w = x.stderr
+		}
+		if _, err := w.Write(f.Payload); err != nil {
+			// Like a pipe's reader going away: SIGPIPE the process,
+			// keep draining until its exit.
+			x.outErr = err
+			if err := x.c.signal(ctx, x.id, unix.SIGPIPE); err != nil {
+				return -1, true, err
 			}
-			w := stdout
-			if f.Type == frameStderr {
-				w = stderr
+		}
+	case frameStdinAck:
+		select {
+		case x.credits <- struct{}{}:
+		default:
+		}
+	case frameExit:
+		var st exitStatus
+		if err := json.Unmarshal(f.Payload, &st); err != nil {
+			return -1, true, fmt.Errorf("exec: bad exit status: %w", err)
+		}
+		if st.Error != "" {
+			return st.Code, true, fmt.Errorf("exec: the agent lost the process: %s", st.Error)
+		}
+		if x.timedOut && st.Code == 128+int(unix.SIGKILL) {
+			return st.Code, true, &TimeoutError{After: x.req.Timeout}
+		}
+		if x.outErr != nil {
+			return st.Code, true, fmt.Errorf("exec: writing output: %w", x.outErr)
+		}
+		return st.Code, true, nil
+	}
+	return 0, false, nil
+}
+
+// signal sends sig to the exec's process (group).
+func (c *Client) signal(ctx context.Context, id uint32, sig unix.Signal) error {
+	b, _ := json.Marshal(signalMsg{Signal: int(sig)})
+	return c.send(ctx, frameSignal, id, b)
+}
+
+// forwardResize passes terminal size changes to the exec until ctx ends.
+func (c *Client) forwardResize(ctx context.Context, id uint32, resize <-chan WinSize) {
+	for {
+		select {
+		case ws, ok := <-resize:
+			if !ok {
+				return
 			}
-			if _, err := w.Write(f.Payload); err != nil {
-				// Like a pipe's reader going away: SIGPIPE the process,
-				// keep draining until its exit.
-				outErr = err
-				b, _ := json.Marshal(signalMsg{Signal: int(unix.SIGPIPE)})
-				if err := c.send(ctx, frameSignal, id, b); err != nil {
-					return -1, err
-				}
+			b, _ := json.Marshal(ws)
+			if c.send(ctx, frameResize, id, b) != nil {
+				return
 			}
-		case frameStdinAck:
-			select {
-			case credits <- struct{}{}:
-			default:
-			}
-		case frameExit:
-			var st exitStatus
-			if err := json.Unmarshal(f.Payload, &st); err != nil {
-				return -1, fmt.Errorf("exec: bad exit status: %w", err)
-			}
-			if st.Error != "" {
-				return st.Code, fmt.Errorf("exec: the agent lost the process: %s", st.Error)
-			}
-			if timedOut && st.Code == 128+int(unix.SIGKILL) {
-				return st.Code, &TimeoutError{After: req.Timeout}
-			}
-			if outErr != nil {
-				return st.Code, fmt.Errorf("exec: writing output: %w", outErr)
-			}
-			return st.Code, nil
+		case <-ctx.Done():
+			return
 		}
 	}
 }
