@@ -121,41 +121,50 @@ func lookPath(name, path string) (string, error) {
 	return "", fmt.Errorf("%q: executable file not found in PATH", name)
 }
 
-func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process, error) {
+// resolveExec checks an exec request and works out who runs what where:
+// the user (nil: the agent's), the environment, the program and the
+// working directory.
+func resolveExec(req ExecRequest) (u *guestUser, env []string, bin, dir string, err error) {
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
-		return nil, errors.New("exec: empty argv")
+		return nil, nil, "", "", errors.New("exec: empty argv")
 	}
-	var u *guestUser
 	if req.User != "" {
-		var err error
 		if u, err = lookupUser(req.User); err != nil {
-			return nil, err
+			return nil, nil, "", "", err
 		}
 	}
 	for _, kv := range req.EnvAdd {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return nil, fmt.Errorf("env %q: not NAME=VALUE", kv)
+			return nil, nil, "", "", fmt.Errorf("env %q: not NAME=VALUE", kv)
 		}
 	}
-	env := execEnv(req, u)
-	dir := req.Dir
+	env = execEnv(req, u)
+	dir = req.Dir
 	if dir != "" {
 		if err := checkWorkdir(dir); err != nil {
-			return nil, err
+			return nil, nil, "", "", err
 		}
 	}
-	bin, err := lookPath(req.Argv[0], envLookup(env, "PATH"))
+	bin, err = lookPath(req.Argv[0], envLookup(env, "PATH"))
 	if req.Argv[0] == selfArgv0 {
 		bin, err = os.Executable() // the file helper (files.go)
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, "", "", err
 	}
 	if dir == "" {
 		dir = envLookup(env, "HOME")
 		if st, err := os.Stat(dir); dir == "" || err != nil || !st.IsDir() {
 			dir = "/"
 		}
+	}
+	return u, env, bin, dir, nil
+}
+
+func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process, error) {
+	u, env, bin, dir, err := resolveExec(req)
+	if err != nil {
+		return nil, err
 	}
 	cmd := &exec.Cmd{Path: bin, Args: req.Argv, Env: env, Dir: dir}
 	p := &process{ss: ss, gen: gen, id: id, argv0: req.Argv[0], tty: req.TTY, cmd: cmd,
