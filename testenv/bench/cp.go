@@ -49,44 +49,12 @@ func benchCp(ctx context.Context, e *env) error {
 	f.Close()
 	qemu := qemuPid(b)
 
-	type m struct{ wall, cpu []time.Duration }
-	res := map[string]*m{}
 	order := []string{"cp in", "peer exec stdin", "peer stdin > tmpfs", "cp out", "peer exec stdout"}
+	t := &cpTimes{ctx: ctx, e: e, qemu: qemu, res: map[string]*cpTime{}}
 	for _, k := range order {
-		res[k] = &m{}
+		t.res[k] = &cpTime{}
 	}
-	run := func(k string, stdin, stdout string, args ...string) error {
-		c0 := procCPU(qemu)
-		cmd := exec.CommandContext(ctx, "bin/kvbox", append([]string{"--state-dir", e.stateDir}, args...)...)
-		if stdin != "" {
-			in, err := os.Open(stdin)
-			if err != nil {
-				return err
-			}
-			defer in.Close()
-			cmd.Stdin = in
-		}
-		if stdout != "" {
-			out, err := os.Create(stdout)
-			if err != nil {
-				return err
-			}
-			defer out.Close()
-			cmd.Stdout = out
-		}
-		var errb strings.Builder
-		cmd.Stderr = &errb
-		if cmd.Stdout == nil {
-			cmd.Stdout = &errb
-		}
-		t0 := time.Now()
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("kvbox %s: %v %s", strings.Join(args, " "), err, errb.String())
-		}
-		res[k].wall = append(res[k].wall, time.Since(t0))
-		res[k].cpu = append(res[k].cpu, procCPU(qemu)-c0)
-		return nil
-	}
+	run, res := t.run, t.res
 	for range 3 {
 		if err := run("cp in", "", "", "cp", src, b+":/mnt/ram/f"); err != nil {
 			return err
@@ -146,4 +114,50 @@ func procCPU(pid int) time.Duration {
 	u, _ := strconv.ParseInt(f[11], 10, 64)
 	k, _ := strconv.ParseInt(f[12], 10, 64)
 	return time.Duration(u+k) * time.Second / 100 // USER_HZ
+}
+
+// cpTime is the wall and QEMU CPU times of one kind of transfer.
+type cpTime struct{ wall, cpu []time.Duration }
+
+// cpTimes times CLI transfers against one box's QEMU.
+type cpTimes struct {
+	ctx  context.Context
+	e    *env
+	qemu int
+	res  map[string]*cpTime
+}
+
+// run times `kvbox args...` as kind k, with stdin and stdout from and to
+// files when named.
+func (t *cpTimes) run(k string, stdin, stdout string, args ...string) error {
+	c0 := procCPU(t.qemu)
+	cmd := exec.CommandContext(t.ctx, "bin/kvbox", append([]string{"--state-dir", t.e.stateDir}, args...)...)
+	if stdin != "" {
+		in, err := os.Open(stdin)
+		if err != nil {
+			return err
+		}
+		defer in.Close()
+		cmd.Stdin = in
+	}
+	if stdout != "" {
+		out, err := os.Create(stdout)
+		if err != nil {
+			return err
+		}
+		defer out.Close()
+		cmd.Stdout = out
+	}
+	var errb strings.Builder
+	cmd.Stderr = &errb
+	if cmd.Stdout == nil {
+		cmd.Stdout = &errb
+	}
+	t0 := time.Now()
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("kvbox %s: %v %s", strings.Join(args, " "), err, errb.String())
+	}
+	t.res[k].wall = append(t.res[k].wall, time.Since(t0))
+	t.res[k].cpu = append(t.res[k].cpu, procCPU(t.qemu)-c0)
+	return nil
 }
