@@ -7,6 +7,7 @@ package domain
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 
 	"libvirt.org/go/libvirt"
@@ -34,7 +35,10 @@ type Host struct {
 	// Interrupt, when set, ends a wait on a lock another kvbox holds (the
 	// CLI closes it on Ctrl-C or SIGTERM); nil waits for as long as it takes.
 	Interrupt <-chan struct{}
-	facts     *hostFacts
+	// ReaperCommand builds the command of a detached reaper (kvbox re-run
+	// as `kvbox ... __reap KIND NAME ID`); nil starts none.
+	ReaperCommand func(kind, name, id string) *exec.Cmd
+	facts         *hostFacts
 }
 
 // BoxesDir holds one folder per box: disk overlay, memory file, agent

@@ -484,6 +484,7 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 	if err := Undefine(dom); err != nil {
 		return fmt.Errorf("undefine box %q: %s", name, LibvirtMessage(err))
 	}
+	h.StopReaper(ReapBox, name)
 	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
 		if err := os.RemoveAll(b.Dir); err != nil {
 			return err

@@ -25,6 +25,9 @@ type Meta struct {
 	DiskBytes int64     `xml:"disk-bytes" json:"disk_bytes"`
 	Transport string    `xml:"transport" json:"transport"`
 	Created   time.Time `xml:"created" json:"created"`
+	// Expires is the box's deadline (kvbox new --ttl, kvbox ttl): its
+	// reaper removes it then.
+	Expires *time.Time `xml:"expires,omitempty" json:"expires,omitempty"`
 }
 
 // MarshalMeta renders m as the element kept under the domain's <metadata>.

@@ -77,6 +77,9 @@ type Snapshot struct {
 	// DiskCopiedBytes is what the disk copy wrote (before the merge).
 	DiskCopiedBytes int64 `json:"disk_copied_bytes"`
 	PauseMillis     int64 `json:"pause_ms"`
+	// Expires is the snapshot's deadline (snapshots new --ttl): it is
+	// removed then, or, while boxes are cloned from it, once they are gone.
+	Expires *time.Time `json:"expires,omitempty"`
 
 	Dir       string `json:"-"`
 	SizeBytes int64  `json:"size_bytes"` // real bytes on disk, computed on read
@@ -135,4 +138,26 @@ func (st Store) List() ([]Snapshot, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Created.Before(out[j].Created) })
 	return out, nil
+}
+
+// SetExpires records the snapshot's deadline (nil: none) in its
+// snapshot.json, which stays root's and read-only to QEMU.
+func SetExpires(h *domain.Host, st Store, name string, at *time.Time) (Snapshot, error) {
+	s, err := st.Get(name)
+	if err != nil {
+		return Snapshot{}, err
+	}
+	if at != nil {
+		t := at.UTC().Truncate(time.Second)
+		at = &t
+	}
+	s.Expires = at
+	path := s.Path(MetaFile)
+	if err := writeJSON(path, s); err != nil {
+		return Snapshot{}, err
+	}
+	if err := h.ShareWithQEMU(path, domain.SharedFileMode); err != nil {
+		return Snapshot{}, err
+	}
+	return s, overlay.SyncDir(s.Dir)
 }

@@ -4,10 +4,13 @@ package testenv
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // newResult is an element of `kvbox new --count N --json`.
@@ -173,5 +176,181 @@ func TestCountCold(t *testing.T) {
 	}
 	if !strings.Contains(r.stdout, "2 of 2 boxes running from image tiny") {
 		t.Errorf("no summary line: %q", r.stdout)
+	}
+}
+
+// reapers are the pids of live kvbox reapers of the named box or snapshot.
+func reapers(kind, n string) []string {
+	out, _ := exec.Command("ps", "-eo", "pid=,stat=,args=").Output()
+	var pids []string
+	for _, l := range strings.Split(string(out), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 3 || strings.HasPrefix(f[1], "Z") {
+			continue
+		}
+		if strings.Contains(l, " __reap "+kind+" "+n+" ") {
+			pids = append(pids, f[0])
+		}
+	}
+	return pids
+}
+
+// boxLeftovers says what of box n is left on the host: domain, folder,
+// lock files, reaper.
+func boxLeftovers(t *testing.T, n string) error {
+	t.Helper()
+	var left []string
+	if domains(t)[n] {
+		left = append(left, "domain")
+	}
+	for _, p := range []string{filepath.Join("boxes", n), filepath.Join("locks", n+".lock"), filepath.Join("reapers", "box-"+n+".lock")} {
+		if _, err := os.Stat(filepath.Join(stateDir, p)); err == nil {
+			left = append(left, p)
+		}
+	}
+	if r := reapers("box", n); len(r) > 0 {
+		left = append(left, "reaper "+strings.Join(r, ","))
+	}
+	if len(left) > 0 {
+		return fmt.Errorf("box %s: left %s", n, strings.Join(left, ", "))
+	}
+	return nil
+}
+
+// dumpExpires is the <expires> of a domain's live XML, "" without one.
+func dumpExpires(t *testing.T, n string) string {
+	t.Helper()
+	out, err := virsh("dumpxml", n)
+	if err != nil {
+		t.Fatalf("virsh dumpxml %s: %v %s", n, err, out)
+	}
+	_, rest, ok := strings.Cut(out, "<expires>")
+	if !ok {
+		return ""
+	}
+	v, _, _ := strings.Cut(rest, "</expires>")
+	return v
+}
+
+// TestTTL: boxes with --ttl (clones with --count, from a snapshot with its
+// own --ttl) disappear at their deadline without any other kvbox command
+// and leave nothing; the snapshot outlives its deadline while a clone of
+// it runs and goes with the last one; kvbox ttl extends and clears; a box
+// whose reaper is gone (as after a reboot) is removed by the next kvbox
+// command.
+func TestTTL(t *testing.T) {
+	src, snap, keep, prefix := name(t, "tsrc"), name(t, "twarm"), name(t, "tkeep"), name(t, "tt")
+	newBox(t, src)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	snapAt := time.Now()
+	out := mustKvbox(t, "snapshots", "new", "--ttl", "15s", src, snap)
+	if !strings.Contains(out, "removed at ") {
+		t.Errorf("snapshots new --ttl does not say when it goes: %q", out)
+	}
+	t.Cleanup(func() { kvbox(t, "rm", "--force", keep) })
+	mustKvbox(t, "new", "--from", snap, keep)
+
+	names := []string{prefix + "-1", prefix + "-2"}
+	t.Cleanup(func() { kvbox(t, append([]string{"rm", "--force"}, names...)...) })
+	start := time.Now()
+	r := kvbox(t, "new", "--from", snap, "--count", "2", "--ttl", "20s", "--json", prefix)
+	if r.code != 0 {
+		t.Fatalf("new --count 2 --ttl 20s: %s", r)
+	}
+	var res []struct {
+		Name    string    `json:"name"`
+		Expires time.Time `json:"expires"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &res); err != nil || len(res) != 2 {
+		t.Fatalf("new --json: %v %s", err, r.stdout)
+	}
+	for _, x := range res {
+		if d := x.Expires.Sub(start); d < 18*time.Second || d > 22*time.Second {
+			t.Errorf("%s expires %v after the start, want 20s", x.Name, d)
+		}
+		if got := dumpExpires(t, x.Name); got != x.Expires.UTC().Format(time.RFC3339) {
+			t.Errorf("virsh dumpxml %s shows <expires>%s</expires>, want %s", x.Name, got, x.Expires.UTC().Format(time.RFC3339))
+		}
+		if len(reapers("box", x.Name)) != 1 {
+			t.Errorf("%s has reapers %v, want one", x.Name, reapers("box", x.Name))
+		}
+	}
+	// No kvbox command from here until both are gone: only virsh, ps and
+	// the file system are looked at.
+	for _, n := range names {
+		eventually(t, 20*time.Second+time.Until(start.Add(60*time.Second)), func() error { return boxLeftovers(t, n) })
+	}
+	t.Logf("both --ttl 20s clones gone %.1fs after the start", time.Since(start).Seconds())
+
+	// The snapshot's deadline has passed, but box keep is cloned from it.
+	if d := time.Until(snapAt.Add(17 * time.Second)); d > 0 {
+		time.Sleep(d)
+	}
+	if _, err := os.Stat(filepath.Join(stateDir, "snapshots", snap)); err != nil {
+		t.Fatalf("snapshot %s went while box %s is cloned from it: %v", snap, keep, err)
+	}
+	if ls := mustKvbox(t, "snapshots", "ls"); !strings.Contains(ls, "expired, kept until its 1 clone(s) are gone") {
+		t.Errorf("snapshots ls does not say the expired snapshot is kept for its clone:\n%s", ls)
+	}
+	mustKvbox(t, "rm", "--force", keep)
+	if _, err := os.Stat(filepath.Join(stateDir, "snapshots", snap)); !os.IsNotExist(err) {
+		t.Errorf("expired snapshot %s is left after its last clone was removed: %v", snap, err)
+	}
+	if r := reapers("snapshot", snap); len(r) > 0 {
+		t.Errorf("snapshot reapers left: %v", r)
+	}
+
+	// kvbox ttl: bad input, then extend, then clear.
+	for _, bad := range [][]string{{"ttl", src, "0"}, {"ttl", src, "bogus"}, {"ttl", src, "-5m"}, {"ttl", src}} {
+		if r := kvbox(t, bad...); r.code != 2 {
+			t.Errorf("kvbox %v: want exit 2: %s", bad, r)
+		}
+	}
+	if r := kvbox(t, "ttl", name(t, "nosuchbox"), "1h"); r.code != 3 {
+		t.Errorf("kvbox ttl of no box: want exit 3: %s", r)
+	}
+	mustKvbox(t, "ttl", src, "6s")
+	first := dumpExpires(t, src)
+	mustKvbox(t, "ttl", src, "1h")
+	if later := dumpExpires(t, src); later == "" || later <= first {
+		t.Errorf("kvbox ttl 1h: <expires> %q, was %q", later, first)
+	}
+	time.Sleep(10 * time.Second)
+	if !domains(t)[src] {
+		t.Fatalf("box %s went at its old deadline although kvbox ttl extended it", src)
+	}
+	if got := getBox(t, src); got.State != "running" {
+		t.Errorf("box %s is %s", src, got.State)
+	}
+	if len(reapers("box", src)) != 1 {
+		t.Errorf("%s has reapers %v after the extension, want one", src, reapers("box", src))
+	}
+	mustKvbox(t, "ttl", src, "none")
+	if got := dumpExpires(t, src); got != "" {
+		t.Errorf("kvbox ttl none left <expires>%s</expires>", got)
+	}
+	if r := reapers("box", src); len(r) > 0 {
+		t.Errorf("kvbox ttl none left reapers %v", r)
+	}
+	if ls := mustKvbox(t, "ls"); !strings.Contains(ls, "TTL") {
+		t.Errorf("kvbox ls has no TTL column:\n%s", ls)
+	}
+
+	// As after a reboot: the reaper is gone when the deadline passes; the
+	// next kvbox command removes the box and says so.
+	mustKvbox(t, "ttl", src, "3s")
+	for _, pid := range reapers("box", src) {
+		exec.Command("kill", "-9", pid).Run()
+	}
+	time.Sleep(5 * time.Second)
+	if !domains(t)[src] {
+		t.Fatalf("box %s went without its reaper", src)
+	}
+	r = kvbox(t, "snapshots", "ls")
+	if !strings.Contains(r.stderr, "removed box "+src+", whose TTL ended") {
+		t.Errorf("the first kvbox command after the deadline did not say it removed %s: %s", src, r)
+	}
+	if err := boxLeftovers(t, src); err != nil {
+		t.Error(err)
 	}
 }

@@ -34,6 +34,9 @@ type newOptions struct {
 	ports     []portSpec
 	listeners []*net.TCPListener
 	network   string
+	ttl       string
+	// expires is the deadline --ttl gives, from the command's start.
+	expires *time.Time
 }
 
 func (a *app) newCmdNew() *cobra.Command {
@@ -70,10 +73,22 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	f.StringArrayVarP(&o.publish, "publish", "p", nil, "forward [ADDR:]HOSTPORT:GUESTPORT to the box while it lives (127.0.0.1 unless ADDR is given; repeatable)")
 	f.StringVar(&o.network, "network", "isolated", "isolated: on kvbox's bridge, the internet through NAT and nothing else; none: no network interface at all (exec still works)")
+	f.StringVar(&o.ttl, "ttl", "", "remove the box(es) this long after the start (20s, 30m, 2h, 3d), whatever happens meanwhile (kvbox ttl changes it)")
 	return c
 }
 
 func (a *app) runNew(c *cobra.Command, o *newOptions) error {
+	if c.Flags().Changed("ttl") {
+		d, ok, err := parseTTL(o.ttl)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("%w: --ttl %s: a new box has no TTL unless given one; leave --ttl out", errUsage, o.ttl)
+		}
+		t := time.Now().Add(d)
+		o.expires = &t
+	}
 	if c.Flags().Changed("count") || o.asJSON {
 		if len(o.publish) > 0 {
 			return fmt.Errorf("%w: --publish starts one box's forwards: it does not go with --count or --json", errUsage)
@@ -136,8 +151,13 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)\n",
-		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	if o.expires != nil {
+		if b, err = a.setBoxTTL(c.Context(), h, b.Name, *o.expires); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)%s\n",
+		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
 	if err := a.publish(c.Context(), h, b, o); err != nil {
 		return err
 	}
@@ -172,8 +192,13 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)\n",
-		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds())
+	if o.expires != nil {
+		if b, err = a.setBoxTTL(c.Context(), h, b.Name, *o.expires); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)%s\n",
+		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
 	if err := a.publish(c.Context(), h, b, o); err != nil {
 		return err
 	}
@@ -200,10 +225,10 @@ func (a *app) newCmdLs() *cobra.Command {
 			if asJSON {
 				return a.printJSON(withPublished(boxes))
 			}
-			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE")
+			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE", "TTL")
 			for _, b := range boxes {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", b.Name, b.State, b.IP, b.From(), b.CPUs,
-					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created))
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", b.Name, b.State, b.IP, b.From(), b.CPUs,
+					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created), ttlLeft(b.Expires))
 			}
 			return w.Flush()
 		},
@@ -231,6 +256,14 @@ func (a *app) newCmdIP() *cobra.Command {
 			return nil
 		},
 	}
+}
+
+// ttlNote ends a box's line with its deadline, when it has one.
+func ttlNote(b domain.Box) string {
+	if b.Expires == nil {
+		return ""
+	}
+	return fmt.Sprintf("; removed at %s (TTL)", b.Expires.Format(time.RFC3339))
 }
 
 func age(t time.Time) string {
@@ -359,13 +392,7 @@ func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, f
 		go func() {
 			defer wg.Done()
 			slots <- struct{}{}
-			var err error
-			if b, gerr := h.Get(n); gerr == nil {
-				err = stopPublish(b)
-			}
-			if err == nil {
-				err = h.Remove(ctx, n, force)
-			}
+			err := a.removeBox(ctx, h, n, force)
 			<-slots
 			mu.Lock()
 			defer mu.Unlock()

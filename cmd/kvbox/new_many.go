@@ -25,6 +25,8 @@ type newResult struct {
 	From    string  `json:"from"`
 	Seconds float64 `json:"seconds"`
 	Error   string  `json:"error,omitempty"`
+	// Expires is the box's deadline (--ttl).
+	Expires *time.Time `json:"expires,omitempty"`
 	err     error
 	timing  string
 }
@@ -159,11 +161,14 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 			defer func() { <-slots }()
 			t0 := time.Now()
 			b, tm, err := st.start(c.Context(), n)
+			if err == nil && o.expires != nil {
+				b, err = a.setBoxTTL(c.Context(), h, n, *o.expires)
+			}
 			r := newResult{Name: n, From: st.from, Seconds: time.Since(t0).Seconds(), err: err, timing: tm}
 			if err != nil {
 				r.Error = message(err)
 			} else {
-				r.OK, r.IP, r.MAC = true, b.IP, b.MAC
+				r.OK, r.IP, r.MAC, r.Expires = true, b.IP, b.MAC, b.Expires
 			}
 			results[i] = r
 		}()

@@ -46,6 +46,9 @@ type app struct {
 	// interrupt ends waits on another kvbox's lock (Ctrl-C, SIGTERM).
 	interrupt <-chan struct{}
 	host      *domain.Host
+	// reaper says this kvbox is a box's or snapshot's reaper (__reap): it
+	// does not sweep for expired boxes itself.
+	reaper bool
 }
 
 // Exit codes. A command run by `kvbox exec` returns its own code instead.
@@ -173,6 +176,7 @@ snapshot and cloned warm.`,
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP(),
 		a.newCmdPortForward(), a.newCmdSSHProxy(), a.newCmdSSHConfig())
 	root.AddCommand(a.newCmdCp())
+	root.AddCommand(a.newCmdTTL(), a.newCmdReap())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would
@@ -192,7 +196,7 @@ func (a *app) addCompletions(root *cobra.Command) {
 		}
 		return c
 	}
-	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}, {"port-forward"}, {"ssh-proxy"}} {
+	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}, {"port-forward"}, {"ssh-proxy"}, {"ttl"}} {
 		find(p...).ValidArgsFunction = firstArg(a.completeBoxes)
 	}
 	for _, p := range [][]string{{"stop"}, {"rm"}, {"ssh-config"}} {
@@ -248,7 +252,8 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt}
+	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt,
+		ReaperCommand: a.reaperCommand}
 	if err := a.host.SecureStateDir(); err != nil {
 		return nil, fmt.Errorf("state dir %s: %w", a.stateDir, err)
 	}
@@ -265,6 +270,10 @@ func (a *app) Host() (*domain.Host, error) {
 	}
 	for _, n := range a.host.RemoveOrphanFolders() {
 		fmt.Fprintf(a.io.Err, "kvbox: removed the folder of box %s, which no domain has any more\n", n)
+	}
+	// After a reboot no reaper runs: what expired meanwhile goes now.
+	if !a.reaper {
+		a.sweepExpired(a.host)
 	}
 	return a.host, nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -27,6 +28,7 @@ func (a *app) newCmdSnapshots() *cobra.Command {
 
 func (a *app) newCmdSnapshotsNew() *cobra.Command {
 	var verbose bool
+	var ttl string
 	c := &cobra.Command{
 		Use:   "new BOX NAME",
 		Short: "Snapshot a box's memory, CPU state and disk while it keeps running",
@@ -36,8 +38,13 @@ box touched is stored; a later snapshot of the same box copies only the disk
 blocks changed since, and is merged so it stands alone.
 
 A stopped box is booted first (a snapshot holds a running machine, so that its
-clones start warm) and stopped again afterwards.`,
+clones start warm) and stopped again afterwards.
+
+With --ttl the snapshot is removed that long after it was taken; one that
+boxes are still cloned from then is kept until the last of them is removed
+(kvbox snapshots ls says so).`,
 		Example: `  kvbox snapshots new dev warm
+  kvbox snapshots new --ttl 2h dev warm-today
   kvbox new --from warm agent-1`,
 		Args: exactArgs(2, "a box name and a snapshot name"),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -46,6 +53,18 @@ clones start warm) and stopped again afterwards.`,
 				return err
 			}
 			boxName, name := args[0], args[1]
+			var expires *time.Time
+			if c.Flags().Changed("ttl") {
+				d, ok, err := parseTTL(ttl)
+				if err != nil {
+					return err
+				}
+				if !ok {
+					return fmt.Errorf("%w: --ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", errUsage, ttl)
+				}
+				t := time.Now().Add(d)
+				expires = &t
+			}
 			booting := func() func() {
 				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
 				return a.spin("booting " + boxName)
@@ -56,12 +75,20 @@ clones start warm) and stopped again afterwards.`,
 				return err
 			}
 			s := res.Snapshot
+			if expires != nil {
+				if s, err = a.setSnapshotTTL(h, s.Name, *expires); err != nil {
+					return fmt.Errorf("snapshot %s is saved but got no TTL (kvbox snapshots rm %s): %w", name, name, err)
+				}
+			}
 			kind := "full"
 			if s.Incremental {
 				kind = "incremental"
 			}
 			fmt.Fprintf(a.io.Out, "✓ snapshot %s saved from box %s (%s on disk, %s disk copy, paused %d ms); start a warm clone with: kvbox new --from %s NAME\n",
 				s.Name, s.Box, domain.FormatSize(s.SizeBytes), kind, res.Pause.Milliseconds(), s.Name)
+			if s.Expires != nil {
+				fmt.Fprintf(a.io.Out, "  removed at %s (TTL), or once its last clone is removed if it has clones then\n", s.Expires.Format(time.RFC3339))
+			}
 			if verbose {
 				for _, st := range res.Steps {
 					fmt.Fprintf(a.io.Out, "  %-18s %6.0f ms\n", st.Name, float64(st.Duration.Microseconds())/1000)
@@ -71,7 +98,17 @@ clones start warm) and stopped again afterwards.`,
 		},
 	}
 	c.Flags().BoolVarP(&verbose, "verbose", "v", false, "print the time of each step")
+	c.Flags().StringVar(&ttl, "ttl", "", "remove the snapshot this long after it is taken (20s, 30m, 2h, 3d); kept while boxes are cloned from it")
 	return c
+}
+
+// snapshotTTL is the TTL column of a snapshot: the time left, or, once
+// passed, that it waits for its clones.
+func snapshotTTL(r snapshotRow) string {
+	if r.Expires != nil && !time.Now().Before(*r.Expires) && len(r.Clones) > 0 {
+		return fmt.Sprintf("expired, kept until its %d clone(s) are gone", len(r.Clones))
+	}
+	return ttlLeft(r.Expires)
 }
 
 // snapshotRow is an element of `kvbox snapshots ls --json`.
@@ -109,13 +146,13 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 			if asJSON {
 				return a.printJSON(rows)
 			}
-			w := a.table("NAME", "BOX", "SIZE-ON-DISK", "CREATED", "CLONES")
+			w := a.table("NAME", "BOX", "SIZE-ON-DISK", "CREATED", "CLONES", "TTL")
 			for _, r := range rows {
 				clones := "-"
 				if len(r.Clones) > 0 {
 					clones = strings.Join(r.Clones, ",")
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s ago\t%s\n", r.Name, r.Box, domain.FormatSize(r.SizeBytes), age(r.Created), clones)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s ago\t%s\t%s\n", r.Name, r.Box, domain.FormatSize(r.SizeBytes), age(r.Created), clones, snapshotTTL(r))
 			}
 			return w.Flush()
 		},
@@ -144,6 +181,7 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 				if err := snapshot.Remove(h, a.snapshots(), n); err != nil {
 					return err
 				}
+				h.StopReaper(domain.ReapSnapshot, n)
 				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", n)
 			}
 			return nil

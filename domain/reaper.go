@@ -1,0 +1,218 @@
+package domain
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"libvirt.org/go/libvirt"
+)
+
+// A box (or snapshot) with a deadline has a reaper: a small detached kvbox
+// process (`kvbox __reap KIND NAME ID`, its own session, no terminal) that
+// sleeps until the deadline, reads the deadline again from where it lives
+// (the box's libvirt metadata, the snapshot's snapshot.json) and removes the
+// box through the normal rm path once it has passed. It wakes at least every
+// ReaperRecheck to read the deadline again, so a deadline changed behind its
+// back is honoured within that time; `kvbox ttl` restarts it anyway. No kvbox
+// daemon and no systemd timer is needed, and nothing runs for a box without
+// a deadline. A host reboot ends every reaper: the first kvbox command
+// afterwards removes what expired meanwhile and starts the reapers of the
+// rest (SweepExpired).
+//
+// Each reaper holds an flock on reapers/KIND-NAME.lock (its pid inside)
+// while it lives: a second reaper of the same thing exits at once, and
+// kvbox tells whether one is alive without trusting a pid.
+
+// ReaperRecheck is the longest a reaper sleeps before reading its deadline
+// again.
+const ReaperRecheck = 30 * time.Second
+
+// Reaper kinds.
+const (
+	ReapBox      = "box"
+	ReapSnapshot = "snapshot"
+)
+
+// reaperLockPath is the lock a live reaper of KIND NAME holds.
+func (h *Host) reaperLockPath(kind, name string) string {
+	return filepath.Join(h.StateDir, "reapers", kind+"-"+name+".lock")
+}
+
+// ReaperLog is where the reaper of a box writes what it did: the box's
+// folder, so that it goes with the box. Snapshot reapers write to logs/.
+func (h *Host) ReaperLog(kind, name string) string {
+	if kind == ReapBox {
+		return filepath.Join(h.BoxDir(name), "reaper.log")
+	}
+	return filepath.Join(h.StateDir, "logs", name+".snapshot-reaper.log")
+}
+
+// ReaperHeld is a reaper's hold on its lock; Release drops it.
+type ReaperHeld struct{ l *FileLock }
+
+// Release removes the lock file (when it is still this reaper's) and
+// unlocks.
+func (r *ReaperHeld) Release() {
+	var held, now syscall.Stat_t
+	if syscall.Fstat(int(r.l.f.Fd()), &held) == nil && syscall.Stat(r.l.path, &now) == nil && held.Ino == now.Ino && held.Dev == now.Dev {
+		os.Remove(r.l.path)
+	}
+	r.l.f.Close()
+}
+
+// HoldReaper takes the reaper lock of KIND NAME for the calling process and
+// records its pid; ok is false when another reaper holds it.
+func (h *Host) HoldReaper(kind, name string) (held *ReaperHeld, ok bool, err error) {
+	l, err := LockFile(h.reaperLockPath(kind, name), false)
+	if errors.Is(err, ErrLocked) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	l.f.Truncate(0)
+	l.f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	return &ReaperHeld{l}, true, nil
+}
+
+// ReaperAlive reports whether a reaper of KIND NAME runs.
+func (h *Host) ReaperAlive(kind, name string) bool {
+	l, err := lockExisting(h.reaperLockPath(kind, name))
+	if errors.Is(err, ErrLocked) {
+		return true
+	}
+	if err == nil {
+		l.Unlock()
+	}
+	return false
+}
+
+// StartReaper starts the reaper of KIND NAME (id tells this box or snapshot
+// from a later one of the same name: a box's UUID, a snapshot's creation
+// time). It returns at once; the reaper runs detached, in its own session,
+// logging to ReaperLog. Without h.ReaperCommand nothing is started.
+func (h *Host) StartReaper(kind, name, id string) error {
+	if h.ReaperCommand == nil {
+		return nil
+	}
+	cmd := h.ReaperCommand(kind, name, id)
+	logPath := h.ReaperLog(kind, name)
+	if err := os.MkdirAll(filepath.Dir(logPath), 0o750); err != nil {
+		return err
+	}
+	// A box's folder is writable by QEMU: never follow a link planted
+	// there, and never block on a FIFO.
+	log, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o600)
+	if err != nil {
+		return fmt.Errorf("reaper log of %s %q: %w", kind, name, err)
+	}
+	defer log.Close()
+	if fi, err := log.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return fmt.Errorf("reaper log %s is not a regular file", logPath)
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, log, log
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start the reaper of %s %q: %w", kind, name, err)
+	}
+	return cmd.Process.Release()
+}
+
+// StopReaper ends the reaper of KIND NAME, if one runs (and is not the
+// calling process), and waits until it is gone.
+func (h *Host) StopReaper(kind, name string) {
+	path := h.reaperLockPath(kind, name)
+	for range 100 {
+		if !h.ReaperAlive(kind, name) {
+			if l, err := lockExisting(path); err == nil {
+				l.RemoveAndUnlock() // a dead reaper's file
+			}
+			return
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil || pid <= 1 {
+			time.Sleep(10 * time.Millisecond) // it is writing its pid
+			continue
+		}
+		if pid == os.Getpid() {
+			return // the reaper itself is removing its box
+		}
+		if isReaper(pid, kind, name) {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// ReaperArg is the hidden subcommand a reaper runs.
+const ReaperArg = "__reap"
+
+// isReaper checks that pid is a kvbox reaper of KIND NAME, so a stale or
+// rewritten pid never gets a signal meant for a reaper.
+func isReaper(pid int, kind, name string) bool {
+	cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		return false
+	}
+	args := bytes.Split(bytes.TrimRight(cmd, "\x00"), []byte{0})
+	for i := range args {
+		if string(args[i]) == ReaperArg && i+2 < len(args) && string(args[i+1]) == kind && string(args[i+2]) == name {
+			return true
+		}
+	}
+	return false
+}
+
+// SetExpires writes the box's deadline (nil: none) into its libvirt
+// metadata, live and persistent, and restarts its reaper: `virsh dumpxml`
+// shows <expires>. It returns the box as it is now.
+func (h *Host) SetExpires(name string, at *time.Time) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	if at != nil {
+		t := at.UTC().Truncate(time.Second)
+		at = &t
+	}
+	b.Expires = at
+	if err := writeMeta(dom, b.Meta); err != nil {
+		return Box{}, fmt.Errorf("set the deadline of box %q: %w", name, err)
+	}
+	h.StopReaper(ReapBox, name)
+	if at != nil {
+		if err := h.StartReaper(ReapBox, name, b.UUID); err != nil {
+			return Box{}, err
+		}
+	}
+	return b, nil
+}
+
+// writeMeta replaces a domain's kvbox metadata, in its live definition when
+// it runs and in its persistent one.
+func writeMeta(dom *libvirt.Domain, m Meta) error {
+	md, err := MarshalMeta(m)
+	if err != nil {
+		return err
+	}
+	flags := libvirt.DOMAIN_AFFECT_CONFIG
+	if active, err := dom.IsActive(); err == nil && active {
+		flags |= libvirt.DOMAIN_AFFECT_LIVE
+	}
+	if err := dom.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, strings.TrimSpace(md), "kvbox", MetadataNS, flags); err != nil {
+		return fmt.Errorf("%s", LibvirtMessage(err))
+	}
+	return nil
+}
