@@ -33,6 +33,9 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if b.State == "paused" {
 		return nil, fmt.Errorf("box %q is paused, not running (kvbox start %s resumes it): %w", b.Name, b.Name, ErrBusy)
 	}
+	if b.State == "suspended" {
+		return nil, fmt.Errorf("box %q is suspended, not running (kvbox resume %s wakes it): %w", b.Name, b.Name, ErrBusy)
+	}
 	if b.State != "running" {
 		return nil, fmt.Errorf("box %q is %s, not running (kvbox start %s): %w", b.Name, b.State, b.Name, ErrBusy)
 	}

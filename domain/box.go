@@ -72,6 +72,9 @@ func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 		return Box{}, false, fmt.Errorf("read domain state: %w", err)
 	}
 	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateName(st), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
+	if b.Suspended != nil && st == libvirt.DOMAIN_SHUTOFF {
+		b.State = "suspended"
+	}
 	if dx.Devices.Vsock != nil {
 		b.VsockCID = dx.Devices.Vsock.CID.Address
 	}

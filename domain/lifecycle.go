@@ -446,6 +446,9 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 	if b.State == "stopped" {
 		return nil
 	}
+	if b.State == "suspended" {
+		return fmt.Errorf("box %q is suspended, not running (kvbox resume %s wakes it, kvbox rm %s deletes it): %w", name, name, name, ErrBusy)
+	}
 	if !force {
 		if err := dom.Shutdown(); err == nil && waitState(ctx, dom, libvirt.DOMAIN_SHUTOFF, timeout) {
 			return emptyMemory(b.Dir)
@@ -465,7 +468,7 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 		return err
 	}
 	defer release()
-	if b.State != "stopped" && b.State != "crashed" {
+	if b.State != "stopped" && b.State != "crashed" && b.State != "suspended" {
 		if !force {
 			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
 		}
@@ -485,6 +488,7 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 		return fmt.Errorf("undefine box %q: %s", name, LibvirtMessage(err))
 	}
 	h.StopReaper(ReapBox, name)
+	h.RemoveSuspendFiles(name)
 	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
 		if err := os.RemoveAll(b.Dir); err != nil {
 			return err

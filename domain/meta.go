@@ -28,6 +28,22 @@ type Meta struct {
 	// Expires is the box's deadline (kvbox new --ttl, kvbox ttl): its
 	// reaper removes it then.
 	Expires *time.Time `xml:"expires,omitempty" json:"expires,omitempty"`
+	// Suspended is set while the box is suspended (kvbox suspend): its
+	// memory and device state wait on disk for kvbox resume.
+	Suspended *Suspended `xml:"suspended,omitempty" json:"suspended,omitempty"`
+}
+
+// Suspended is where a suspended box's saved state is.
+type Suspended struct {
+	At time.Time `xml:"at" json:"at"`
+	// State is the migration stream's file in the box's folder: device
+	// state, and with MappedRAM the RAM too (at Offset), which the resumed
+	// box then maps privately. Without MappedRAM the RAM stays in the
+	// box's own memory file.
+	State       string `xml:"state" json:"state"`
+	MappedRAM   bool   `xml:"mapped-ram" json:"mapped_ram"`
+	Offset      int64  `xml:"offset" json:"offset"`
+	PauseMillis int64  `xml:"pause-ms" json:"pause_ms"`
 }
 
 // MarshalMeta renders m as the element kept under the domain's <metadata>.

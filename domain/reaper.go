@@ -202,17 +202,43 @@ func (h *Host) SetExpires(name string, at *time.Time) (Box, error) {
 
 // writeMeta replaces a domain's kvbox metadata, in its live definition when
 // it runs and in its persistent one.
-func writeMeta(dom *libvirt.Domain, m Meta) error {
+func writeMeta(dom *libvirt.Domain, m Meta) error { return WriteMeta(dom, m, true) }
+
+// WriteMeta replaces a domain's kvbox metadata in its persistent
+// definition, and with live also in the running one.
+func WriteMeta(dom *libvirt.Domain, m Meta, live bool) error {
 	md, err := MarshalMeta(m)
 	if err != nil {
 		return err
 	}
 	flags := libvirt.DOMAIN_AFFECT_CONFIG
-	if active, err := dom.IsActive(); err == nil && active {
+	if active, err := dom.IsActive(); err == nil && active && live {
 		flags |= libvirt.DOMAIN_AFFECT_LIVE
 	}
 	if err := dom.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, strings.TrimSpace(md), "kvbox", MetadataNS, flags); err != nil {
 		return fmt.Errorf("%s", LibvirtMessage(err))
 	}
 	return nil
+}
+
+// SuspendFile is a file kvbox keeps, root's alone, for a suspended box:
+// its live domain XML at the suspend (what resume starts it from) and its
+// persistent one (what it gets back). Not in the box's folder, which
+// QEMU can write.
+func (h *Host) SuspendFile(name, kind string) string {
+	return filepath.Join(h.StateDir, "suspend", name+"."+kind+".xml")
+}
+
+// RemoveSuspendFiles deletes what kvbox keeps for a suspended box.
+func (h *Host) RemoveSuspendFiles(name string) {
+	for _, k := range []string{"live", "boot"} {
+		os.Remove(h.SuspendFile(name, k))
+	}
+}
+
+// PullPlug ends a box's QEMU at once (SIGKILL, then libvirt's destroy): for
+// a box whose state is saved or that is being removed.
+func PullPlug(dom *libvirt.Domain, name string) error {
+	killQEMU(name)
+	return powerOff(dom, name)
 }

@@ -185,19 +185,25 @@ func (cl *cloning) persist(context.Context) error {
 // clone maps it. Both are put back afterwards: a box left
 // with x-ignore-shared on writes RAM-less images on `virsh save`.
 func loadState(ctx context.Context, c *qmp.Client, snap Snapshot) error {
+	return loadStateFile(ctx, c, snap.Path(StateFile), snap.Memory.MappedRAM)
+}
+
+// loadStateFile loads the migration stream in path (written with
+// mapped-ram, or with x-ignore-shared) into the paused domain.
+func loadStateFile(ctx context.Context, c *qmp.Client, path string, mappedRAM bool) error {
 	// The stream records which capabilities wrote it and QEMU refuses
 	// a mismatch ("Capability x-ignore-shared is on, but received
 	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM
 	// is private) was written without x-ignore-shared.
 	caps := map[string]bool{qmp.CapIgnoreShared: true}
-	if snap.Memory.MappedRAM {
+	if mappedRAM {
 		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
 	}
 	restore, err := c.ApplyMigrationSettings(ctx, caps, nil)
 	if err != nil {
 		return err
 	}
-	if err := c.MigrateIncoming(ctx, "file:"+snap.Path(StateFile)); err != nil {
+	if err := c.MigrateIncoming(ctx, "file:"+path); err != nil {
 		return errJoin(err, restore(ctx))
 	}
 	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)

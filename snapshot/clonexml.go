@@ -42,6 +42,9 @@ type CloneXMLSpec struct {
 	// `kvbox stop` + `kvbox start` boots instead of waiting for a
 	// migration stream that never comes.
 	BootRAM string
+	// Incoming, with BootRAM, also adds -incoming defer: a suspended box
+	// resumed with its RAM in its own shared file (kvbox resume).
+	Incoming bool
 }
 
 // CloneXML derives a clone's domain XML from the source's saved domain XML
@@ -364,6 +367,9 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 	}
 	if s.BootRAM != "" {
 		out = append(out, domain.SharedRAMArgs(size, s.BootRAM)...)
+		if s.Incoming {
+			out = append(out, "-incoming", "defer")
+		}
 	} else {
 		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, domain.QemuOptEscape(s.MemPath))
 		if s.MemOffset != 0 {

@@ -285,7 +285,7 @@ func (a *app) newCmdStart() *cobra.Command {
 	var timeout time.Duration
 	c := &cobra.Command{
 		Use:     "start NAME",
-		Short:   "Boot a stopped box and wait for its agent, or resume a paused one",
+		Short:   "Boot a stopped box and wait for its agent, or resume a paused or suspended one",
 		Example: "  kvbox start dev",
 		Args:    exactArgs(1, "one box name"),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -293,12 +293,8 @@ func (a *app) newCmdStart() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if b, err := h.Get(args[0]); err == nil && b.State == "paused" {
-				if _, err := h.Resume(args[0]); err != nil {
-					return err
-				}
-				fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", b.Name, b.IP)
-				return nil
+			if b, err := h.Get(args[0]); err == nil && (b.State == "paused" || b.State == "suspended") {
+				return a.resumeBox(c, h, args[0], timeout, false)
 			}
 			stop := a.spin("booting " + args[0] + ", waiting for its agent")
 			b, err := h.Start(c.Context(), args[0], timeout)

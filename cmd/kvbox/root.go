@@ -176,7 +176,7 @@ snapshot and cloned warm.`,
 		a.newCmdStop(), a.newCmdRm(), a.newCmdImages(), a.newCmdSnapshots(), a.newCmdNetwork(), a.newCmdIP(),
 		a.newCmdPortForward(), a.newCmdSSHProxy(), a.newCmdSSHConfig())
 	root.AddCommand(a.newCmdCp())
-	root.AddCommand(a.newCmdTTL(), a.newCmdReap())
+	root.AddCommand(a.newCmdTTL(), a.newCmdReap(), a.newCmdSuspend(), a.newCmdResume())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would
@@ -199,7 +199,7 @@ func (a *app) addCompletions(root *cobra.Command) {
 	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}, {"port-forward"}, {"ssh-proxy"}, {"ttl"}} {
 		find(p...).ValidArgsFunction = firstArg(a.completeBoxes)
 	}
-	for _, p := range [][]string{{"stop"}, {"rm"}, {"ssh-config"}} {
+	for _, p := range [][]string{{"stop"}, {"rm"}, {"ssh-config"}, {"suspend"}, {"resume"}} {
 		find(p...).ValidArgsFunction = a.completeBoxes
 	}
 	find("snapshots", "rm").ValidArgsFunction = a.completeSnapshots

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/snapshot"
+)
+
+func (a *app) newCmdSuspend() *cobra.Command {
+	c := &cobra.Command{
+		Use:   "suspend NAME...",
+		Short: "Put boxes to sleep: memory and device state to disk, QEMU gone, RAM and CPU given back",
+		Long: `Put boxes to sleep: their memory and device state are saved to disk and their
+QEMU exits, so they hold no RAM and no CPU. The guest stands still only while
+its state is saved (a box booted from an image: its device state, its RAM
+already being a file; a clone: the last pass of a live copy of its RAM).
+
+kvbox resume (or kvbox start) wakes a box warm with its own name, MAC and
+address: every process runs on where it stopped, connections to it are made
+again. While suspended, kvbox ls shows it as suspended and virsh as shut off;
+an operator's virsh start fails and says to run kvbox resume (it would boot
+over the saved memory). kvbox rm deletes a suspended box with its state.`,
+		Example: "  kvbox suspend dev\n  kvbox resume dev",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			for _, n := range args {
+				stop := a.spin("saving " + n)
+				res, err := snapshot.Suspend(c.Context(), h, n)
+				stop()
+				if err != nil {
+					return err
+				}
+				how := "device state"
+				if res.Live {
+					how = "RAM copied live"
+				}
+				fmt.Fprintf(a.io.Out, "✓ box %s is suspended (%s, %s on disk, paused %d ms, %.2fs); wake it with: kvbox resume %s\n",
+					n, how, domain.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
+			}
+			return nil
+		},
+	}
+	return c
+}
+
+func (a *app) newCmdResume() *cobra.Command {
+	var timeout time.Duration
+	var verbose bool
+	c := &cobra.Command{
+		Use:   "resume NAME...",
+		Short: "Wake suspended boxes warm (or continue paused ones)",
+		Long: `Wake suspended boxes from their saved state: same name, MAC and address,
+every process running on where it stopped, the disk as it was. A paused box
+(one a failed snapshot left paused) just continues.`,
+		Example: "  kvbox resume dev",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			for _, n := range args {
+				if err := a.resumeBox(c, h, n, timeout, verbose); err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+	}
+	c.Flags().DurationVar(&timeout, "timeout", 60*time.Second, "how long to wait for the guest agent")
+	c.Flags().BoolVarP(&verbose, "verbose", "v", false, "print where the time went")
+	return c
+}
+
+// resumeBox wakes a suspended box or continues a paused one.
+func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time.Duration, verbose bool) error {
+	b, err := h.Get(n)
+	if err != nil {
+		return err
+	}
+	if b.State == "paused" {
+		if _, err := h.Resume(n); err != nil {
+			return err
+		}
+		fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", b.Name, b.IP)
+		return nil
+	}
+	if b.State != "suspended" {
+		return fmt.Errorf("box %q is %s, neither suspended nor paused: %w", n, b.State, domain.ErrBusy)
+	}
+	stop := a.spin("waking " + n)
+	res, err := snapshot.Resume(c.Context(), h, n, timeout)
+	stop()
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running again at %s, warm from its suspend (%.2fs)\n", n, res.Box.IP, res.Total.Seconds())
+	if verbose {
+		ms := func(d time.Duration) string { return fmt.Sprintf("%.0fms", float64(d.Microseconds())/1000) }
+		fmt.Fprintf(a.io.Err, "timing: start %s, load %s, agent %s, total %s\n", ms(res.Start), ms(res.Load), ms(res.Agent), ms(res.Total))
+	}
+	return nil
+}
