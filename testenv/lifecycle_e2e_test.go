@@ -354,3 +354,157 @@ func TestTTL(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// qemuOf is the pid of a running QEMU of box n, "" when there is none.
+func qemuOf(n string) string {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err == nil && strings.Contains(string(cmd), "guest="+n+",") {
+			if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && !strings.Contains(string(st), ") Z ") {
+				return e.Name()
+			}
+		}
+	}
+	return ""
+}
+
+// suspendChecks: box n is suspended: kvbox ls says so, virsh shows it shut
+// off, no QEMU of it runs.
+func suspendChecks(t *testing.T, n string) {
+	t.Helper()
+	if b := getBox(t, n); b.State != "suspended" {
+		t.Errorf("kvbox ls shows %s %s, want suspended", n, b.State)
+	}
+	if out, _ := virsh("domstate", n); strings.TrimSpace(out) != "shut off" {
+		t.Errorf("virsh domstate %s: %q, want shut off", n, out)
+	}
+	if pid := qemuOf(n); pid != "" {
+		t.Errorf("a QEMU of suspended box %s runs: pid %s", n, pid)
+	}
+}
+
+// TestSuspendResume: a suspended box has no QEMU; it resumes with its own
+// name, MAC and address, a counter process counting on from where it was
+// and its server still answering; an operator's virsh start fails and
+// loses nothing; start resumes; a resumed box can be snapshotted; a clone
+// of it suspends and resumes (twice); rm removes suspended boxes and their
+// saved state.
+func TestSuspendResume(t *testing.T) {
+	src, snap, cl := name(t, "ssrc"), name(t, "swarm"), name(t, "scl")
+	b0 := newBox(t, src)
+	startCounter(t, src)
+	inBox(t, src, "mkdir -p /www && echo s-"+src+" > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1")
+	pid0 := strings.TrimSpace(inBox(t, src, "pidof httpd"))
+	assertCounting(t, src)
+	c0 := counter(t, src)
+
+	out := mustKvbox(t, "suspend", src)
+	t.Logf("%s", out)
+	if !strings.Contains(out, "is suspended") {
+		t.Errorf("suspend output: %q", out)
+	}
+	suspendChecks(t, src)
+	if r := kvbox(t, "exec", src, "--", "true"); r.code != 5 || !strings.Contains(r.stderr, "kvbox resume") {
+		t.Errorf("exec in a suspended box: want exit 5 naming kvbox resume: %s", r)
+	}
+	if r := kvbox(t, "stop", src); r.code != 5 {
+		t.Errorf("stop of a suspended box: want exit 5: %s", r)
+	}
+	if r := kvbox(t, "suspend", src); r.code != 5 {
+		t.Errorf("suspend of a suspended box: want exit 5: %s", r)
+	}
+	// An operator's virsh start fails, says why, and changes nothing.
+	out, err := virsh("start", src)
+	if err == nil || !strings.Contains(out, "SUSPENDED-run-kvbox-resume-"+src) {
+		t.Errorf("virsh start of a suspended box: want a failure naming kvbox resume: %v %s", err, out)
+	}
+	suspendChecks(t, src)
+	time.Sleep(3 * time.Second) // the counter must not have run meanwhile
+
+	// kvbox start of a suspended box resumes it.
+	t1 := time.Now()
+	out = mustKvbox(t, "start", src)
+	t.Logf("%s (%.2fs)", strings.TrimSpace(out), time.Since(t1).Seconds())
+	b1 := getBox(t, src)
+	if b1.State != "running" || b1.IP != b0.IP || b1.MAC != b0.MAC || b1.UUID != b0.UUID {
+		t.Errorf("resumed box %+v, was %+v", b1, b0)
+	}
+	if qemuOf(src) == "" {
+		t.Errorf("no QEMU of resumed box %s", src)
+	}
+	c1 := counter(t, src)
+	if c1 < c0 || c1 > c0+20 {
+		t.Errorf("counter %d before suspend, %d right after resume: want it to go on from where it was", c0, c1)
+	}
+	assertCounting(t, src)
+	if got := strings.TrimSpace(inBox(t, src, "hostname; pidof httpd")); got != src+"\n"+pid0 {
+		t.Errorf("after resume: hostname and httpd pid %q, want %s and %s", got, src, pid0)
+	}
+	if body, err := httpGet("http://" + b1.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "s-"+src {
+		t.Errorf("server of the resumed box: %q %v", body, err)
+	}
+	for _, f := range []string{"suspend/" + src + ".live.xml", "suspend/" + src + ".boot.xml"} {
+		if _, err := os.Stat(filepath.Join(stateDir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s left after resume: %v", f, err)
+		}
+	}
+	if out, _ := virsh("dumpxml", "--inactive", src); strings.Contains(out, "SUSPENDED") || strings.Contains(out, "suspended") {
+		t.Errorf("the persistent definition still says suspended after resume")
+	}
+
+	// A snapshot of the resumed box; a clone of it suspends and resumes.
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src, snap)
+	t.Cleanup(func() { kvbox(t, "rm", "--force", cl) })
+	mustKvbox(t, "new", "--from", snap, cl)
+	bc := getBox(t, cl)
+	assertCounting(t, cl)
+	for round := 1; round <= 2; round++ {
+		cc := counter(t, cl)
+		t0 := time.Now()
+		out := mustKvbox(t, "suspend", cl)
+		running := time.Since(t0)
+		t.Logf("clone round %d: %s", round, strings.TrimSpace(out))
+		suspendChecks(t, cl)
+		time.Sleep(3 * time.Second)
+		t0 = time.Now()
+		out = mustKvbox(t, "resume", "-v", cl)
+		running += time.Since(t0)
+		t.Logf("clone round %d: %s", round, strings.TrimSpace(out))
+		b := getBox(t, cl)
+		if b.State != "running" || b.IP != bc.IP || b.MAC != bc.MAC {
+			t.Errorf("resumed clone %+v, was %+v", b, bc)
+		}
+		// It counts (at most 10 a second) while the RAM is copied live and
+		// after the resume, never while suspended.
+		if c := counter(t, cl); c < cc || c > cc+5+int(running.Seconds()*10) {
+			t.Errorf("clone counter %d before suspend, %d after resume (%.1fs running): want it to go on from where it was", cc, c, running.Seconds())
+		}
+		assertCounting(t, cl)
+		if got := strings.TrimSpace(inBox(t, cl, "hostname")); got != cl {
+			t.Errorf("resumed clone's hostname %q", got)
+		}
+		if body, err := httpGet("http://" + b.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "s-"+src {
+			t.Errorf("server of the resumed clone: %q %v", body, err)
+		}
+		states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state"))
+		if len(states) != 1 {
+			t.Errorf("clone folder holds saved states %v, want the one its RAM maps", states)
+		}
+	}
+
+	// rm of suspended boxes: a clone, then the source (no --force needed).
+	for _, n := range []string{cl, src} {
+		mustKvbox(t, "suspend", n)
+		mustKvbox(t, "rm", n)
+		if err := boxLeftovers(t, n); err != nil {
+			t.Error(err)
+		}
+		for _, k := range []string{"live", "boot"} {
+			if _, err := os.Stat(filepath.Join(stateDir, "suspend", n+"."+k+".xml")); !os.IsNotExist(err) {
+				t.Errorf("rm of suspended %s left its %s XML: %v", n, k, err)
+			}
+		}
+	}
+}
