@@ -104,7 +104,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	statePath := filepath.Join(box.Dir, stateName)
 	r.Add(func() { os.Remove(statePath) })
 
-	q := qmp.NewDomainClient(dom)
+	q := h.QMP(dom, name)
 	bg := context.WithoutCancel(ctx)
 	running := true
 	r.Add(func() {
@@ -276,7 +276,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	r.Add(func() { domain.PullPlug(dom, name) })
 	res.Start = time.Since(t0)
-	if err := loadStateFile(ctx, qmp.NewDomainClient(dom), statePath, s.MappedRAM); err != nil {
+	if err := loadStateFile(ctx, h.QMP(dom, name), statePath, s.MappedRAM); err != nil {
 		return res, fmt.Errorf("load the saved state of box %q: %w", name, err)
 	}
 	if err := dom.Resume(); err != nil {
