@@ -28,8 +28,13 @@ import (
 // resume maps the same file again, so neither depends on the RAM's size.
 // A clone's RAM is a private mapping of its snapshot: it is copied live
 // into a mapped-ram file in the box's folder (QEMU stops the guest only for
-// the last pass) and resume maps that file privately, as a clone maps a
-// snapshot of a clone.
+// the last pass), and resume reads its pages into the box's own shared
+// memory file, so a resumed clone is like a box booted from an image from
+// then on: its next suspend saves only device state. (Mapping the mapped-ram
+// file privately, as a clone maps a snapshot of a clone, loads faster, but
+// a live mapped-ram save of a box whose RAM is such a mapping gave a state
+// whose restore crashes the guest here, QEMU 10.0: the same happens to a
+// clone of a snapshot of a grandchild.)
 //
 // While suspended, the box's persistent definition names a RAM file in a
 // folder that does not exist (SUSPENDED-run-kvbox-resume-NAME): an
@@ -152,11 +157,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	pause := time.Since(stopped)
 	domain.Testpoint("suspend-saved")
 	susp := domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: stateName, MappedRAM: mapped, PauseMillis: pause.Milliseconds()}
-	if mapped {
-		if susp.Offset, err = prepareMappedRAM(statePath, box.MemoryBytes); err != nil {
-			return SuspendResult{}, err
-		}
-	} else if err := syncFile(statePath); err != nil {
+	if err := syncFile(statePath); err != nil {
 		return SuspendResult{}, err
 	}
 
@@ -248,11 +249,17 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	meta := box.Meta
 	meta.Suspended = nil
-	spec := CloneXMLSpec{Name: name, Meta: meta, Disk: filepath.Join(box.Dir, CloneDisk), UUID: box.UUID, MemBytes: box.MemoryBytes, MemPath: statePath}
+	// Either way the resumed box's RAM is its own shared memory file, as
+	// for a box booted from an image: the next suspend (and a snapshot)
+	// saves only its device state.
+	spec := CloneXMLSpec{Name: name, Meta: meta, Disk: filepath.Join(box.Dir, CloneDisk), UUID: box.UUID, MemBytes: box.MemoryBytes,
+		MemPath: statePath, BootRAM: domain.MemoryFile(box.Dir), Incoming: true}
 	if s.MappedRAM {
-		spec.MemOffset = s.Offset
-	} else {
-		spec.BootRAM, spec.Incoming = domain.MemoryFile(box.Dir), true
+		// The stream holds the RAM: its pages are read into a fresh
+		// (sparse, all zero) memory file, the pages it lacks being zero.
+		if err := os.Truncate(domain.MemoryFile(box.Dir), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return res, err
+		}
 	}
 	rx, err := CloneXML(string(live), spec)
 	if err != nil {
@@ -315,16 +322,14 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	r.Success()
 	h.RemoveSuspendFiles(name)
-	if !s.MappedRAM {
-		os.Remove(statePath) // device state only; a resumed clone maps its file
-	}
+	os.Remove(statePath)
 	res.Total = time.Since(t0)
 	res.Box, err = h.Get(name)
 	return res, err
 }
 
-// removeOldStates deletes a box's saved states but keep: a resumed clone
-// maps its last one until it is suspended again.
+// removeOldStates deletes a box's saved states but keep (debris of an
+// interrupted suspend).
 func removeOldStates(dir, keep string) {
 	ents, _ := os.ReadDir(dir)
 	for _, e := range ents {

@@ -488,9 +488,8 @@ func TestSuspendResume(t *testing.T) {
 		if body, err := httpGet("http://" + b.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "s-"+src {
 			t.Errorf("server of the resumed clone: %q %v", body, err)
 		}
-		states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state"))
-		if len(states) != 1 {
-			t.Errorf("clone folder holds saved states %v, want the one its RAM maps", states)
+		if states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state")); len(states) != 0 {
+			t.Errorf("clone folder holds saved states %v after resume", states)
 		}
 	}
 
