@@ -507,3 +507,42 @@ func TestSuspendResume(t *testing.T) {
 		}
 	}
 }
+
+// TestCountLateAgent: in a --count, one clone whose agent stays silent
+// (KVBOX_TEST_SILENT_AGENT: kvbox takes its agent's answers for none) fails
+// alone after --timeout, is cleaned up (domain, folder, address, locks),
+// and the others run and work.
+func TestCountLateAgent(t *testing.T) {
+	src, snap, prefix := name(t, "lsrc"), name(t, "lwarm"), name(t, "la")
+	newBox(t, src)
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src, snap)
+	names := []string{prefix + "-1", prefix + "-2", prefix + "-3"}
+	t.Cleanup(func() { kvbox(t, append([]string{"rm", "--force"}, names...)...) })
+	late := names[1]
+	cmd := exec.Command(kvboxBin, "new", "--from", snap, "--count", "3", "--timeout", "20s", prefix)
+	cmd.Env = append(os.Environ(), "KVBOX_TEST_SILENT_AGENT="+late)
+	out, err := cmd.CombinedOutput()
+	t.Logf("%s", out)
+	if err == nil {
+		t.Fatalf("new --count 3 with a silent agent in %s succeeded", late)
+	}
+	if !strings.Contains(string(out), "✗ box "+late+" failed: ") || !strings.Contains(string(out), "did not answer in time") {
+		t.Errorf("output does not give %s's agent timeout: %s", late, out)
+	}
+	if !strings.Contains(string(out), "2 of 3 boxes running") {
+		t.Errorf("no summary saying 2 of 3 run: %s", out)
+	}
+	if err := boxLeftovers(t, late); err != nil {
+		t.Error(err)
+	}
+	for _, n := range []string{names[0], names[2]} {
+		b := getBox(t, n)
+		if b.State != "running" {
+			t.Errorf("%s is %s", n, b.State)
+		}
+		if got := strings.TrimSpace(inBox(t, n, "hostname")); got != n {
+			t.Errorf("hostname in %s: %q", n, got)
+		}
+	}
+}

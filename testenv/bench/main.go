@@ -63,6 +63,7 @@ var sections = []section{
 	{"ports", benchPorts},
 	{"debian", benchDebian},
 	{"cp", benchCp},
+	{"lifecycle", benchLifecycle},
 }
 
 func main() {

@@ -1,0 +1,139 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/snapshot"
+)
+
+// lifeRuns is how many suspend/resume rounds are timed per box.
+const lifeRuns = 3
+
+// benchLifecycle times kvbox suspend (the pause: the guest stopped until its
+// state is saved; and the whole command, QEMU gone) and kvbox resume (until
+// the agent answers) of a box booted from an image and of a clone (its first
+// suspend copies the RAM live; once resumed its RAM is its own file), with a
+// kvbox snapshot of the same box for the snapshot pause, against libvirt's
+// managed save (`virsh managedsave`, the box is down for all of it) and
+// `virsh start` of the saved box (plus the agent's first answer), in the
+// same run.
+func benchLifecycle(ctx context.Context, e *env) error {
+	fmt.Printf("tiny box, %s RAM, 1 vCPU; %d rounds each; resume = until the agent answers\n", domain.FormatSize(e.memBytes), lifeRuns)
+	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
+	src := "bench-life-src"
+	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {
+		return err
+	}
+	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), src, true) })
+
+	type rounds struct{ pause, suspend, resume []time.Duration }
+	measure := func(name string) (rounds, error) {
+		var r rounds
+		for range lifeRuns {
+			s, err := snapshot.Suspend(ctx, e.h, name)
+			if err != nil {
+				return r, err
+			}
+			r.pause, r.suspend = append(r.pause, s.Pause), append(r.suspend, s.Total)
+			res, err := snapshot.Resume(ctx, e.h, name, 2*time.Minute)
+			if err != nil {
+				return r, err
+			}
+			r.resume = append(r.resume, res.Total)
+		}
+		return r, nil
+	}
+	a, err := measure(src)
+	if err != nil {
+		return err
+	}
+
+	// The snapshot pause of the same box, and a clone of that snapshot.
+	snapName := "bench-life-warm"
+	res, err := snapshot.Create(ctx, e.h, st, src, snapName)
+	if err != nil {
+		return err
+	}
+	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, snapName) })
+	cl := "bench-life-clone"
+	if _, _, err := snapshot.Clone(ctx, e.h, res.Snapshot, cl, 2*time.Minute); err != nil {
+		return err
+	}
+	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), cl, true) })
+	b, err := measure(cl)
+	if err != nil {
+		return err
+	}
+
+	// The peer: libvirt's managed save of a box kvbox made.
+	peer := "bench-life-peer"
+	peerBox, err := e.h.Create(ctx, e.spec(peer, 1))
+	if err != nil {
+		return err
+	}
+	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	var msave, mstart []time.Duration
+	for range lifeRuns {
+		t0 := time.Now()
+		if out, err := virsh(ctx, "managedsave", peer); err != nil {
+			return fmt.Errorf("virsh managedsave: %v: %s", err, out)
+		}
+		msave = append(msave, time.Since(t0))
+		t0 = time.Now()
+		if out, err := virsh(ctx, "start", peer); err != nil {
+			return fmt.Errorf("virsh start: %v: %s", err, out)
+		}
+		peerBox.State = "running"
+		if err := pingAgent(ctx, e.h, peerBox); err != nil {
+			return err
+		}
+		mstart = append(mstart, time.Since(t0))
+	}
+
+	row := func(what string, pause, total, resume time.Duration) {
+		fmt.Printf("  %-44s pause %7.0f ms  command %7.0f ms  resume %7.0f ms\n", what, ms(pause), ms(total), ms(resume))
+	}
+	row("kvbox suspend/resume, box from an image", median(a.pause), median(a.suspend), median(a.resume))
+	row("kvbox suspend/resume, clone (1st: live RAM)", b.pause[0], b.suspend[0], b.resume[0])
+	if len(b.pause) > 1 {
+		row("kvbox suspend/resume, resumed clone (2nd on)", median(b.pause[1:]), median(b.suspend[1:]), median(b.resume[1:]))
+	}
+	fmt.Printf("  %-44s pause %7.0f ms\n", "kvbox snapshot of the same box (for the target)", ms(res.Pause))
+	row("peer: virsh managedsave / virsh start", median(msave), median(msave), median(mstart))
+	fmt.Printf("  ratio resume (box from an image) / virsh start: %.2f; suspend pause / managedsave: %.2f\n",
+		float64(median(a.resume))/float64(median(mstart)), float64(median(a.pause))/float64(median(msave)))
+	fmt.Printf("  targets: resume <= 500 ms (%s), suspend pause <= snapshot pause (%s)\n",
+		verdict(median(a.resume) <= 500*time.Millisecond), verdict(median(a.pause) <= res.Pause))
+	return nil
+}
+
+func verdict(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "missed"
+}
+
+// pingAgent waits until the box's agent answers.
+func pingAgent(ctx context.Context, h *domain.Host, b domain.Box) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		c, err := h.Dial(actx, b)
+		if err == nil {
+			_, err = c.Ping(actx)
+			c.Close()
+		}
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("agent of %s: %w", b.Name, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
