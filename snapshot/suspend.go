@@ -48,6 +48,9 @@ type SuspendResult struct {
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
 	Live       bool          // RAM copied live (a clone)
+	// Kill is the time QEMU took to go, Sync that of putting the memory
+	// file on disk.
+	Kill, Sync time.Duration
 }
 
 // ResumeResult reports a resume.
@@ -180,10 +183,13 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 		return SuspendResult{}, fmt.Errorf("mark box %q suspended: %w", name, err)
 	}
 	domain.Testpoint("suspend-defined")
+	tk := time.Now()
 	if err := domain.PullPlug(dom, name); err != nil {
 		return SuspendResult{}, err
 	}
+	kill := time.Since(tk)
 	r.Success()
+	ts := time.Now()
 	// The RAM of a box booted from an image is its memory file: on disk
 	// before kvbox says it is saved (a host crash keeps the box).
 	if !mapped {
@@ -191,9 +197,10 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 			return SuspendResult{}, fmt.Errorf("box %q is suspended, but its memory file could not be synced: %w", name, err)
 		}
 	}
+	sync := time.Since(ts)
 	removeOldStates(box.Dir, stateName)
 	size, _ := overlay.Du(statePath)
-	return SuspendResult{Pause: pause, Total: time.Since(t0), StateBytes: size, Live: mapped}, nil
+	return SuspendResult{Pause: pause, Total: time.Since(t0), StateBytes: size, Live: mapped, Kill: kill, Sync: sync}, nil
 }
 
 // suspendedXML is the box's persistent definition while it is suspended:

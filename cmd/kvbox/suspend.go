@@ -11,6 +11,7 @@ import (
 )
 
 func (a *app) newCmdSuspend() *cobra.Command {
+	var verbose bool
 	c := &cobra.Command{
 		Use:   "suspend NAME...",
 		Short: "Put boxes to sleep: memory and device state to disk, QEMU gone, RAM and CPU given back",
@@ -44,10 +45,15 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 				}
 				fmt.Fprintf(a.io.Out, "✓ box %s is suspended (%s, %s on disk, paused %d ms, %.2fs); wake it with: kvbox resume %s\n",
 					n, how, domain.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
+				if verbose {
+					fmt.Fprintf(a.io.Err, "timing: pause %dms, QEMU gone in %dms, memory file synced in %dms, total %dms\n",
+						res.Pause.Milliseconds(), res.Kill.Milliseconds(), res.Sync.Milliseconds(), res.Total.Milliseconds())
+				}
 			}
 			return nil
 		},
 	}
+	c.Flags().BoolVarP(&verbose, "verbose", "v", false, "print where the time went")
 	return c
 }
 

@@ -58,11 +58,25 @@ func benchLifecycle(ctx context.Context, e *env) error {
 		return err
 	}
 	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, snapName) })
+	// Warm clones of it, timed in the same run: the target resume is
+	// held to (the warm-clone target). The first is kept for its rounds.
 	cl := "bench-life-clone"
-	if _, _, err := snapshot.Clone(ctx, e.h, res.Snapshot, cl, 2*time.Minute); err != nil {
-		return err
+	var clones []time.Duration
+	for i := range lifeRuns {
+		n := cl
+		if i > 0 {
+			n = fmt.Sprintf("%s-%d", cl, i)
+		}
+		t0 := time.Now()
+		if _, _, err := snapshot.Clone(ctx, e.h, res.Snapshot, n, 2*time.Minute); err != nil {
+			return err
+		}
+		clones = append(clones, time.Since(t0))
+		e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), n, true) })
+		if i > 0 {
+			e.h.Remove(ctx, n, true)
+		}
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), cl, true) })
 	b, err := measure(cl)
 	if err != nil {
 		return err
@@ -102,11 +116,13 @@ func benchLifecycle(ctx context.Context, e *env) error {
 		row("kvbox suspend/resume, resumed clone (2nd on)", median(b.pause[1:]), median(b.suspend[1:]), median(b.resume[1:]))
 	}
 	fmt.Printf("  %-44s pause %7.0f ms\n", "kvbox snapshot of the same box (for the target)", ms(res.Pause))
+	fmt.Printf("  %-44s                                          %7.0f ms\n", "kvbox warm clone of it, same run (median)", ms(median(clones)))
 	row("peer: virsh managedsave / virsh start", median(msave), median(msave), median(mstart))
 	fmt.Printf("  ratio resume (box from an image) / virsh start: %.2f; suspend pause / managedsave: %.2f\n",
 		float64(median(a.resume))/float64(median(mstart)), float64(median(a.pause))/float64(median(msave)))
-	fmt.Printf("  targets: resume <= 500 ms (%s), suspend pause <= snapshot pause (%s)\n",
-		verdict(median(a.resume) <= 500*time.Millisecond), verdict(median(a.pause) <= res.Pause))
+	fmt.Printf("  ratio resume (box from an image) / warm clone in this run: %.2f\n", float64(median(a.resume))/float64(median(clones)))
+	fmt.Printf("  targets: resume <= 500 ms (%s; the warm clone in this run: %s), suspend pause <= snapshot pause (%s)\n",
+		verdict(median(a.resume) <= 500*time.Millisecond), verdict(median(clones) <= 500*time.Millisecond), verdict(median(a.pause) <= res.Pause))
 	return nil
 }
 
