@@ -1,0 +1,69 @@
+package domain
+
+import (
+	"os"
+	"os/exec"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// A reaper holds its lock while it lives; StopReaper signals only a
+// process whose command line is that reaper's, and leaves no lock file.
+func TestReaperLockAndStop(t *testing.T) {
+	h := &Host{StateDir: t.TempDir()}
+	if h.ReaperAlive(ReapBox, "dev") {
+		t.Fatal("a reaper is alive before any ran")
+	}
+	held, ok, err := h.HoldReaper(ReapBox, "dev")
+	if err != nil || !ok {
+		t.Fatalf("HoldReaper: %v %v", ok, err)
+	}
+	if !h.ReaperAlive(ReapBox, "dev") {
+		t.Error("the reaper holding its lock is not alive")
+	}
+	if _, ok, _ := h.HoldReaper(ReapBox, "dev"); ok {
+		t.Error("a second reaper of the same box got the lock")
+	}
+	// The holder is this test process: StopReaper must not kill it.
+	h.StopReaper(ReapBox, "dev")
+	held.Release()
+	if _, err := os.Stat(h.reaperLockPath(ReapBox, "dev")); !os.IsNotExist(err) {
+		t.Errorf("lock file left after release: %v", err)
+	}
+
+	// A process that is no reaper of this box is never signalled.
+	sleep := exec.Command("sleep", "30")
+	if err := sleep.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer sleep.Process.Kill()
+	if isReaper(sleep.Process.Pid, ReapBox, "dev") {
+		t.Error("sleep taken for a reaper")
+	}
+	fake := exec.Command("sh", "-c", "sleep 30", ReaperArg, ReapBox, "dev")
+	if err := fake.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { fake.Wait(); close(done) }()
+	if !isReaper(fake.Process.Pid, ReapBox, "dev") || isReaper(fake.Process.Pid, ReapBox, "other") {
+		t.Error("isReaper does not read the command line")
+	}
+	// Its lock, with its pid, as a reaper writes it: StopReaper kills it.
+	os.MkdirAll(h.StateDir+"/reapers", 0o700)
+	l, err := LockFile(h.reaperLockPath(ReapBox, "dev"), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.f.WriteString(itoa(fake.Process.Pid) + "\n")
+	go func() { <-done; l.Unlock() }() // the lock dies with the process
+	h.StopReaper(ReapBox, "dev")
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("StopReaper did not end the reaper")
+	}
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
