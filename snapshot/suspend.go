@@ -140,16 +140,18 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 			return SuspendResult{}, fmt.Errorf("save the state of box %q: %w", name, err)
 		}
 	} else {
-		stopped = time.Now()
-		if err := dom.Suspend(); err != nil {
-			return SuspendResult{}, fmt.Errorf("pause box %q: %s", name, domain.LibvirtMessage(err))
-		}
-		running = false
+		// Capabilities first: they do not touch the running guest, and
+		// every QMP round trip inside the pause lengthens it.
 		restore, err := q.ApplyMigrationSettings(ctx, map[string]bool{qmp.CapIgnoreShared: true}, nil)
 		if err != nil {
 			return SuspendResult{}, err
 		}
 		r.Add(func() { restore(bg) })
+		stopped = time.Now()
+		if err := dom.Suspend(); err != nil {
+			return SuspendResult{}, fmt.Errorf("pause box %q: %s", name, domain.LibvirtMessage(err))
+		}
+		running = false
 		if err := q.Migrate(ctx, "file:"+statePath); err != nil {
 			return SuspendResult{}, err
 		}
