@@ -242,3 +242,20 @@ func PullPlug(dom *libvirt.Domain, name string) error {
 	killQEMU(name)
 	return powerOff(dom, name)
 }
+
+// TryLockBox takes a box's lock without waiting; ErrLocked when another
+// kvbox holds it. For recovery, which leaves busy boxes alone.
+func (h *Host) TryLockBox(name string) (*FileLock, error) {
+	return LockFile(filepath.Join(h.StateDir, "locks", name+".lock"), false)
+}
+
+// SuspendedBoxes are the names of boxes with suspend files (suspended, or
+// being suspended or resumed).
+func (h *Host) SuspendedBoxes() []string {
+	m, _ := filepath.Glob(filepath.Join(h.StateDir, "suspend", "*.boot.xml"))
+	var out []string
+	for _, p := range m {
+		out = append(out, strings.TrimSuffix(filepath.Base(p), ".boot.xml"))
+	}
+	return out
+}

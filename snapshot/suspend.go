@@ -256,8 +256,10 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	if err := h.Net.Ensure(); err != nil {
 		return res, err
 	}
+	// The resume definition keeps the mark until the end: a kvbox killed
+	// half-way leaves a box kvbox still knows to be suspended (never one
+	// that kvbox start would boot afresh over its saved memory).
 	meta := box.Meta
-	meta.Suspended = nil
 	// Either way the resumed box's RAM is its own shared memory file, as
 	// for a box booted from an image: the next suspend (and a snapshot)
 	// saves only its device state.
@@ -292,6 +294,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	r.Add(func() { domain.PullPlug(dom, name) })
 	res.Start = time.Since(t0)
+	domain.Testpoint("resume-started")
 	if err := loadStateFile(ctx, h.QMP(dom, name), statePath, s.MappedRAM); err != nil {
 		return res, fmt.Errorf("load the saved state of box %q: %w", name, err)
 	}
@@ -326,6 +329,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 		return res, fmt.Errorf("define box %q for its next boot: %s", name, domain.LibvirtMessage(err))
 	}
 	d.Free()
+	meta.Suspended = nil
 	if err := domain.WriteMeta(dom, meta, true); err != nil {
 		return res, fmt.Errorf("box %q: %w", name, err)
 	}
@@ -355,4 +359,116 @@ func syncFile(path string) error {
 	}
 	defer f.Close()
 	return f.Sync()
+}
+
+// RecoverSuspends finishes or undoes a suspend or resume whose kvbox was
+// killed (every kvbox command runs it): boxes with suspend files whose lock
+// nobody holds are put in a consistent state. What the guest may already
+// have written to its disk decides the direction: a guest that never ran
+// again from its saved state goes back to it; one that did runs on.
+//   - shut off: suspended (nothing to do), or the files are debris;
+//   - suspend killed before its definition: the guest runs on as it was;
+//   - suspend killed after it (the state is complete): QEMU is ended;
+//   - resume killed with QEMU still paused: QEMU ended, suspended again;
+//   - resume killed after the guest ran: it keeps running, its own
+//     definition back.
+func RecoverSuspends(ctx context.Context, h *domain.Host) error {
+	var errs []error
+	for _, name := range h.SuspendedBoxes() {
+		if err := recoverSuspend(ctx, h, name); err != nil {
+			errs = append(errs, fmt.Errorf("box %q: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
+	l, err := h.TryLockBox(name)
+	if err != nil {
+		return nil // a live kvbox is at it
+	}
+	defer l.Unlock()
+	box, dom, err := h.Lookup(name)
+	if errors.Is(err, domain.ErrNotFound) {
+		h.RemoveSuspendFiles(name)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer dom.Free()
+	inactive, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE)
+	if err != nil {
+		return fmt.Errorf("%s", domain.LibvirtMessage(err))
+	}
+	persistentSuspended := strings.Contains(inactive, "<suspended>") || strings.Contains(inactive, ":suspended>")
+	boot, err := os.ReadFile(h.SuspendFile(name, "boot"))
+	if err != nil {
+		return err
+	}
+	st, _, err := dom.GetState()
+	if err != nil {
+		return fmt.Errorf("%s", domain.LibvirtMessage(err))
+	}
+	bg := context.WithoutCancel(ctx)
+	if st == libvirt.DOMAIN_SHUTOFF {
+		if !persistentSuspended {
+			h.RemoveSuspendFiles(name) // debris: the box is stopped, not suspended
+		}
+		return nil
+	}
+	q := h.QMP(dom, name)
+	switch {
+	case box.Suspended == nil && !persistentSuspended:
+		// Suspend killed while saving: the guest runs on.
+		if s, err := q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
+			q.MigrateCancel(bg)
+			q.WaitMigration(bg, 5*time.Millisecond)
+		}
+		q.MigrateSetCapabilities(bg, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false})
+		if st == libvirt.DOMAIN_PAUSED {
+			q.BlockdevSetActive(bg, "", true)
+			if err := dom.Resume(); err != nil {
+				return fmt.Errorf("resume after an interrupted suspend: %s", domain.LibvirtMessage(err))
+			}
+		}
+		h.RemoveSuspendFiles(name)
+		removeOldStates(box.Dir, "")
+	case box.Suspended == nil:
+		// Suspend killed after its definition: the state is saved.
+		return domain.PullPlug(dom, name)
+	case st == libvirt.DOMAIN_PAUSED:
+		// Resume killed before the guest ran: suspended again.
+		if err := domain.PullPlug(dom, name); err != nil {
+			return err
+		}
+		sx, err := suspendedXML(string(boot), box)
+		if err != nil {
+			return err
+		}
+		d, err := h.Conn.DomainDefineXML(sx)
+		if err != nil {
+			return fmt.Errorf("define suspended box: %s", domain.LibvirtMessage(err))
+		}
+		d.Free()
+		return domain.WriteMeta(dom, box.Meta, false)
+	default:
+		// Resume killed after the guest ran: it runs on, as itself.
+		d, err := h.Conn.DomainDefineXML(string(boot))
+		if err != nil {
+			return fmt.Errorf("define box for its next boot: %s", domain.LibvirtMessage(err))
+		}
+		d.Free()
+		meta := box.Meta
+		state := meta.Suspended.State
+		meta.Suspended = nil
+		if err := domain.WriteMeta(dom, meta, true); err != nil {
+			return err
+		}
+		h.RemoveSuspendFiles(name)
+		if state != "" && !strings.ContainsAny(state, "/") {
+			os.Remove(filepath.Join(box.Dir, state))
+		}
+	}
+	return nil
 }

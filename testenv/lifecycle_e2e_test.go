@@ -546,3 +546,62 @@ func TestCountLateAgent(t *testing.T) {
 		}
 	}
 }
+
+// TestSuspendKilled: a kvbox killed in the middle of a suspend or a resume
+// loses nothing; the next kvbox command finishes or undoes it, by what the
+// guest may have done since: killed while saving, the box runs on; killed
+// once its state is saved and its definition says so, it is suspended;
+// killed while resuming before the guest ran, it is suspended again; killed
+// after the guest ran, it runs, as itself.
+func TestSuspendKilled(t *testing.T) {
+	n := name(t, "kill")
+	b0 := newBox(t, n)
+	startCounter(t, n)
+	killAt := func(point string, args ...string) {
+		t.Helper()
+		cmd := exec.Command(kvboxBin, args...)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+point)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kvbox %v with KVBOX_TEST_KILL_AT=%s was not killed: %v %s", args, point, err, out)
+		}
+		if r := kvbox(t, "ls"); r.code != 0 || strings.Contains(r.stderr, "warning") {
+			t.Errorf("kvbox ls after the kill at %s: %s", point, r)
+		}
+	}
+	running := func(point string) {
+		t.Helper()
+		b := getBox(t, n)
+		if b.State != "running" || b.IP != b0.IP || b.MAC != b0.MAC {
+			t.Fatalf("after a kill at %s: %+v", point, b)
+		}
+		assertCounting(t, n)
+		if out, _ := virsh("dumpxml", "--inactive", n); strings.Contains(out, "SUSPENDED") || strings.Contains(out, "suspended>") {
+			t.Errorf("after a kill at %s the persistent definition still says suspended", point)
+		}
+		if m, _ := filepath.Glob(filepath.Join(stateDir, "suspend", n+".*")); len(m) > 0 {
+			t.Errorf("after a kill at %s: suspend files left %v", point, m)
+		}
+	}
+
+	killAt("suspend-saved", "suspend", n)
+	running("suspend-saved")
+
+	c0 := counter(t, n)
+	killAt("suspend-defined", "suspend", n)
+	suspendChecks(t, n)
+
+	killAt("resume-started", "resume", n)
+	suspendChecks(t, n)
+
+	killAt("resume-running", "resume", n)
+	running("resume-running")
+	if c := counter(t, n); c < c0 {
+		t.Errorf("counter %d after the kills, %d before: the saved state was lost", c, c0)
+	}
+	// And it still suspends and resumes.
+	mustKvbox(t, "suspend", n)
+	suspendChecks(t, n)
+	mustKvbox(t, "resume", n)
+	running("the end")
+}

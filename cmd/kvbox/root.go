@@ -271,6 +271,9 @@ func (a *app) Host() (*domain.Host, error) {
 	for _, n := range a.host.RemoveOrphanFolders() {
 		fmt.Fprintf(a.io.Err, "kvbox: removed the folder of box %s, which no domain has any more\n", n)
 	}
+	if err := snapshot.RecoverSuspends(context.Background(), a.host); err != nil {
+		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted suspend or resume: %v\n", err)
+	}
 	// After a reboot no reaper runs: what expired meanwhile goes now.
 	if !a.reaper {
 		a.sweepExpired(a.host)
