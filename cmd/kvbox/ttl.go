@@ -175,6 +175,13 @@ func (a *app) reaperCommand(kind, name, id string) *exec.Cmd {
 	}
 	cmd := exec.Command(exe, append(args, domain.ReaperArg, kind, name, id)...)
 	cmd.Dir = "/"
+	// Test hooks (kill points, silent agents) are for the command that was
+	// run, not for the reapers it leaves behind.
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "KVBOX_TEST_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
 	return cmd
 }
 
@@ -264,7 +271,12 @@ func (a *app) runReaper(ctx context.Context, kind, name, id string) error {
 	}
 	defer held.Release()
 	logf("started")
-	for {
+	for first := true; ; first = false {
+		// A connection that slept may have been dropped by libvirtd (or
+		// libvirtd restarted): every wake after the first uses a new one.
+		if !first {
+			a.reconnect(h)
+		}
 		// The deadline is read anew on every wake: kvbox ttl only rewrites it.
 		at, gone, err := a.deadline(h, kind, name, id)
 		if err != nil {
