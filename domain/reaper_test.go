@@ -47,6 +47,11 @@ func TestReaperLockAndStop(t *testing.T) {
 	}
 	done := make(chan struct{})
 	go func() { fake.Wait(); close(done) }()
+	// Right after fork the child's command line is still the test's: wait
+	// for the exec.
+	for i := 0; i < 200 && !isReaper(fake.Process.Pid, ReapBox, "dev"); i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if !isReaper(fake.Process.Pid, ReapBox, "dev") || isReaper(fake.Process.Pid, ReapBox, "other") {
 		t.Error("isReaper does not read the command line")
 	}
