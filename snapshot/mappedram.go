@@ -7,6 +7,8 @@ import (
 	"io"
 	"os"
 
+	"golang.org/x/sys/unix"
+
 	"kvbox.dev/kvbox/domain"
 )
 
@@ -49,10 +51,45 @@ func prepareMappedRAM(path string, ramSize int64) (int64, error) {
 	if h.BitmapOffset+bitmapBytes > h.PagesOffset {
 		return 0, fmt.Errorf("%s: mapped-ram bitmap overlaps the pages", path)
 	}
+	bitmap := make([]byte, bitmapBytes)
+	if _, err := f.ReadAt(bitmap, int64(h.BitmapOffset)); err != nil {
+		return 0, fmt.Errorf("%s: read the mapped-ram bitmap: %w", path, err)
+	}
+	if err := punchUnsentPages(f, bitmap, pages, h); err != nil {
+		return 0, fmt.Errorf("%s: %w", path, err)
+	}
 	if _, err := f.WriteAt(make([]byte, bitmapBytes), int64(h.BitmapOffset)); err != nil {
 		return 0, err
 	}
 	return int64(h.PagesOffset), f.Sync()
+}
+
+// punchUnsentPages makes every page whose bitmap bit is clear read as
+// zeros in the file. A loader reads only the pages whose bit is set and
+// leaves the others zero; a clone maps the file instead, so it must see the
+// same. A live copy breaks that: a page sent in one pass that is all zero by
+// a later one only has its bit cleared (QEMU's save_zero_page with
+// mapped-ram), and its old bytes stay in the file. A guest zeroes freed
+// pages all the time, so without this a clone of a live snapshot could map
+// stale memory. Runs of clear bits become holes.
+func punchUnsentPages(f *os.File, bitmap []byte, pages uint64, h mappedRAMHeader) error {
+	set := func(i uint64) bool { return bitmap[i/8]&(1<<(i%8)) != 0 } // unsigned longs, little-endian
+	for i := uint64(0); i < pages; {
+		if set(i) {
+			i++
+			continue
+		}
+		j := i
+		for j < pages && !set(j) {
+			j++
+		}
+		off, n := int64(h.PagesOffset+i*h.PageSize), int64((j-i)*h.PageSize)
+		if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n); err != nil {
+			return fmt.Errorf("punch the unsent pages %d..%d: %w", i, j, err)
+		}
+		i = j
+	}
+	return nil
 }
 
 // findRAMBlock locates kvbox.ram's mapped-ram header in the head of a

@@ -71,3 +71,41 @@ func FuzzFindRAMBlock(f *testing.F) {
 		findRAMBlock(bytes.NewReader(b), 64<<20, int64(len(b))+64<<20)
 	})
 }
+
+// A page whose bit is clear reads as zeros after prepareMappedRAM, whatever
+// a live copy's earlier pass left in the file; a page whose bit is set
+// keeps its bytes.
+func TestPrepareMappedRAMZeroesUnsentPages(t *testing.T) {
+	const ram = 1 << 20 // 256 pages
+	const bitmapOff, pagesOff = 4096, 64 << 10
+	file := make([]byte, pagesOff+ram)
+	copy(file, fakeStream(ram, bitmapOff, pagesOff))
+	for p := 0; p < ram/4096; p++ {
+		file[pagesOff+p*4096] = byte(p + 1) // every page has stale or live bytes
+	}
+	file[bitmapOff] = 0b00000101 // pages 0 and 2 sent
+	file[bitmapOff+31] = 0x80    // page 255 sent
+	path := filepath.Join(t.TempDir(), "state")
+	if err := os.WriteFile(path, file, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := prepareMappedRAM(path, ram); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := os.ReadFile(path)
+	if len(got) != len(file) {
+		t.Fatalf("file size %d, want %d", len(got), len(file))
+	}
+	for p := 0; p < ram/4096; p++ {
+		want := byte(0)
+		if p == 0 || p == 2 || p == 255 {
+			want = byte(p + 1)
+		}
+		if b := got[pagesOff+p*4096]; b != want {
+			t.Errorf("page %d reads %d, want %d", p, b, want)
+		}
+	}
+	if !bytes.Equal(got[:bitmapOff], file[:bitmapOff]) {
+		t.Error("the stream head changed")
+	}
+}
