@@ -42,6 +42,10 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if b.Transport == "vsock" && b.VsockCID > 2 {
 		return agent.DialVsock(ctx, b.VsockCID)
 	}
+	if !filepath.IsAbs(b.Dir) {
+		// Never a socket path relative to kvbox's working directory.
+		return nil, fmt.Errorf("box %q has no folder in its metadata (not made by kvbox?)", b.Name)
+	}
 	var paths []string
 	for _, p := range AgentSockets(b.Dir) {
 		paths = append(paths, p.Path)
