@@ -129,6 +129,20 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 	if err != nil {
 		return err
 	}
+	if err := allFree(h, o.name, names); err != nil {
+		return err
+	}
+	stop := a.spin(fmt.Sprintf("starting %d boxes from %s", len(names), st.from))
+	results := a.startAll(c, h, st, o, names)
+	stop()
+	if err := a.printNewResults(o, st, results, time.Since(start)); err != nil {
+		return err
+	}
+	return manyError(results)
+}
+
+// allFree refuses the names if any is taken, before anything starts.
+func allFree(h *domain.Host, prefix string, names []string) error {
 	var taken []string
 	var first error
 	for _, n := range names {
@@ -139,18 +153,21 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 			}
 		}
 	}
-	if len(taken) > 0 {
-		if len(names) == 1 {
-			return first
-		}
-		return failedError{fmt.Sprintf("%s already taken (a box or domain has that name): started none of %s-1 .. %s-%d",
-			strings.Join(taken, ", "), o.name, o.name, len(names)), first}
+	if len(taken) == 0 {
+		return nil
 	}
+	if len(names) == 1 {
+		return first
+	}
+	return failedError{fmt.Sprintf("%s already taken (a box or domain has that name): started none of %s-1 .. %s-%d",
+		strings.Join(taken, ", "), prefix, prefix, len(names)), first}
+}
 
+// startAll starts the boxes in parallel, each with its own outcome.
+func (a *app) startAll(c *cobra.Command, h *domain.Host, st starter, o *newOptions, names []string) []newResult {
 	// A clone spends much of its time waiting (libvirt, QEMU's start, the
 	// agent): twice the cores keeps the host busy without a storm of boots.
 	slots := make(chan struct{}, min(len(names), max(2, 2*runtime.NumCPU())))
-	stop := a.spin(fmt.Sprintf("starting %d boxes from %s", len(names), st.from))
 	results := make([]newResult, len(names))
 	var wg sync.WaitGroup
 	for i, n := range names {
@@ -174,31 +191,26 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 		}()
 	}
 	wg.Wait()
-	stop()
+	return results
+}
 
-	var failed []string
-	first = nil
-	for _, r := range results {
-		if r.err != nil {
-			failed = append(failed, r.Name)
-			if first == nil {
-				first = r.err
-			}
-		}
-	}
+// printNewResults prints a line (or a JSON element) per box, then a summary.
+func (a *app) printNewResults(o *newOptions, st starter, results []newResult, took time.Duration) error {
 	if o.asJSON {
 		if err := a.printJSON(results); err != nil {
 			return err
 		}
 	} else {
+		ok := 0
 		for _, r := range results {
 			if r.OK {
+				ok++
 				fmt.Fprintf(a.io.Out, "✓ box %s is running at %s (%.2fs)\n", r.Name, r.IP, r.Seconds)
 			} else {
 				fmt.Fprintf(a.io.Out, "✗ box %s failed: %s\n", r.Name, r.Error)
 			}
 		}
-		fmt.Fprintf(a.io.Out, "%d of %d boxes running from %s (%.2fs)\n", len(names)-len(failed), len(names), st.from, time.Since(start).Seconds())
+		fmt.Fprintf(a.io.Out, "%d of %d boxes running from %s (%.2fs)\n", ok, len(results), st.from, took.Seconds())
 	}
 	if o.verbose {
 		for _, r := range results {
@@ -207,14 +219,29 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 			}
 		}
 	}
-	if first == nil {
+	return nil
+}
+
+// manyError is the outcome of a --count run: the first failure's error,
+// with a line saying which boxes failed and that they were removed.
+func manyError(results []newResult) error {
+	var failed []string
+	var first error
+	for _, r := range results {
+		if r.err != nil {
+			failed = append(failed, r.Name)
+			if first == nil {
+				first = r.err
+			}
+		}
+	}
+	switch {
+	case first == nil:
 		return nil
-	}
-	if len(names) == 1 {
+	case len(results) == 1:
 		return first
+	case len(failed) == len(results):
+		return failedError{fmt.Sprintf("could not start any of the %d boxes (each one removed)", len(results)), first}
 	}
-	if len(failed) == len(names) {
-		return failedError{fmt.Sprintf("could not start any of the %d boxes (each one removed)", len(names)), first}
-	}
-	return failedError{fmt.Sprintf("could not start %s (removed; the other %d are running)", strings.Join(failed, ", "), len(names)-len(failed)), first}
+	return failedError{fmt.Sprintf("could not start %s (removed; the other %d are running)", strings.Join(failed, ", "), len(results)-len(failed)), first}
 }
