@@ -2,9 +2,12 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
+	"time"
 )
 
 func TestParsePortSpec(t *testing.T) {
@@ -39,6 +42,11 @@ func TestHolderAlive(t *testing.T) {
 		t.Fatal(err)
 	}
 	pid := cmd.Process.Pid
+	// Start returns once the child is forked; its command line is the
+	// test's own until it has exec'd sh.
+	for i := 0; i < 200 && !strings.Contains(cmdline(pid), "box1"); i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if !holderAlive(pid, "box1") {
 		t.Error("a live holder of box1 not recognised")
 	}
@@ -50,4 +58,9 @@ func TestHolderAlive(t *testing.T) {
 	if holderAlive(pid, "box1") {
 		t.Error("a reaped holder is still alive")
 	}
+}
+
+func cmdline(pid int) string {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	return string(b)
 }
