@@ -26,7 +26,7 @@ unit:
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
 # every packet to a guest stays in that namespace.
 e2e:
-	ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 25m -v ./testenv
+	ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv
 
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
