@@ -18,7 +18,7 @@ require_root
 # libvirt-daemon-driver-nwfilter applies kvbox's port filter with ebtables/iptables (the
 # iptables package ships ebtables-nft on Debian 12 and 13).
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
-BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
+BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-daemon-driver-nwfilter]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
