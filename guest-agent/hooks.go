@@ -33,7 +33,25 @@ const FeatureAfterClone = "after-clone-hooks"
 // HooksHelperArg is argv[1] of the agent binary run as the hook runner.
 const HooksHelperArg = "after-clone-hooks"
 
-func init() { registerFeature(FeatureAfterClone) }
+// FeatureHookCount: Info.AfterCloneHooks is reported, so a host can skip
+// running the hook runner (an exec of this binary, ~0.4 s under TCG) in
+// a box that has no hooks.
+const FeatureHookCount = "after-clone-hook-count"
+
+func init() {
+	registerFeature(FeatureAfterClone)
+	registerFeature(FeatureHookCount)
+}
+
+// hookCount is Info.AfterCloneHooks: how many hooks the runner would run,
+// -1 when the folder cannot be read (the runner then says why).
+func hookCount() int {
+	names, err := hookNames(AfterCloneDir)
+	if err != nil {
+		return -1
+	}
+	return len(names)
+}
 
 // hookNames lists the hooks of dir to run: regular files (a symlink to
 // one too) with an execute bit, not hidden, not editor backups, sorted.
@@ -134,6 +152,9 @@ func (c *Client) RunAfterCloneHooks(ctx context.Context) (ran int, err error) {
 		}
 		return 0, err
 	}
+	if c.hooksNone() {
+		return 0, nil
+	}
 	out := &tailBuffer{max: 16 << 10}
 	ew := &helperStderr{}
 	req := ExecRequest{Argv: []string{selfArgv0, HooksHelperArg}}
@@ -151,6 +172,13 @@ func (c *Client) RunAfterCloneHooks(ctx context.Context) (ran int, err error) {
 	}
 	fmt.Sscanf(ew.last, "ran %d", &ran)
 	return ran, nil
+}
+
+// hooksNone reports whether the agent said it has no hooks to run.
+func (c *Client) hooksNone() bool {
+	c.infoOnce.Lock()
+	defer c.infoOnce.Unlock()
+	return c.info != nil && c.info.Has(FeatureHookCount) && c.info.AfterCloneHooks == 0
 }
 
 // tailBuffer keeps the last max bytes written.

@@ -37,6 +37,9 @@ type Info struct {
 	// Features names the optional operations this agent knows (see
 	// features.go); an agent older than the list sends none.
 	Features []string `json:"features,omitempty"`
+	// AfterCloneHooks is how many after-clone hooks the box has (-1: its
+	// folder is unreadable); reported with FeatureHookCount.
+	AfterCloneHooks int `json:"after_clone_hooks,omitempty"`
 }
 
 // ExecRequest describes a process to run in the guest.

@@ -327,6 +327,7 @@ func (s *Server) info() Info {
 	in.Capabilities.Forward = true
 	in.Capabilities.Vsock = s.vsock.Load()
 	in.Features = Features()
+	in.AfterCloneHooks = hookCount()
 	if _, err := os.Stat("/dev/ptmx"); err == nil {
 		in.Capabilities.TTY = true
 	}
