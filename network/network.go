@@ -229,11 +229,18 @@ func NewMAC() string {
 	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", b[0], b[1], b[2])
 }
 
-// ClosePort detaches a box's tap device from the bridge, so not one frame of
-// the box reaches other boxes or the host.
+// ClosePort takes a box's tap device down and detaches it from the bridge,
+// so not one frame of the box reaches other boxes or the host. Down first:
+// a detached tap that is up is an interface of the host's own, where the
+// host's IP stack takes the box's frames (an echo request to the gateway
+// was answered) and the port filter, a bridge rule, no longer applies. The
+// kernel refuses what QEMU writes to a tap that is down.
 func ClosePort(tap string) error {
 	link, err := netlink.LinkByName(tap)
 	if err != nil {
+		return fmt.Errorf("close port %s: %w", tap, err)
+	}
+	if err := netlink.LinkSetDown(link); err != nil {
 		return fmt.Errorf("close port %s: %w", tap, err)
 	}
 	if err := netlink.LinkSetNoMaster(link); err != nil {
