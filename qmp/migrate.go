@@ -256,6 +256,15 @@ func MigrationRunning(status string) bool {
 	return false
 }
 
+// CancelRunningMigration cancels a migration still in progress, if any,
+// and waits for it to end; best effort, for undo and recovery.
+func (c *Client) CancelRunningMigration(ctx context.Context) {
+	if s, err := c.QueryMigrate(ctx); err == nil && MigrationRunning(s.Status) {
+		c.MigrateCancel(ctx)
+		c.WaitMigration(ctx, 5*time.Millisecond)
+	}
+}
+
 // WaitMigrationStop polls query-migrate every poll until the migration
 // completed and returns when the guest was stopped for the switch-over: the
 // earlier of the first poll that saw it past precopy ("device") and the

@@ -423,10 +423,7 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 // were.
 func (c *creation) undoLive() {
 	bg := context.Background()
-	if s, err := c.q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
-		c.q.MigrateCancel(bg)
-		c.q.WaitMigration(bg, 5*time.Millisecond)
-	}
+	c.q.CancelRunningMigration(bg)
 	c.resume()
 	c.restoreMigration()
 }

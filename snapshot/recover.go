@@ -13,7 +13,6 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/qmp"
 )
 
 // Recover cleans up after snapshots whose kvbox died half-way (killed, or
@@ -84,10 +83,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	q := h.QMP(dom, p.Box)
-	if s, err := q.QueryMigrate(ctx); err == nil && qmp.MigrationRunning(s.Status) {
-		q.MigrateCancel(ctx)
-		q.WaitMigration(ctx, 10*time.Millisecond)
-	}
+	q.CancelRunningMigration(ctx)
 	if jobs, err := q.QueryJobs(ctx); err == nil {
 		for _, j := range jobs {
 			if j.ID == backupJob {
