@@ -16,7 +16,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
-	"kvbox.dev/kvbox/revert"
+	"kvbox.dev/kvbox/step"
 )
 
 // Suspend and resume use the live-snapshot machinery on the box itself
@@ -48,18 +48,16 @@ type SuspendResult struct {
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
 	Live       bool          // RAM copied live (a clone)
-	// Kill is the time QEMU took to go, Sync that of putting the memory
-	// file on disk.
-	Kill, Sync time.Duration
+	// Steps are the plan's steps, then sync-memory: the box's memory file
+	// put on disk once QEMU is gone.
+	Steps step.Timings
 }
 
 // ResumeResult reports a resume.
 type ResumeResult struct {
 	Box   domain.Box
-	Start time.Duration // libvirt started QEMU, paused
-	Load  time.Duration // device state loaded
-	Agent time.Duration // the agent answered, clock set
 	Total time.Duration
+	Steps step.Timings
 }
 
 // suspendedRAMDir is the folder, never created, that a suspended box's
@@ -70,8 +68,9 @@ func suspendedRAMDir(b domain.Box) string {
 }
 
 // Suspend saves a running box's memory and device state to disk and ends
-// its QEMU: RAM and CPU are given back. On a failure before QEMU is gone,
-// the box runs on as it was.
+// its QEMU: RAM and CPU are given back. The work is a step plan (see
+// suspending.plan); on a failure before QEMU is gone, the box runs on as it
+// was.
 func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, error) {
 	t0 := time.Now()
 	box, dom, release, err := h.LockedLookup(name)
@@ -82,127 +81,189 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	if box.State != "running" {
 		return SuspendResult{}, fmt.Errorf("box %q is %s; kvbox suspends a running box: %w", name, box.State, domain.ErrBusy)
 	}
-	live, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE)
-	if err != nil {
-		return SuspendResult{}, fmt.Errorf("read the domain XML of %q: %s", name, domain.LibvirtMessage(err))
-	}
-	boot, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE)
-	if err != nil {
-		return SuspendResult{}, fmt.Errorf("read the domain XML of %q: %s", name, domain.LibvirtMessage(err))
-	}
-	shared := domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1]
-	mapped := !strings.Contains(live, html.EscapeString(shared)) && !strings.Contains(live, shared)
-	suspendedDef, err := suspendedXML(boot, box)
-	if err != nil {
+	s := &suspending{h: h, box: box, dom: dom, q: h.QMP(dom, name), running: true}
+	if err := s.readDefinitions(); err != nil {
 		return SuspendResult{}, err
 	}
-
-	r := revert.New()
-	defer r.Fail()
-	if err := os.MkdirAll(filepath.Dir(h.SuspendFile(name, "live")), 0o700); err != nil {
-		return SuspendResult{}, err
-	}
-	r.Add(func() { h.RemoveSuspendFiles(name) })
-	for k, x := range map[string]string{"live": live, "boot": boot} {
-		if err := overlay.WriteFileAtomic(h.SuspendFile(name, k), []byte(x), 0o600); err != nil {
-			return SuspendResult{}, err
-		}
-	}
-	stateName := fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())
-	statePath := filepath.Join(box.Dir, stateName)
-	r.Add(func() { os.Remove(statePath) })
-
-	q := h.QMP(dom, name)
-	bg := context.WithoutCancel(ctx)
-	running := true
-	r.Add(func() {
-		// A save cut short: no migration left running, the guest runs on.
-		if s, err := q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
-			q.MigrateCancel(bg)
-			q.WaitMigration(bg, 5*time.Millisecond)
-		}
-		if !running || mapped {
-			q.BlockdevSetActive(bg, "", true)
-			dom.Resume()
-		}
-	})
-	var stopped time.Time
-	if mapped {
-		restore, err := q.ApplyMigrationSettings(ctx, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true, qmp.CapPauseBeforeSwitchover: false}, liveParams)
-		if err != nil {
-			return SuspendResult{}, err
-		}
-		r.Add(func() { restore(bg) })
-		if err := q.Migrate(ctx, "file:"+statePath); err != nil {
-			return SuspendResult{}, err
-		}
-		if stopped, err = q.WaitMigrationStop(ctx, 2*time.Millisecond, nil); err != nil {
-			return SuspendResult{}, fmt.Errorf("save the state of box %q: %w", name, err)
-		}
-	} else {
-		// Capabilities first: they do not touch the running guest, and
-		// every QMP round trip inside the pause lengthens it.
-		restore, err := q.ApplyMigrationSettings(ctx, map[string]bool{qmp.CapIgnoreShared: true}, nil)
-		if err != nil {
-			return SuspendResult{}, err
-		}
-		r.Add(func() { restore(bg) })
-		stopped = time.Now()
-		if err := dom.Suspend(); err != nil {
-			return SuspendResult{}, fmt.Errorf("pause box %q: %s", name, domain.LibvirtMessage(err))
-		}
-		running = false
-		if err := q.Migrate(ctx, "file:"+statePath); err != nil {
-			return SuspendResult{}, err
-		}
-		if err := q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
-			return SuspendResult{}, fmt.Errorf("save the state of box %q: %w", name, err)
-		}
-	}
-	pause := time.Since(stopped)
-	domain.Testpoint("suspend-saved")
-	susp := domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: stateName, MappedRAM: mapped, PauseMillis: pause.Milliseconds()}
-	if err := syncFile(statePath); err != nil {
-		return SuspendResult{}, err
-	}
-
-	// The definition that makes virsh start fail, before QEMU goes: from
-	// the moment QEMU is gone no start may boot over the saved memory.
-	d2, err := h.Conn.DomainDefineXML(suspendedDef)
+	s.stateName = fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())
+	s.statePath = filepath.Join(box.Dir, s.stateName)
+	ts, err := s.plan().Run(ctx)
 	if err != nil {
-		return SuspendResult{}, fmt.Errorf("define suspended box %q: %s", name, domain.LibvirtMessage(err))
+		return SuspendResult{Steps: ts}, err
 	}
-	d2.Free()
-	r.Add(func() {
-		if d, err := h.Conn.DomainDefineXML(boot); err == nil {
-			d.Free()
-		}
-		domain.WriteMeta(dom, box.Meta, true)
-	})
-	meta := box.Meta
-	meta.Suspended = &susp
-	if err := domain.WriteMeta(dom, meta, false); err != nil {
-		return SuspendResult{}, fmt.Errorf("mark box %q suspended: %w", name, err)
-	}
-	domain.Testpoint("suspend-defined")
-	tk := time.Now()
-	if err := domain.PullPlug(dom, name); err != nil {
-		return SuspendResult{}, err
-	}
-	kill := time.Since(tk)
-	r.Success()
-	ts := time.Now()
-	// The RAM of a box booted from an image is its memory file: on disk
-	// before kvbox says it is saved (a host crash keeps the box).
-	if !mapped {
+	// QEMU is gone: the box is suspended whatever happens now. The RAM of
+	// a box booted from an image is its memory file: on disk before kvbox
+	// says it is saved (a host crash keeps the box).
+	start := time.Now()
+	if !s.mapped {
 		if err := syncFile(domain.MemoryFile(box.Dir)); err != nil {
-			return SuspendResult{}, fmt.Errorf("box %q is suspended, but its memory file could not be synced: %w", name, err)
+			return SuspendResult{Steps: ts}, fmt.Errorf("box %q is suspended, but its memory file could not be synced: %w", name, err)
 		}
 	}
-	sync := time.Since(ts)
-	removeOldStates(box.Dir, stateName)
-	size, _ := overlay.Du(statePath)
-	return SuspendResult{Pause: pause, Total: time.Since(t0), StateBytes: size, Live: mapped, Kill: kill, Sync: sync}, nil
+	ts = append(ts, step.Timing{Name: "sync-memory", Duration: time.Since(start)})
+	removeOldStates(box.Dir, s.stateName)
+	size, _ := overlay.Du(s.statePath)
+	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Steps: ts}, nil
+}
+
+// suspending is one suspend in progress: what its steps find out and hand
+// on.
+type suspending struct {
+	h   *domain.Host
+	box domain.Box
+	dom *libvirt.Domain
+	q   *qmp.Client
+
+	live, boot   string // the running box's migratable XML, its persistent definition
+	suspendedDef string // the definition that makes virsh start fail
+	mapped       bool   // its RAM is a private mapping (a clone): copied live
+
+	stateName, statePath string
+	restore              func(context.Context) error // migration settings back as they were
+	running              bool                        // the guest runs (kvbox has not paused it)
+	stopped              time.Time
+	pause                time.Duration
+}
+
+// plan lists a suspend's steps. A box booted from an image keeps its RAM in
+// its shared memory file: it is paused and only its device state is saved
+// (x-ignore-shared). A clone's RAM is copied live into a mapped-ram state
+// file and QEMU stops it for the last pass, so that variant replaces the
+// pause and the save by save-live. From define-suspended on, an operator's
+// virsh start fails; end-qemu is the point of no return.
+func (s *suspending) plan() step.Plan {
+	caps := map[string]bool{qmp.CapIgnoreShared: true}
+	var params map[string]any
+	if s.mapped {
+		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true, qmp.CapPauseBeforeSwitchover: false}
+		params = liveParams
+	}
+	p := step.Plan{
+		{Name: "keep-definitions", Do: s.keepDefinitions, Undo: func() { s.h.RemoveSuspendFiles(s.box.Name) }},
+		// Settings first: they do not touch the running guest, and every
+		// QMP round trip inside the pause lengthens it.
+		{Name: "set-migration", Do: func(ctx context.Context) (err error) {
+			s.restore, err = s.q.ApplyMigrationSettings(ctx, caps, params)
+			return err
+		}, Undo: func() { s.restore(context.Background()) }},
+		{Name: "pause", Do: s.suspend, Undo: s.resume},
+		{Name: "save", Do: s.save, Undo: s.cancelSave},
+		{Name: "sync-state", Do: func(context.Context) error { return syncFile(s.statePath) }},
+		{Name: "define-suspended", Do: s.defineSuspended, Undo: s.defineBoot},
+		{Name: "end-qemu", Do: func(context.Context) error { return domain.PullPlug(s.dom, s.box.Name) }},
+	}
+	if s.mapped {
+		p = p.Replace("pause").Replace("save", step.Step{Name: "save-live", Do: s.saveLive, Undo: func() {
+			s.cancelSave()
+			s.resume() // QEMU stopped the guest for the last pass
+		}})
+	}
+	return p
+}
+
+// readDefinitions reads what a suspend keeps and what it defines instead.
+func (s *suspending) readDefinitions() (err error) {
+	if s.live, err = s.dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
+		return fmt.Errorf("read the domain XML of %q: %s", s.box.Name, domain.LibvirtMessage(err))
+	}
+	if s.boot, err = s.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
+		return fmt.Errorf("read the domain XML of %q: %s", s.box.Name, domain.LibvirtMessage(err))
+	}
+	shared := domain.SharedRAMArgs(s.box.MemoryBytes, domain.MemoryFile(s.box.Dir))[1]
+	s.mapped = !strings.Contains(s.live, html.EscapeString(shared)) && !strings.Contains(s.live, shared)
+	s.suspendedDef, err = suspendedXML(s.boot, s.box)
+	return err
+}
+
+// keepDefinitions keeps the box's running XML (what resume starts from)
+// and its own definition (what it boots from afterwards).
+func (s *suspending) keepDefinitions(context.Context) error {
+	if err := os.MkdirAll(filepath.Dir(s.h.SuspendFile(s.box.Name, "live")), 0o700); err != nil {
+		return err
+	}
+	for k, x := range map[string]string{"live": s.live, "boot": s.boot} {
+		if err := overlay.WriteFileAtomic(s.h.SuspendFile(s.box.Name, k), []byte(x), 0o600); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// suspend pauses the guest: from here to the end of save is the pause.
+func (s *suspending) suspend(context.Context) error {
+	s.stopped = time.Now()
+	if err := s.dom.Suspend(); err != nil {
+		return fmt.Errorf("pause box %q: %s", s.box.Name, domain.LibvirtMessage(err))
+	}
+	s.running = false
+	return nil
+}
+
+// resume runs the guest again after a suspend cut short (an outgoing
+// migration leaves the block nodes inactive; cont needs them active).
+func (s *suspending) resume() {
+	s.q.BlockdevSetActive(context.Background(), "", true)
+	s.dom.Resume()
+	s.running = true
+}
+
+// save writes the paused guest's device state.
+func (s *suspending) save(ctx context.Context) error {
+	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
+		return err
+	}
+	if err := s.q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
+		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
+	}
+	s.pause = time.Since(s.stopped)
+	return nil
+}
+
+// saveLive copies a clone's RAM while it runs; QEMU stops the guest for
+// the last pass and the device state.
+func (s *suspending) saveLive(ctx context.Context) error {
+	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
+		return err
+	}
+	stopped, err := s.q.WaitMigrationStop(ctx, 2*time.Millisecond, nil)
+	if err != nil {
+		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
+	}
+	s.pause = time.Since(stopped)
+	return nil
+}
+
+// cancelSave leaves no migration running and no state file.
+func (s *suspending) cancelSave() {
+	bg := context.Background()
+	s.q.CancelRunningMigration(bg)
+	os.Remove(s.statePath)
+}
+
+// defineSuspended makes the box's definition the one virsh start refuses,
+// before QEMU goes (from the moment QEMU is gone no start may boot over the
+// saved memory), and marks the box suspended in its metadata.
+func (s *suspending) defineSuspended(context.Context) error {
+	d, err := s.h.Conn.DomainDefineXML(s.suspendedDef)
+	if err != nil {
+		return fmt.Errorf("define suspended box %q: %s", s.box.Name, domain.LibvirtMessage(err))
+	}
+	d.Free()
+	meta := s.box.Meta
+	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: s.mapped, PauseMillis: s.pause.Milliseconds()}
+	if err := domain.WriteMeta(s.dom, meta, false); err != nil {
+		s.defineBoot()
+		return fmt.Errorf("mark box %q suspended: %w", s.box.Name, err)
+	}
+	return nil
+}
+
+// defineBoot puts the box's own definition and metadata back.
+func (s *suspending) defineBoot() {
+	if d, err := s.h.Conn.DomainDefineXML(s.boot); err == nil {
+		d.Free()
+	}
+	domain.WriteMeta(s.dom, s.box.Meta, true)
 }
 
 // suspendedXML is the box's persistent definition while it is suspended:
@@ -220,125 +281,171 @@ func suspendedXML(boot string, b domain.Box) (string, error) {
 
 // Resume starts a suspended box from its saved state, with its own name,
 // MAC and address (no re-identification; the clock is set): every process
-// runs on where it stopped, and its disk is as it was. On failure the box
-// stays suspended.
+// runs on where it stopped, and its disk is as it was. Two plans: waking
+// it (on failure it stays suspended), then, once the guest runs from its
+// saved state and may have written to its disk, settling it as a running
+// box (never suspended again with an older state than its disk's).
 func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.Duration) (ResumeResult, error) {
-	var res ResumeResult
 	t0 := time.Now()
 	box, dom, release, err := h.LockedLookup(name)
 	if err != nil {
-		return res, err
+		return ResumeResult{}, err
 	}
 	defer release()
 	if box.State != "suspended" {
-		return res, fmt.Errorf("box %q is %s, not suspended: %w", name, box.State, domain.ErrBusy)
+		return ResumeResult{}, fmt.Errorf("box %q is %s, not suspended: %w", name, box.State, domain.ErrBusy)
 	}
-	s := *box.Suspended
-	if s.State == "" || strings.ContainsAny(s.State, "/\x00") || s.State == ".." {
-		return res, fmt.Errorf("box %q: its metadata names no saved state file (%q)", name, s.State)
-	}
-	statePath := filepath.Join(box.Dir, s.State)
-	if _, err := os.Stat(statePath); err != nil {
-		return res, fmt.Errorf("box %q: its saved state: %w", name, err)
-	}
-	live, err := os.ReadFile(h.SuspendFile(name, "live"))
-	if err != nil {
-		return res, fmt.Errorf("box %q: its saved domain XML: %w", name, err)
-	}
-	boot, err := os.ReadFile(h.SuspendFile(name, "boot"))
-	if err != nil {
-		return res, fmt.Errorf("box %q: its saved domain XML: %w", name, err)
-	}
-	suspendedDef, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE)
-	if err != nil {
-		return res, fmt.Errorf("read box %q: %s", name, domain.LibvirtMessage(err))
+	r := &resuming{h: h, box: box, dom: dom, saved: *box.Suspended}
+	if err := r.readSaved(); err != nil {
+		return ResumeResult{}, err
 	}
 	if err := h.Net.Ensure(); err != nil {
-		return res, err
+		return ResumeResult{}, err
 	}
-	// The resume definition keeps the mark until the end: a kvbox killed
-	// half-way leaves a box kvbox still knows to be suspended (never one
-	// that kvbox start would boot afresh over its saved memory).
-	meta := box.Meta
-	// Either way the resumed box's RAM is its own shared memory file, as
-	// for a box booted from an image: the next suspend (and a snapshot)
-	// saves only its device state.
-	spec := CloneXMLSpec{Name: name, Meta: meta, Disk: filepath.Join(box.Dir, CloneDisk), UUID: box.UUID, MemBytes: box.MemoryBytes,
-		MemPath: statePath, BootRAM: domain.MemoryFile(box.Dir), Incoming: true}
-	if s.MappedRAM {
-		// The stream holds the RAM: its pages are read into a fresh
-		// (sparse, all zero) memory file, the pages it lacks being zero.
-		if err := os.Truncate(domain.MemoryFile(box.Dir), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return res, err
-		}
-	}
-	rx, err := CloneXML(string(live), spec)
+	ts, err := r.wake().Run(ctx)
 	if err != nil {
-		return res, err
+		return ResumeResult{Steps: ts}, err
 	}
-
-	r := revert.New()
-	defer r.Fail()
-	d, err := h.Conn.DomainDefineXML(rx)
-	if err != nil {
-		return res, fmt.Errorf("define box %q to resume it: %s", name, domain.LibvirtMessage(err))
-	}
-	d.Free()
-	r.Add(func() {
-		if d, err := h.Conn.DomainDefineXML(suspendedDef); err == nil {
-			d.Free()
-		}
-	})
-	if err := dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
-		return res, fmt.Errorf("start box %q: %s", name, domain.LibvirtMessage(err))
-	}
-	r.Add(func() { domain.PullPlug(dom, name) })
-	res.Start = time.Since(t0)
-	domain.Testpoint("resume-started")
-	if err := loadStateFile(ctx, h.QMP(dom, name), statePath, s.MappedRAM); err != nil {
-		return res, fmt.Errorf("load the saved state of box %q: %w", name, err)
-	}
-	if err := dom.Resume(); err != nil {
-		return res, fmt.Errorf("resume box %q: %s", name, domain.LibvirtMessage(err))
-	}
-	res.Load = time.Since(t0) - res.Start
-	domain.Testpoint("resume-running")
-
 	if agentTimeout <= 0 {
 		agentTimeout = 60 * time.Second
 	}
-	actx, cancel := context.WithTimeout(ctx, agentTimeout)
-	defer cancel()
-	b := box
-	b.State, b.Suspended = "running", nil
-	c, err := h.WaitAgent(actx, dom, b)
+	settle := step.Plan{
+		{Name: "define-boot", Do: r.defineBoot},
+		{Name: "agent", Do: func(ctx context.Context) error { return r.setClock(ctx, agentTimeout) }},
+	}
+	more, err := settle.Run(ctx)
+	ts = append(ts, more...)
+	os.Remove(r.statePath)
 	if err != nil {
-		return res, fmt.Errorf("resumed box %q: %w", name, err)
+		return ResumeResult{Steps: ts}, fmt.Errorf("box %q runs again from its suspend, but: %w", name, err)
 	}
-	err = c.SetClock(actx, time.Now())
-	c.Close()
-	if err != nil && !errors.Is(err, errors.ErrUnsupported) {
-		return res, fmt.Errorf("set the clock of box %q: %w", name, err)
-	}
-	res.Agent = time.Since(t0) - res.Start - res.Load
-
-	// Its own definition back, for the next cold boot, with the metadata
-	// as it is now (kvbox ttl may have changed it while it slept).
-	d, err = h.Conn.DomainDefineXML(string(boot))
-	if err != nil {
-		return res, fmt.Errorf("define box %q for its next boot: %s", name, domain.LibvirtMessage(err))
-	}
-	d.Free()
-	meta.Suspended = nil
-	if err := domain.WriteMeta(dom, meta, true); err != nil {
-		return res, fmt.Errorf("box %q: %w", name, err)
-	}
-	r.Success()
-	h.RemoveSuspendFiles(name)
-	os.Remove(statePath)
-	res.Total = time.Since(t0)
+	res := ResumeResult{Total: time.Since(t0), Steps: ts}
 	res.Box, err = h.Get(name)
 	return res, err
+}
+
+// resuming is one resume in progress.
+type resuming struct {
+	h     *domain.Host
+	box   domain.Box
+	dom   *libvirt.Domain
+	saved domain.Suspended
+
+	statePath             string
+	live, boot            []byte // kept by the suspend
+	suspendedDef, wakeDef string // the definition now, the one QEMU starts from
+}
+
+// readSaved reads and checks what the suspend kept.
+func (r *resuming) readSaved() (err error) {
+	name, s := r.box.Name, r.saved
+	if s.State == "" || strings.ContainsAny(s.State, "/\x00") || s.State == ".." {
+		return fmt.Errorf("box %q: its metadata names no saved state file (%q)", name, s.State)
+	}
+	r.statePath = filepath.Join(r.box.Dir, s.State)
+	if _, err := os.Stat(r.statePath); err != nil {
+		return fmt.Errorf("box %q: its saved state: %w", name, err)
+	}
+	if r.live, err = os.ReadFile(r.h.SuspendFile(name, "live")); err != nil {
+		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
+	}
+	if r.boot, err = os.ReadFile(r.h.SuspendFile(name, "boot")); err != nil {
+		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
+	}
+	if r.suspendedDef, err = r.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
+		return fmt.Errorf("read box %q: %s", name, domain.LibvirtMessage(err))
+	}
+	// The resume definition keeps the suspended mark until the end: a
+	// kvbox killed half-way leaves a box kvbox still knows to be suspended
+	// (never one that kvbox start would boot afresh over its saved
+	// memory). Either way the resumed box's RAM is its own shared memory
+	// file, as for a box booted from an image: the next suspend (and a
+	// snapshot) saves only its device state.
+	spec := CloneXMLSpec{Name: name, Meta: r.box.Meta, Disk: filepath.Join(r.box.Dir, CloneDisk), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
+		MemPath: r.statePath, BootRAM: domain.MemoryFile(r.box.Dir), Incoming: true}
+	r.wakeDef, err = CloneXML(string(r.live), spec)
+	return err
+}
+
+// wake lists the steps that start the box from its saved state, up to the
+// moment its guest runs again.
+func (r *resuming) wake() step.Plan {
+	name := r.box.Name
+	return step.Plan{
+		{Name: "define-resume", Do: func(context.Context) error {
+			if r.saved.MappedRAM {
+				// The stream holds the RAM: its pages are read into a fresh
+				// (sparse, all zero) memory file, the pages it lacks being
+				// zero.
+				if err := os.Truncate(domain.MemoryFile(r.box.Dir), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+					return err
+				}
+			}
+			d, err := r.h.Conn.DomainDefineXML(r.wakeDef)
+			if err != nil {
+				return fmt.Errorf("define box %q to resume it: %s", name, domain.LibvirtMessage(err))
+			}
+			d.Free()
+			return nil
+		}, Undo: func() {
+			if d, err := r.h.Conn.DomainDefineXML(r.suspendedDef); err == nil {
+				d.Free()
+			}
+		}},
+		{Name: "start-paused", Do: func(context.Context) error {
+			if err := r.dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
+				return fmt.Errorf("start box %q: %s", name, domain.LibvirtMessage(err))
+			}
+			return nil
+		}, Undo: func() { domain.PullPlug(r.dom, name) }},
+		{Name: "load", Do: func(ctx context.Context) error {
+			if err := loadStateFile(ctx, r.h.QMP(r.dom, name), r.statePath, r.saved.MappedRAM); err != nil {
+				return fmt.Errorf("load the saved state of box %q: %w", name, err)
+			}
+			return nil
+		}},
+		{Name: "resume", Do: func(context.Context) error {
+			if err := r.dom.Resume(); err != nil {
+				return fmt.Errorf("resume box %q: %s", name, domain.LibvirtMessage(err))
+			}
+			return nil
+		}},
+	}
+}
+
+// defineBoot gives the running box its own definition back, for its next
+// cold boot, with the metadata as it is now (kvbox ttl may have changed it
+// while it slept).
+func (r *resuming) defineBoot(context.Context) error {
+	d, err := r.h.Conn.DomainDefineXML(string(r.boot))
+	if err != nil {
+		return fmt.Errorf("define box %q for its next boot: %s", r.box.Name, domain.LibvirtMessage(err))
+	}
+	d.Free()
+	meta := r.box.Meta
+	meta.Suspended = nil
+	if err := domain.WriteMeta(r.dom, meta, true); err != nil {
+		return fmt.Errorf("box %q: %w", r.box.Name, err)
+	}
+	r.h.RemoveSuspendFiles(r.box.Name)
+	return nil
+}
+
+// setClock waits for the agent and sets the guest's clock: it slept.
+func (r *resuming) setClock(ctx context.Context, timeout time.Duration) error {
+	actx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	b := r.box
+	b.State, b.Suspended = "running", nil
+	c, err := r.h.WaitAgent(actx, r.dom, b)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if err := c.SetClock(actx, time.Now()); err != nil && !errors.Is(err, errors.ErrUnsupported) {
+		return fmt.Errorf("set the clock of box %q: %w", r.box.Name, err)
+	}
+	return nil
 }
 
 // removeOldStates deletes a box's saved states but keep (debris of an
@@ -417,58 +524,74 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 		}
 		return nil
 	}
-	q := h.QMP(dom, name)
 	switch {
 	case box.Suspended == nil && !persistentSuspended:
 		// Suspend killed while saving: the guest runs on.
-		if s, err := q.QueryMigrate(bg); err == nil && qmp.MigrationRunning(s.Status) {
-			q.MigrateCancel(bg)
-			q.WaitMigration(bg, 5*time.Millisecond)
-		}
-		q.MigrateSetCapabilities(bg, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false})
-		if st == libvirt.DOMAIN_PAUSED {
-			q.BlockdevSetActive(bg, "", true)
-			if err := dom.Resume(); err != nil {
-				return fmt.Errorf("resume after an interrupted suspend: %s", domain.LibvirtMessage(err))
-			}
-		}
-		h.RemoveSuspendFiles(name)
-		removeOldStates(box.Dir, "")
+		return runOn(bg, h, box, dom, st)
 	case box.Suspended == nil:
 		// Suspend killed after its definition: the state is saved.
 		return domain.PullPlug(dom, name)
 	case st == libvirt.DOMAIN_PAUSED:
 		// Resume killed before the guest ran: suspended again.
-		if err := domain.PullPlug(dom, name); err != nil {
-			return err
-		}
-		sx, err := suspendedXML(string(boot), box)
-		if err != nil {
-			return err
-		}
-		d, err := h.Conn.DomainDefineXML(sx)
-		if err != nil {
-			return fmt.Errorf("define suspended box: %s", domain.LibvirtMessage(err))
-		}
-		d.Free()
-		return domain.WriteMeta(dom, box.Meta, false)
+		return suspendAgain(h, box, dom, string(boot))
 	default:
 		// Resume killed after the guest ran: it runs on, as itself.
-		d, err := h.Conn.DomainDefineXML(string(boot))
-		if err != nil {
-			return fmt.Errorf("define box for its next boot: %s", domain.LibvirtMessage(err))
+		return settleResumed(h, box, dom, string(boot))
+	}
+}
+
+// runOn undoes a suspend killed while it saved: no migration left, the
+// settings back, the guest running, the suspend's files gone.
+func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Domain, st libvirt.DomainState) error {
+	q := h.QMP(dom, box.Name)
+	q.CancelRunningMigration(ctx)
+	q.MigrateSetCapabilities(ctx, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false})
+	if st == libvirt.DOMAIN_PAUSED {
+		q.BlockdevSetActive(ctx, "", true)
+		if err := dom.Resume(); err != nil {
+			return fmt.Errorf("resume after an interrupted suspend: %s", domain.LibvirtMessage(err))
 		}
-		d.Free()
-		meta := box.Meta
-		state := meta.Suspended.State
-		meta.Suspended = nil
-		if err := domain.WriteMeta(dom, meta, true); err != nil {
-			return err
-		}
-		h.RemoveSuspendFiles(name)
-		if state != "" && !strings.ContainsAny(state, "/") {
-			os.Remove(filepath.Join(box.Dir, state))
-		}
+	}
+	h.RemoveSuspendFiles(box.Name)
+	removeOldStates(box.Dir, "")
+	return nil
+}
+
+// suspendAgain ends a QEMU that a killed resume started and left paused:
+// the box is suspended as it was.
+func suspendAgain(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot string) error {
+	if err := domain.PullPlug(dom, box.Name); err != nil {
+		return err
+	}
+	sx, err := suspendedXML(boot, box)
+	if err != nil {
+		return err
+	}
+	d, err := h.Conn.DomainDefineXML(sx)
+	if err != nil {
+		return fmt.Errorf("define suspended box: %s", domain.LibvirtMessage(err))
+	}
+	d.Free()
+	return domain.WriteMeta(dom, box.Meta, false)
+}
+
+// settleResumed finishes a resume killed after the guest ran: its own
+// definition back, the suspended mark and the saved state gone.
+func settleResumed(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot string) error {
+	d, err := h.Conn.DomainDefineXML(boot)
+	if err != nil {
+		return fmt.Errorf("define box for its next boot: %s", domain.LibvirtMessage(err))
+	}
+	d.Free()
+	meta := box.Meta
+	state := meta.Suspended.State
+	meta.Suspended = nil
+	if err := domain.WriteMeta(dom, meta, true); err != nil {
+		return err
+	}
+	h.RemoveSuspendFiles(box.Name)
+	if state != "" && !strings.ContainsAny(state, "/") {
+		os.Remove(filepath.Join(box.Dir, state))
 	}
 	return nil
 }

@@ -589,18 +589,19 @@ func TestSuspendKilled(t *testing.T) {
 		}
 	}
 
-	killAt("suspend-saved", "suspend", n)
-	running("suspend-saved")
+	// The points are the plans' step names (snapshot/suspend.go).
+	killAt("save", "suspend", n)
+	running("save")
 
 	c0 := counter(t, n)
-	killAt("suspend-defined", "suspend", n)
+	killAt("define-suspended", "suspend", n)
 	suspendChecks(t, n)
 
-	killAt("resume-started", "resume", n)
+	killAt("start-paused", "resume", n)
 	suspendChecks(t, n)
 
-	killAt("resume-running", "resume", n)
-	running("resume-running")
+	killAt("resume", "resume", n)
+	running("resume")
 	if c := counter(t, n); c < c0 {
 		t.Errorf("counter %d after the kills, %d before: the saved state was lost", c, c0)
 	}

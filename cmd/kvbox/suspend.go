@@ -46,8 +46,7 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 				fmt.Fprintf(a.io.Out, "✓ box %s is suspended (%s, %s on disk, paused %d ms, %.2fs); wake it with: kvbox resume %s\n",
 					n, how, domain.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
 				if verbose {
-					fmt.Fprintf(a.io.Err, "timing: pause %dms, QEMU gone in %dms, memory file synced in %dms, total %dms\n",
-						res.Pause.Milliseconds(), res.Kill.Milliseconds(), res.Sync.Milliseconds(), res.Total.Milliseconds())
+					fmt.Fprintf(a.io.Err, "timing: %s (pause %dms), total %dms\n", res.Steps, res.Pause.Milliseconds(), res.Total.Milliseconds())
 				}
 			}
 			return nil
@@ -110,8 +109,7 @@ func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running again at %s, warm from its suspend (%.2fs)\n", n, res.Box.IP, res.Total.Seconds())
 	if verbose {
-		ms := func(d time.Duration) string { return fmt.Sprintf("%.0fms", float64(d.Microseconds())/1000) }
-		fmt.Fprintf(a.io.Err, "timing: start %s, load %s, agent %s, total %s\n", ms(res.Start), ms(res.Load), ms(res.Agent), ms(res.Total))
+		fmt.Fprintf(a.io.Err, "timing: %s, total %dms\n", res.Steps, res.Total.Milliseconds())
 	}
 	return nil
 }
