@@ -157,6 +157,12 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 	if uint64(q) < c.QEMU {
 		return fmt.Errorf("incompatible host: the snapshot was written by QEMU %s, this host has the older QEMU %s", version(c.QEMU), version(uint64(q)))
 	}
+	return c.checkCPU(conn)
+}
+
+// checkCPU: on KVM a host CPU at least the snapshot's (libvirt's
+// comparison), and a custom CPU model usable here.
+func (c Compat) checkCPU(conn *libvirt.Connect) error {
 	if c.DomainType == "kvm" && c.HostCPU != "" && (c.CPUMode == "host-passthrough" || c.CPUMode == "host-model") {
 		r, err := conn.CompareCPU(c.HostCPU, 0)
 		if err != nil {
@@ -166,21 +172,24 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 			return fmt.Errorf("incompatible host: its CPU lacks features of the CPU that took the snapshot (%s mode)", c.CPUMode)
 		}
 	}
-	if c.CPUMode == "custom" && c.CPUModel != "" {
-		dc, err := conn.GetDomainCapabilities("", c.Arch, c.Machine, c.DomainType, 0)
-		if err == nil {
-			var caps libvirtxml.DomainCaps
-			if caps.Unmarshal(dc) == nil && caps.CPU != nil {
-				for _, m := range caps.CPU.Modes {
-					if m.Name != "custom" {
-						continue
-					}
-					for _, mod := range m.Models {
-						if mod.Name == c.CPUModel && mod.Usable == "no" {
-							return fmt.Errorf("incompatible host: CPU model %s is not usable here", c.CPUModel)
-						}
-					}
-				}
+	if c.CPUMode != "custom" || c.CPUModel == "" {
+		return nil
+	}
+	dc, err := conn.GetDomainCapabilities("", c.Arch, c.Machine, c.DomainType, 0)
+	if err != nil {
+		return nil
+	}
+	var caps libvirtxml.DomainCaps
+	if caps.Unmarshal(dc) != nil || caps.CPU == nil {
+		return nil
+	}
+	for _, m := range caps.CPU.Modes {
+		if m.Name != "custom" {
+			continue
+		}
+		for _, mod := range m.Models {
+			if mod.Name == c.CPUModel && mod.Usable == "no" {
+				return fmt.Errorf("incompatible host: CPU model %s is not usable here", c.CPUModel)
 			}
 		}
 	}

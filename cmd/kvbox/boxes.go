@@ -116,6 +116,12 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if o.from != "" {
 		return a.runNewFrom(c, o)
 	}
+	return a.runNewImage(c, o)
+}
+
+// runNewImage boots a box from an image (the default one is built first
+// if it is missing).
+func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 	mem, err := domain.ParseSize(o.memory)
 	if err != nil {
 		return err

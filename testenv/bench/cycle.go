@@ -50,40 +50,13 @@ func benchCycle(ctx context.Context, e *env) error {
 		execs = append(execs, d)
 	}
 
-	// The peer: virsh save of the clone, then virsh restore of that file.
-	sav := filepath.Join(e.stateDir, "bench-cyc.sav")
-	var restore time.Duration
-	if out, err := exec.CommandContext(ctx, "virsh", "save", c, sav).CombinedOutput(); err != nil {
-		fmt.Printf("peer virsh save failed: %v %s\n", err, strings.TrimSpace(string(out)))
-	} else {
-		t0 := time.Now()
-		out, err := exec.CommandContext(ctx, "virsh", "restore", sav).CombinedOutput()
-		restore = time.Since(t0)
-		if err != nil {
-			fmt.Printf("peer virsh restore failed: %v %s\n", err, strings.TrimSpace(string(out)))
-			restore = 0
-		}
-	}
-	os.Remove(sav)
+	restore := virshRestorePeer(ctx, e, c)
 	if _, err := e.kvboxCLI(ctx, "rm", "--force", c); err != nil {
 		return err
 	}
-
-	var news, cycles []time.Duration
-	for i := range 5 {
-		n := fmt.Sprintf("bench-cyc-%d", i)
-		t0 := time.Now()
-		dn, err := e.kvboxCLI(ctx, "new", "--from", snap.Name, n)
-		if err == nil {
-			_, err = e.kvboxCLI(ctx, "exec", n, "--", "true")
-		}
-		if _, rerr := e.kvboxCLI(context.Background(), "rm", "--force", n); err == nil {
-			err = rerr
-		}
-		if err != nil {
-			return err
-		}
-		news, cycles = append(news, dn), append(cycles, time.Since(t0))
+	news, cycles, err := jobCycles(ctx, e, snap.Name)
+	if err != nil {
+		return err
 	}
 
 	const par = 10
@@ -108,6 +81,45 @@ func benchCycle(ctx context.Context, e *env) error {
 		fmt.Printf("  PSS per clone's QEMU: mean %.1f MB over %d clones\n", float64(sum)/float64(len(pss))/1024, len(pss))
 	}
 	return nil
+}
+
+// virshRestorePeer is the peer: virsh save of the clone, then virsh
+// restore of that file (0 when either failed, which it says).
+func virshRestorePeer(ctx context.Context, e *env, c string) time.Duration {
+	sav := filepath.Join(e.stateDir, "bench-cyc.sav")
+	defer os.Remove(sav)
+	if out, err := exec.CommandContext(ctx, "virsh", "save", c, sav).CombinedOutput(); err != nil {
+		fmt.Printf("peer virsh save failed: %v %s\n", err, strings.TrimSpace(string(out)))
+		return 0
+	}
+	t0 := time.Now()
+	out, err := exec.CommandContext(ctx, "virsh", "restore", sav).CombinedOutput()
+	if err != nil {
+		fmt.Printf("peer virsh restore failed: %v %s\n", err, strings.TrimSpace(string(out)))
+		return 0
+	}
+	return time.Since(t0)
+}
+
+// jobCycles times five job cycles through the CLI: new --from, exec true,
+// rm --force; news are the new --from parts.
+func jobCycles(ctx context.Context, e *env, snap string) (news, cycles []time.Duration, err error) {
+	for i := range 5 {
+		n := fmt.Sprintf("bench-cyc-%d", i)
+		t0 := time.Now()
+		dn, err := e.kvboxCLI(ctx, "new", "--from", snap, n)
+		if err == nil {
+			_, err = e.kvboxCLI(ctx, "exec", n, "--", "true")
+		}
+		if _, rerr := e.kvboxCLI(context.Background(), "rm", "--force", n); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		news, cycles = append(news, dn), append(cycles, time.Since(t0))
+	}
+	return news, cycles, nil
 }
 
 // benchParallel starts par clones of snap at once through the CLI and

@@ -28,83 +28,30 @@ func benchLifecycle(ctx context.Context, e *env) error {
 		return err
 	}
 	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), src, true) })
-
-	type rounds struct{ pause, suspend, resume []time.Duration }
-	measure := func(name string) (rounds, error) {
-		var r rounds
-		for range lifeRuns {
-			s, err := snapshot.Suspend(ctx, e.h, name)
-			if err != nil {
-				return r, err
-			}
-			r.pause, r.suspend = append(r.pause, s.Pause), append(r.suspend, s.Total)
-			res, err := snapshot.Resume(ctx, e.h, name, 2*time.Minute)
-			if err != nil {
-				return r, err
-			}
-			r.resume = append(r.resume, res.Total)
-		}
-		return r, nil
-	}
-	a, err := measure(src)
+	a, err := suspendRounds(ctx, e, src)
 	if err != nil {
 		return err
 	}
-
-	// The snapshot pause of the same box, and a clone of that snapshot.
+	// The snapshot pause of the same box, and warm clones of that snapshot
+	// timed in the same run: the target resume is held to.
 	snapName := "bench-life-warm"
 	res, err := snapshot.Create(ctx, e.h, st, src, snapName)
 	if err != nil {
 		return err
 	}
 	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, snapName) })
-	// Warm clones of it, timed in the same run: the target resume is
-	// held to (the warm-clone target). The first is kept for its rounds.
 	cl := "bench-life-clone"
-	var clones []time.Duration
-	for i := range lifeRuns {
-		n := cl
-		if i > 0 {
-			n = fmt.Sprintf("%s-%d", cl, i)
-		}
-		t0 := time.Now()
-		if _, _, err := snapshot.Clone(ctx, e.h, res.Snapshot, n, 2*time.Minute); err != nil {
-			return err
-		}
-		clones = append(clones, time.Since(t0))
-		e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), n, true) })
-		if i > 0 {
-			e.h.Remove(ctx, n, true)
-		}
-	}
-	b, err := measure(cl)
+	clones, err := warmClones(ctx, e, res.Snapshot, cl)
 	if err != nil {
 		return err
 	}
-
-	// The peer: libvirt's managed save of a box kvbox made.
-	peer := "bench-life-peer"
-	peerBox, err := e.h.Create(ctx, e.spec(peer, 1))
+	b, err := suspendRounds(ctx, e, cl)
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
-	var msave, mstart []time.Duration
-	for range lifeRuns {
-		t0 := time.Now()
-		if out, err := virsh(ctx, "managedsave", peer); err != nil {
-			return fmt.Errorf("virsh managedsave: %v: %s", err, out)
-		}
-		msave = append(msave, time.Since(t0))
-		t0 = time.Now()
-		if out, err := virsh(ctx, "start", peer); err != nil {
-			return fmt.Errorf("virsh start: %v: %s", err, out)
-		}
-		peerBox.State = "running"
-		if err := pingAgent(ctx, e.h, peerBox); err != nil {
-			return err
-		}
-		mstart = append(mstart, time.Since(t0))
+	msave, mstart, err := managedSaveRounds(ctx, e, "bench-life-peer")
+	if err != nil {
+		return err
 	}
 
 	row := func(what string, pause, total, resume time.Duration) {
@@ -124,6 +71,75 @@ func benchLifecycle(ctx context.Context, e *env) error {
 	fmt.Printf("  targets: resume <= 500 ms (%s; the warm clone in this run: %s), suspend pause <= snapshot pause (%s)\n",
 		verdict(median(a.resume) <= 500*time.Millisecond), verdict(median(clones) <= 500*time.Millisecond), verdict(median(a.pause) <= res.Pause))
 	return nil
+}
+
+// rounds are the times of a box's suspend/resume rounds.
+type rounds struct{ pause, suspend, resume []time.Duration }
+
+// suspendRounds suspends and resumes a box lifeRuns times.
+func suspendRounds(ctx context.Context, e *env, name string) (rounds, error) {
+	var r rounds
+	for range lifeRuns {
+		s, err := snapshot.Suspend(ctx, e.h, name)
+		if err != nil {
+			return r, err
+		}
+		r.pause, r.suspend = append(r.pause, s.Pause), append(r.suspend, s.Total)
+		res, err := snapshot.Resume(ctx, e.h, name, 2*time.Minute)
+		if err != nil {
+			return r, err
+		}
+		r.resume = append(r.resume, res.Total)
+	}
+	return r, nil
+}
+
+// warmClones times lifeRuns clones of snap; the first, named name, is kept.
+func warmClones(ctx context.Context, e *env, snap snapshot.Snapshot, name string) ([]time.Duration, error) {
+	var clones []time.Duration
+	for i := range lifeRuns {
+		n := name
+		if i > 0 {
+			n = fmt.Sprintf("%s-%d", name, i)
+		}
+		t0 := time.Now()
+		if _, _, err := snapshot.Clone(ctx, e.h, snap, n, 2*time.Minute); err != nil {
+			return nil, err
+		}
+		clones = append(clones, time.Since(t0))
+		e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), n, true) })
+		if i > 0 {
+			e.h.Remove(ctx, n, true)
+		}
+	}
+	return clones, nil
+}
+
+// managedSaveRounds is the peer: libvirt's managed save of a box kvbox
+// made, and virsh start of it until its agent answers.
+func managedSaveRounds(ctx context.Context, e *env, peer string) (msave, mstart []time.Duration, err error) {
+	peerBox, err := e.h.Create(ctx, e.spec(peer, 1))
+	if err != nil {
+		return nil, nil, err
+	}
+	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	for range lifeRuns {
+		t0 := time.Now()
+		if out, err := virsh(ctx, "managedsave", peer); err != nil {
+			return nil, nil, fmt.Errorf("virsh managedsave: %v: %s", err, out)
+		}
+		msave = append(msave, time.Since(t0))
+		t0 = time.Now()
+		if out, err := virsh(ctx, "start", peer); err != nil {
+			return nil, nil, fmt.Errorf("virsh start: %v: %s", err, out)
+		}
+		peerBox.State = "running"
+		if err := pingAgent(ctx, e.h, peerBox); err != nil {
+			return nil, nil, err
+		}
+		mstart = append(mstart, time.Since(t0))
+	}
+	return msave, mstart, nil
 }
 
 func verdict(ok bool) string {
