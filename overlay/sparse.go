@@ -192,3 +192,58 @@ func (x *extentCopy) run(off int64, data []byte) error {
 	x.written += int64(n)
 	return err
 }
+
+// Extent is a byte range of a file.
+type Extent struct{ Off, Len int64 }
+
+// DataExtents returns the data extents of f, found with SEEK_DATA and
+// SEEK_HOLE (so no page of it is read), and its size: the whole file where
+// the filesystem does not report holes.
+func DataExtents(f *os.File) ([]Extent, int64, error) {
+	st, err := f.Stat()
+	if err != nil {
+		return nil, 0, err
+	}
+	size := st.Size()
+	var out []Extent
+	fd := int(f.Fd())
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break
+		}
+		if err != nil {
+			if len(out) == 0 && off == 0 { // no SEEK_DATA: all data
+				return []Extent{{0, size}}, size, nil
+			}
+			return nil, 0, err
+		}
+		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return nil, 0, err
+		}
+		if hole > size {
+			hole = size
+		}
+		out = append(out, Extent{data, hole - data})
+		off = hole
+	}
+	return out, size, nil
+}
+
+// Holes returns the ranges of a file of size bytes that the data extents
+// leave out.
+func Holes(data []Extent, size int64) []Extent {
+	var out []Extent
+	at := int64(0)
+	for _, e := range data {
+		if e.Off > at {
+			out = append(out, Extent{at, e.Off - at})
+		}
+		at = e.Off + e.Len
+	}
+	if at < size {
+		out = append(out, Extent{at, size - at})
+	}
+	return out
+}

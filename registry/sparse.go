@@ -9,7 +9,8 @@ import (
 	"os"
 
 	"github.com/klauspost/compress/zstd"
-	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/overlay"
 )
 
 // A part of a snapshot travels as one zstd frame stream holding an extent
@@ -32,41 +33,11 @@ var sparseMagic = [8]byte{'K', 'V', 'B', 'X', 'S', 'P', 'R', '1'}
 // MaxExtents bounds what a decoder accepts from a blob.
 const maxExtents = 1 << 24
 
-type extent struct{ Off, Len int64 }
+type extent = overlay.Extent
 
 // extents returns the data extents of f (the whole file where the
 // filesystem does not report holes).
-func extents(f *os.File) ([]extent, int64, error) {
-	st, err := f.Stat()
-	if err != nil {
-		return nil, 0, err
-	}
-	size := st.Size()
-	var out []extent
-	fd := int(f.Fd())
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
-		if errors.Is(err, unix.ENXIO) {
-			break
-		}
-		if err != nil {
-			if len(out) == 0 && off == 0 { // no SEEK_DATA: all data
-				return []extent{{0, size}}, size, nil
-			}
-			return nil, 0, err
-		}
-		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
-		if err != nil {
-			return nil, 0, err
-		}
-		if hole > size {
-			hole = size
-		}
-		out = append(out, extent{data, hole - data})
-		off = hole
-	}
-	return out, size, nil
-}
+func extents(f *os.File) ([]extent, int64, error) { return overlay.DataExtents(f) }
 
 func newEncoder(w io.Writer) (*zstd.Encoder, error) {
 	return zstd.NewWriter(w, zstd.WithEncoderLevel(zstd.SpeedFastest), zstd.WithEncoderConcurrency(1),
@@ -140,7 +111,7 @@ func decodeSparse(r io.Reader, path string) error {
 		if _, err := io.ReadFull(br, b[:]); err != nil {
 			return fmt.Errorf("kvbox part: extent map: %w", err)
 		}
-		e := extent{int64(binary.BigEndian.Uint64(b[:8])), int64(binary.BigEndian.Uint64(b[8:]))}
+		e := extent{Off: int64(binary.BigEndian.Uint64(b[:8])), Len: int64(binary.BigEndian.Uint64(b[8:]))}
 		if e.Off < prev || e.Len < 0 || e.Off+e.Len > size || e.Off+e.Len < e.Off {
 			return fmt.Errorf("kvbox part: extent %d out of order or out of range", i)
 		}
