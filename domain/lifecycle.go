@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -387,26 +386,9 @@ const qemuPidDir = "/run/libvirt/qemu"
 // command line names this domain (guest=NAME), else nothing is sent and
 // the destroy that follows does the whole work.
 func killQEMU(name string) {
-	if strings.ContainsAny(name, "/\x00") {
-		return
+	if pid := qemuPID(name); pid != 0 {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
-	b, err := os.ReadFile(filepath.Join(qemuPidDir, name+".pid"))
-	if err != nil {
-		return
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 1 {
-		return
-	}
-	cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil {
-		return
-	}
-	want := "guest=" + QemuOptEscape(name) + ","
-	if !strings.Contains(string(cmd), want) {
-		return
-	}
-	_ = syscall.Kill(pid, syscall.SIGKILL)
 }
 
 // Start boots a stopped box and waits until its agent answers.
