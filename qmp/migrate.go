@@ -20,7 +20,13 @@ const (
 	ParamAnnounceRounds  = "announce-rounds"
 	ParamAnnounceStep    = "announce-step"
 	ParamMultifdChannels = "multifd-channels"
+	ParamDirectIO        = "direct-io"
+	ParamMaxBandwidth    = "max-bandwidth"
 )
+
+// DefaultLiveParams are QEMU's defaults (10.0) of the parameters a live
+// copy changes: what recovery sets back where no record says otherwise.
+var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamMultifdChannels: int64(2), ParamDirectIO: false}
 
 type capabilityState struct {
 	Capability string `json:"capability"`

@@ -135,8 +135,7 @@ func (s *suspending) plan() step.Plan {
 	caps := map[string]bool{qmp.CapIgnoreShared: true}
 	var params map[string]any
 	if s.mapped {
-		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true, qmp.CapPauseBeforeSwitchover: false}
-		params = liveParams
+		caps, params = liveCaps(), liveParams(overlay.DirectIO(s.box.Dir))
 	}
 	p := step.Plan{
 		{Name: "keep-definitions", Do: s.keepDefinitions, Undo: func() { s.h.RemoveSuspendFiles(s.box.Name) }},
@@ -545,7 +544,9 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Domain, st libvirt.DomainState) error {
 	q := h.QMP(dom, box.Name)
 	q.CancelRunningMigration(ctx)
-	q.MigrateSetCapabilities(ctx, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false})
+	// What they were is not recorded for a suspend: QEMU's defaults.
+	q.MigrateSetCapabilities(ctx, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false, qmp.CapMultifd: false})
+	q.MigrateSetParameters(ctx, qmp.DefaultLiveParams)
 	if st == libvirt.DOMAIN_PAUSED {
 		q.BlockdevSetActive(ctx, "", true)
 		if err := dom.Resume(); err != nil {

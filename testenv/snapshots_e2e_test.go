@@ -192,14 +192,16 @@ func assertDomainClean(t testing.TB, n string) {
 	}
 	var params struct {
 		Return struct {
-			MaxBandwidth  int64 `json:"max-bandwidth"`
-			DowntimeLimit int64 `json:"downtime-limit"`
+			MaxBandwidth    int64 `json:"max-bandwidth"`
+			DowntimeLimit   int64 `json:"downtime-limit"`
+			MultifdChannels int64 `json:"multifd-channels"`
+			DirectIO        bool  `json:"direct-io"`
 		} `json:"return"`
 	}
 	qmpJSON(t, n, `{"execute":"query-migrate-parameters"}`, &params)
 	// QEMU's defaults (migration/options.c): kvbox sets nothing for good.
-	if params.Return.MaxBandwidth != 128<<20 || params.Return.DowntimeLimit != 300 {
-		t.Errorf("migration parameters left changed: max-bandwidth %d, downtime-limit %d", params.Return.MaxBandwidth, params.Return.DowntimeLimit)
+	if p := params.Return; p.MaxBandwidth != 128<<20 || p.DowntimeLimit != 300 || p.MultifdChannels != 2 || p.DirectIO {
+		t.Errorf("migration parameters left changed: %+v", p)
 	}
 	var mig struct {
 		Return struct {
@@ -266,6 +268,94 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 		t.Errorf("clone of the live snapshot http: %q %v", body, err)
 	}
 	mustKvbox(t, "rm", "--force", leaf, c)
+}
+
+// TestLiveSnapshotOfBusyBox: a box booted from an image with much of its RAM
+// touched is snapshotted live too (its RAM copied into the state file while
+// it runs), kills inside the live copy leave it running and clean, the
+// page cache its copy read into the file's holes is given back, and the
+// snapshot starts a chain three templates deep, each clone with every
+// file of the levels above.
+func TestLiveSnapshotOfBusyBox(t *testing.T) {
+	src := name(t, "busy")
+	newBox(t, src)
+	// 160 MB of a 256 MB box: past the live threshold (128 MiB touched).
+	// (a tmpfs of its own: /dev/shm holds half the RAM at most).
+	sums := inBox(t, src, "mkdir -p /mem /www && mount -t tmpfs -o size=200m mem /mem && head -c 160000000 /dev/urandom > /mem/fill && "+
+		"echo busy > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1 && cd /mem && md5sum fill")
+	startCounter(t, src)
+	for _, step := range []string{"live-started", "live-copying", "copy-memory-live", "drop-page-cache"} {
+		sn := name(t, "bk-"+step)
+		cmd := exec.Command(kvboxBin, "snapshots", "new", src, sn)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
+		}
+		for _, s := range listSnapshots(t) {
+			if s.Name == sn {
+				t.Errorf("kill at %s: snapshot listed", step)
+			}
+		}
+		assertDomainClean(t, src)
+		assertCounting(t, src)
+	}
+	rssBefore := qemuRssFile(t, src)
+	prev := src
+	for level := 1; level <= 3; level++ {
+		sums += inBox(t, prev, fmt.Sprintf("cd /mem && head -c 4000000 /dev/urandom > level%d && md5sum level%d", level, level))
+		sn, c := name(t, fmt.Sprintf("bs%d", level)), name(t, fmt.Sprintf("bc%d", level))
+		t.Cleanup(func() { kvbox(t, "snapshots", "rm", sn) })
+		r := kvbox(t, "snapshots", "new", "-v", prev, sn)
+		if r.code != 0 {
+			t.Fatalf("level %d: snapshots new: %s", level, r)
+		}
+		t.Logf("level %d: %s", level, strings.TrimSpace(r.stdout))
+		if level == 1 {
+			if !strings.Contains(r.stderr, "copy-memory-live") || !strings.Contains(r.stderr, "drop-page-cache") {
+				t.Errorf("a box with 160 MB touched was not snapshotted live: %s", r)
+			}
+			// What the live copy read into the RAM file's holes went back:
+			// QEMU maps no more of it than before (the untouched ~90 MB).
+			if after := qemuRssFile(t, src); after > rssBefore+32<<20 {
+				t.Errorf("QEMU maps %d MB of its RAM file after the snapshot, %d MB before", after>>20, rssBefore>>20)
+			}
+		}
+		assertDomainClean(t, prev)
+		assertCounting(t, prev)
+		if r := newClone(t, sn, c); r.code != 0 {
+			t.Fatalf("clone %s of %s: %s", c, sn, r)
+		}
+		if got := inBox(t, c, "cd /mem && md5sum fill level*"); got != sums {
+			t.Errorf("level %d clone: the files of the levels above are %q, want %q", level, got, sums)
+		}
+		if body, err := httpGet("http://" + getBox(t, c).IP + ":8080/"); err != nil || strings.TrimSpace(body) != "busy" {
+			t.Errorf("level %d clone http: %q %v", level, body, err)
+		}
+		prev = c
+	}
+}
+
+// qemuRssFile is how much of files a box's QEMU maps (RssFile, bytes): for
+// a box booted from an image, mostly its RAM file.
+func qemuRssFile(t testing.TB, n string) int64 {
+	t.Helper()
+	pid, err := os.ReadFile("/run/libvirt/qemu/" + n + ".pid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.ReadFile("/proc/" + strings.TrimSpace(string(pid)) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(st), "\n") {
+		if f := strings.Fields(l); len(f) == 3 && f[0] == "RssFile:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatalf("no RssFile in QEMU's status")
+	return 0
 }
 
 func qmpJSON(t testing.TB, dom, cmd string, v any) {

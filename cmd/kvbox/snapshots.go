@@ -91,7 +91,7 @@ boxes are still cloned from then is kept until the last of them is removed
 			}
 			if verbose {
 				for _, st := range res.Steps {
-					fmt.Fprintf(a.io.Out, "  %-18s %6.0f ms\n", st.Name, float64(st.Duration.Microseconds())/1000)
+					fmt.Fprintf(a.io.Err, "  %-18s %6.0f ms\n", st.Name, float64(st.Duration.Microseconds())/1000)
 				}
 			}
 			return nil
