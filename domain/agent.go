@@ -108,20 +108,14 @@ func (h *Host) Identity(b Box) agent.Identity {
 }
 
 // Reidentify gives the guest its identity, sets its clock to the host's
-// and feeds its RNG fresh entropy.
+// and feeds its RNG fresh entropy, in one round trip.
 func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box) error {
-	if err := c.Identify(ctx, h.Identity(b)); err != nil {
-		return fmt.Errorf("set the identity of box %q: %w", b.Name, err)
-	}
-	if err := c.SetClock(ctx, time.Now()); err != nil && !errors.Is(err, errors.ErrUnsupported) {
-		return fmt.Errorf("set the clock of box %q: %w", b.Name, err)
-	}
 	seed := make([]byte, 64)
 	if _, err := rand.Read(seed); err != nil {
 		return err
 	}
-	if err := c.AddEntropy(ctx, seed); err != nil && !errors.Is(err, errors.ErrUnsupported) {
-		return fmt.Errorf("seed the RNG of box %q: %w", b.Name, err)
+	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed); err != nil {
+		return fmt.Errorf("box %q: %w", b.Name, err)
 	}
 	return nil
 }

@@ -275,6 +275,38 @@ func TestCalls(t *testing.T) {
 	}
 }
 
+// Reidentify pipelines Identify, SetClock and AddEntropy: all three reach
+// the system from one round trip, and the channel still serves calls after
+// it. An agent without a system says which of the three failed.
+func TestReidentifyPipelined(t *testing.T) {
+	s := testServer(t)
+	s.StateDir = t.TempDir()
+	fs := s.System.(*fakeSystem)
+	c := start(t, s)
+	ctx := tctx(t)
+	id := Identity{Hostname: "b3", MAC: "52:54:00:00:00:03", Address: "172.30.0.6/24", Gateway: "172.30.0.1"}
+	now := time.Unix(1700000001, 7)
+	if err := c.Reidentify(ctx, id, now, []byte{4, 5, 6}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Ping(ctx); err != nil {
+		t.Fatalf("ping after the pipeline: %v", err)
+	}
+	fs.mu.Lock()
+	if len(fs.identity) != 1 || fs.identity[0].Hostname != "b3" || len(fs.clock) != 1 || !fs.clock[0].Equal(now) || !bytes.Equal(fs.entropy[0], []byte{4, 5, 6}) {
+		t.Errorf("system saw %+v %v %v", fs.identity, fs.clock, fs.entropy)
+	}
+	fs.mu.Unlock()
+
+	bare := start(t, &Server{Log: log.New(io.Discard, "", 0)})
+	err := bare.Reidentify(ctx, id, now, nil)
+	for _, want := range []string{"set the identity", "set the clock", "seed the RNG"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Reidentify on an agent without a system: %v, want it to name %q", err, want)
+		}
+	}
+}
+
 func TestUnsupportedSystem(t *testing.T) {
 	c := start(t, &Server{Log: log.New(io.Discard, "", 0)})
 	err := c.SetClock(tctx(t), time.Now())

@@ -294,6 +294,21 @@ func (c *Client) hello(ctx context.Context) error {
 // roundTrip sends a request and waits for its response, ignoring frames
 // of other calls.
 func (c *Client) roundTrip(ctx context.Context, id uint32, method string, params, result any) error {
+	if err := c.sendRequest(ctx, id, method, params); err != nil {
+		return err
+	}
+	for {
+		f, err := c.recv(ctx)
+		if err != nil {
+			return err
+		}
+		if f.Type == frameResponse && f.ID == id {
+			return decodeResponse(method, f.Payload, result)
+		}
+	}
+}
+
+func (c *Client) sendRequest(ctx context.Context, id uint32, method string, params any) error {
 	req := request{Method: method}
 	if params != nil {
 		b, err := json.Marshal(params)
@@ -309,31 +324,24 @@ func (c *Client) roundTrip(ctx context.Context, id uint32, method string, params
 	if len(b) > MaxPayload {
 		return fmt.Errorf("%s: request too large (%d bytes)", method, len(b))
 	}
-	if err := c.send(ctx, frameRequest, id, b); err != nil {
-		return err
+	return c.send(ctx, frameRequest, id, b)
+}
+
+// decodeResponse is a response's error, or its result into result.
+func decodeResponse(method string, payload []byte, result any) error {
+	var resp response
+	if err := json.Unmarshal(payload, &resp); err != nil {
+		return fmt.Errorf("%s: bad response: %w", method, err)
 	}
-	for {
-		f, err := c.recv(ctx)
-		if err != nil {
-			return err
-		}
-		if f.Type != frameResponse || f.ID != id {
-			continue
-		}
-		var resp response
-		if err := json.Unmarshal(f.Payload, &resp); err != nil {
-			return fmt.Errorf("%s: bad response: %w", method, err)
-		}
-		if resp.Error != "" {
-			return &RemoteError{Method: method, Message: resp.Error}
-		}
-		if result != nil {
-			if err := json.Unmarshal(resp.Result, result); err != nil {
-				return fmt.Errorf("%s: bad result: %w", method, err)
-			}
-		}
-		return nil
+	if resp.Error != "" {
+		return &RemoteError{Method: method, Message: resp.Error}
 	}
+	if result != nil {
+		if err := json.Unmarshal(resp.Result, result); err != nil {
+			return fmt.Errorf("%s: bad result: %w", method, err)
+		}
+	}
+	return nil
 }
 
 func (c *Client) call(ctx context.Context, method string, params, result any) error {
@@ -345,6 +353,48 @@ func (c *Client) call(ctx context.Context, method string, params, result any) er
 	var re *RemoteError
 	end(err == nil || errors.As(err, &re))
 	return err
+}
+
+// Call is one request of a Pipeline.
+type Call struct {
+	Method string
+	Params any
+}
+
+// Pipeline sends every call at once and waits for all the replies: one
+// round trip instead of one per call (the agent serves each request in a
+// goroutine of its own, so the calls must not depend on each other's
+// order). errs[i] is calls[i]'s outcome; err is the channel's.
+func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err error) {
+	end, err := c.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() { end(ok) }()
+	ids := map[uint32]int{}
+	for i, call := range calls {
+		id := c.nextID.Add(1)
+		if err := c.sendRequest(ctx, id, call.Method, call.Params); err != nil {
+			return nil, err
+		}
+		ids[id] = i
+	}
+	errs = make([]error, len(calls))
+	for len(ids) > 0 {
+		f, err := c.recv(ctx)
+		if err != nil {
+			return nil, err
+		}
+		i, mine := ids[f.ID]
+		if f.Type != frameResponse || !mine {
+			continue
+		}
+		delete(ids, f.ID)
+		errs[i] = decodeResponse(calls[i].Method, f.Payload, nil)
+	}
+	ok = true
+	return errs, nil
 }
 
 // Ping asks the agent who it is; a box is ready when this answers.
@@ -363,6 +413,28 @@ func (c *Client) Identify(ctx context.Context, id Identity) error {
 // SetClock sets the guest's CLOCK_REALTIME.
 func (c *Client) SetClock(ctx context.Context, t time.Time) error {
 	return c.call(ctx, methodSetClock, clockMsg{UnixNano: t.UnixNano()}, nil)
+}
+
+// Reidentify gives the guest an identity, sets its clock to now and mixes
+// seed into its RNG, in one round trip (the three requests pipelined). It
+// says which of them failed.
+func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed []byte) error {
+	if len(seed) > 4096 {
+		return errors.New("Reidentify: at most 4096 bytes of seed")
+	}
+	errs, err := c.Pipeline(ctx,
+		Call{methodIdentify, id},
+		Call{methodSetClock, clockMsg{UnixNano: now.UnixNano()}},
+		Call{methodAddEntropy, seed})
+	if err != nil {
+		return err
+	}
+	for i, what := range []string{"set the identity", "set the clock", "seed the RNG"} {
+		if errs[i] != nil {
+			errs[i] = fmt.Errorf("%s: %w", what, errs[i])
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // AddEntropy mixes b into the guest's RNG and credits it as entropy.
