@@ -62,6 +62,7 @@ var sections = []section{
 	{"snapshot", benchSnapshot},
 	{"ports", benchPorts},
 	{"debian", benchDebian},
+	{"snapshot-debian", benchSnapshotDebian},
 	{"cp", benchCp},
 	{"lifecycle", benchLifecycle},
 }
