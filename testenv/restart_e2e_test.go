@@ -47,7 +47,7 @@ func restartLibvirtd(t testing.TB) {
 		t.Fatalf("libvirtd (pid %d) did not exit within 90 s of SIGTERM", pid)
 	}
 	// No pipes: the daemon's children must not hold the test's output open.
-	if err := exec.Command("libvirtd", "-d").Run(); err != nil {
+	if err := exec.Command("./libvirtd.sh").Run(); err != nil {
 		t.Fatalf("start libvirtd again: %v", err)
 	}
 	eventually(t, 60*time.Second, func() error {

@@ -18,7 +18,7 @@ require_root
 # libvirt-daemon-driver-nwfilter applies kvbox's port filter with ebtables/iptables (the
 # iptables package ships ebtables-nft on Debian 12 and 13).
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
-BASE_PKGS="busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
+BASE_PKGS="tini busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-daemon-driver-nwfilter]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
@@ -116,7 +116,11 @@ ensure_daemon() {
 	# (libvirt locks its pid files, so they would not block it; clean up anyway.)
 	rm -f "/run/$name.pid"
 	log "starting $name in $KVBOX_TESTENV_NS"
-	in_ns "$name" -d || return 1
+	if [ "$name" = libvirtd ]; then
+		in_ns "$TESTENV_DIR/libvirtd.sh" || return 1
+	else
+		in_ns "$name" -d || return 1
+	fi
 }
 
 wait_libvirt() {
