@@ -172,7 +172,7 @@ func TestForwardSlowStreamDoesNotStallOthers(t *testing.T) {
 		}
 		data := bytes.Repeat([]byte{byte(i)}, 100<<10)
 		go func() { mine.Write(data); mine.CloseWrite() }()
-		mine.SetReadDeadline(time.Now().Add(5 * time.Second))
+		mine.SetReadDeadline(time.Now().Add(20 * time.Second)) // a stall, not a speed
 		got, err := io.ReadAll(mine)
 		if err != nil || !bytes.Equal(got, data) {
 			t.Fatalf("stream %d beside a stalled one: %d bytes, %v", i, len(got), err)
