@@ -84,11 +84,26 @@ type Result struct {
 	Steps    step.Timings
 }
 
+// Phases are what a caller is told as a snapshot goes (each may be nil).
+// Booting and Saving are called as that phase begins and return what to
+// call when it ends (a progress line); Copying reports a live copy's
+// progress about every 100 ms.
+type Phases struct {
+	Booting, Saving func() (done func())
+	Copying         func(CopyProgress)
+}
+
+// CopyProgress is how far a live memory copy is: the bytes of guest pages
+// written so far (a page the guest writes again is written again), and
+// how much of the RAM QEMU has gone through in its current pass.
+type CopyProgress struct {
+	Written, Scanned, RAM int64
+}
+
 // CreateOf snapshots a box whatever its state: a stopped box is booted first
 // (a snapshot holds a running machine, so that its clones start warm) and
-// stopped again afterwards. booting and saving, if set, are called as each
-// phase begins and return what to call when it ends (a progress line).
-func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name string, booting, saving func() (done func())) (Result, error) {
+// stopped again afterwards.
+func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name string, ph Phases) (Result, error) {
 	if err := domain.ValidName(name); err != nil {
 		return Result{}, err
 	}
@@ -106,7 +121,7 @@ func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name strin
 		return f()
 	}
 	if b.State == "stopped" {
-		done := phase(booting)
+		done := phase(ph.Booting)
 		_, err := h.Start(ctx, boxName, 90*time.Second)
 		done()
 		if err != nil {
@@ -114,9 +129,9 @@ func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name strin
 		}
 		defer h.Stop(context.WithoutCancel(ctx), boxName, 30*time.Second, false)
 	}
-	done := phase(saving)
+	done := phase(ph.Saving)
 	defer done()
-	return Create(ctx, h, st, boxName, name)
+	return create(ctx, h, st, boxName, name, ph.Copying)
 }
 
 // Create snapshots the running box into a new snapshot named name. The box is
@@ -126,6 +141,10 @@ func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name strin
 // timed, is a kill point of the crash tests under its own name, and is undone
 // when a later one fails.
 func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string) (Result, error) {
+	return create(ctx, h, st, boxName, name, nil)
+}
+
+func create(ctx context.Context, h *domain.Host, st Store, boxName, name string, progress func(CopyProgress)) (Result, error) {
 	if err := domain.ValidName(name); err != nil {
 		return Result{}, err
 	}
@@ -149,7 +168,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 	if _, err := os.Stat(filepath.Join(st.Dir, name)); err == nil {
 		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
 	}
-	c := &creation{h: h, st: st, box: box, dom: dom, q: h.QMP(dom, box.Name), name: name, tmp: st.partialDir(name)}
+	c := &creation{h: h, st: st, box: box, dom: dom, q: h.QMP(dom, box.Name), name: name, tmp: st.partialDir(name), progress: progress}
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
@@ -201,6 +220,9 @@ type creation struct {
 	pause   time.Duration
 	copied  int64 // bytes the disk copy wrote
 	dropped int64 // bytes of page cache ranges given back after a live copy
+
+	progress func(CopyProgress) // the caller's, or nil
+	reported time.Time          // when progress was last called
 }
 
 // plan lists the steps of a snapshot. A box booted from an image with
@@ -489,6 +511,7 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	stopped, err := c.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
 		if s.RAM != nil {
 			step.KillPoint("live-copying")
+			c.report(*s.RAM)
 		}
 	})
 	if err != nil {
@@ -496,6 +519,16 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	}
 	c.paused = stopped
 	return nil
+}
+
+// report tells the caller how far the live copy is, at most every 100 ms.
+func (c *creation) report(r qmp.MigrateRAM) {
+	if c.progress == nil || time.Since(c.reported) < 100*time.Millisecond {
+		return
+	}
+	c.reported = time.Now()
+	n := func(x json.Number) int64 { v, _ := x.Int64(); return v }
+	c.progress(CopyProgress{Written: n(r.Normal) * 4096, Scanned: n(r.Total) - n(r.Remaining), RAM: n(r.Total)})
 }
 
 // undoLive takes a live copy back: no migration left running, the box

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 
@@ -72,8 +73,22 @@ func firstArg(f cobra.CompletionFunc) cobra.CompletionFunc {
 // spin shows what kvbox is waiting for, with a spinner and the time spent,
 // on a terminal only; stop clears the line.
 func (a *app) spin(what string) (stop func()) {
+	_, stop = a.spinStatus(what)
+	return stop
+}
+
+// spinStatus is spin with a status that set changes while it runs (the
+// progress of a copy).
+func (a *app) spinStatus(what string) (set func(status string), stop func()) {
 	if !a.io.TTY {
-		return func() {}
+		return func(string) {}, func() {}
+	}
+	var mu sync.Mutex
+	status := ""
+	set = func(s string) {
+		mu.Lock()
+		status = s
+		mu.Unlock()
 	}
 	done, finished := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -82,7 +97,13 @@ func (a *app) spin(what string) (stop func()) {
 		t := time.NewTicker(100 * time.Millisecond)
 		defer t.Stop()
 		for i := 0; ; i++ {
-			fmt.Fprintf(a.io.Err, "\r%c %s %.1fs\x1b[K", `|/-\`[i%4], what, time.Since(start).Seconds())
+			mu.Lock()
+			st := status
+			mu.Unlock()
+			if st != "" {
+				st = ": " + st
+			}
+			fmt.Fprintf(a.io.Err, "\r%c %s %.1fs%s\x1b[K", `|/-\`[i%4], what, time.Since(start).Seconds(), st)
 			select {
 			case <-done:
 				fmt.Fprint(a.io.Err, "\r\x1b[K")
@@ -91,5 +112,5 @@ func (a *app) spin(what string) (stop func()) {
 			}
 		}
 	}()
-	return func() { close(done); <-finished }
+	return set, func() { close(done); <-finished }
 }

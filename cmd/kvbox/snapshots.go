@@ -69,8 +69,18 @@ boxes are still cloned from then is kept until the last of them is removed
 				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
 				return a.spin("booting " + boxName)
 			}
-			saving := func() func() { return a.spin("saving " + boxName + " as " + name) }
-			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name, booting, saving)
+			var status func(string)
+			saving := func() func() {
+				var stop func()
+				status, stop = a.spinStatus("saving " + boxName + " as " + name)
+				return stop
+			}
+			copying := func(p snapshot.CopyProgress) {
+				status(fmt.Sprintf("memory copied live while it runs: %s written, %d%% of its RAM gone through",
+					domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1)))
+			}
+			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name,
+				snapshot.Phases{Booting: booting, Saving: saving, Copying: copying})
 			if err != nil {
 				return err
 			}
