@@ -88,6 +88,12 @@ func (c *Creation) define(ctx context.Context, define DefineFunc) error {
 	if err := define(ctx, c, r); err != nil {
 		return err
 	}
+	// Its port is filtered before it ever runs.
+	if err := c.Host.AllowPort(c.Box); err != nil {
+		return err
+	}
+	b := c.Box
+	r.Add(func() { c.Host.ForgetPort(b) })
 	c.undefine = r.Clone()
 	r.Success()
 	return nil

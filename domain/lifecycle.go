@@ -249,6 +249,7 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 					l.Unlock()
 					continue
 				}
+				h.ForgetPort(b)
 			}
 			d.Free()
 		}
@@ -324,7 +325,7 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	return Render(h.Template, TemplateData{
 		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
-		Bridge: meta.Bridge, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, ConsoleLog: filepath.Join(meta.Dir, "console.log"),
+		Bridge: meta.Bridge, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
 		DACLabel: dac,
 	})
@@ -385,9 +386,19 @@ const qemuPidDir = "/run/libvirt/qemu"
 // are deleted next. It is best effort: the pid must be that of a QEMU whose
 // command line names this domain (guest=NAME), else nothing is sent and
 // the destroy that follows does the whole work.
+//
+// It then waits (up to 2 s) until the process is gone, reaped by its
+// parent: libvirt's destroy checks with kill(pid, 0), which succeeds on an
+// exiting process or a zombie, and then sleeps 200 ms before it looks again.
 func killQEMU(name string) {
-	if pid := qemuPID(name); pid != 0 {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
+	pid := qemuPID(name)
+	if pid == 0 || syscall.Kill(pid, syscall.SIGKILL) != nil {
+		return
+	}
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(2 * time.Millisecond) {
+		if syscall.Kill(pid, 0) == syscall.ESRCH {
+			return
+		}
 	}
 }
 
@@ -402,6 +413,9 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
 	}
 	if err := h.EnsureNetwork(); err != nil {
+		return Box{}, err
+	}
+	if err := h.AllowPort(b); err != nil {
 		return Box{}, err
 	}
 	// The file still holds the RAM of the last run when an operator shut
@@ -469,6 +483,9 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 	if err := Undefine(dom); err != nil {
 		return fmt.Errorf("undefine box %q: %s", name, LibvirtMessage(err))
 	}
+	// Best effort: the box is gone either way; its port filter entry
+	// names a tap no other box can have (its MAC's).
+	portErr := h.ForgetPort(b)
 	h.StopReaper(ReapBox, name)
 	h.RemoveSuspendFiles(name)
 	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
@@ -478,6 +495,9 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 	}
 	os.Remove(h.QMPLog(name))
 	os.Remove(h.QMPLog(name) + ".1")
+	if portErr != nil {
+		return fmt.Errorf("box %q is removed, but: %w", name, portErr)
+	}
 	return nil
 }
 

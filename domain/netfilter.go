@@ -8,21 +8,62 @@ import (
 	"kvbox.dev/kvbox/network"
 )
 
-// EnsureNetwork sets up kvbox's bridge, its firewall and NAT, and the
-// libvirt network filter every box's port references.
+// EnsureNetwork sets up kvbox's bridge, its firewall and NAT, and its port
+// filter. A port filter made afresh (after a host reboot) gets every box
+// at once. Boxes made by an older kvbox reference libvirt's
+// nwfilter instead, which is kept defined for them.
 func (h *Host) EnsureNetwork() error {
 	if err := h.Net.Ensure(); err != nil {
 		return err
 	}
+	created, err := network.EnsurePortFilter()
+	if err != nil {
+		return err
+	}
+	if created {
+		boxes, err := h.Boxes()
+		if err != nil {
+			return err
+		}
+		for _, b := range boxes {
+			if err := h.AllowPort(b); err != nil {
+				return err
+			}
+		}
+	}
 	return network.EnsureFilter(h.Conn)
 }
 
-// filterInterfaces makes every interface of a rendered box hold kvbox's
-// port filter with the box's own address, on an isolated bridge port. The
-// built-in template has both; an operator's template without them gets them
-// inserted (its boxes would otherwise spoof and reach each other). Refused:
-// an interface kvbox's firewall does not see (not on kvbox's bridge), or
-// one referencing another filter or another address.
+// portFiltered reports whether a box's port is in kvbox's port filter: a
+// box on a bridge, with its tap named after its MAC (an older box's tap,
+// vnetN, is filtered by libvirt's nwfilter).
+func portFiltered(b Box) bool {
+	return b.Bridge != "" && b.MAC != "" && b.IP != "" && (b.Tap == "" || b.Tap == network.TapName(b.MAC))
+}
+
+// AllowPort puts a box's port in kvbox's port filter (before it starts:
+// from its first frame only its own MAC and address get through).
+func (h *Host) AllowPort(b Box) error {
+	if !portFiltered(b) {
+		return nil
+	}
+	return network.AllowPort(network.TapName(b.MAC), b.MAC, b.Addr())
+}
+
+// ForgetPort takes a removed box's port out of the filter.
+func (h *Host) ForgetPort(b Box) error {
+	if !portFiltered(b) {
+		return nil
+	}
+	return network.ForgetPort(network.TapName(b.MAC), b.MAC, b.Addr())
+}
+
+// filterInterfaces makes every interface of a rendered box an isolated
+// port on kvbox's bridge whose tap is named after the box's MAC, the name
+// kvbox's port filter holds. The built-in template has both; an operator's
+// template without them gets them inserted (its boxes would otherwise
+// spoof and reach each other). Refused: an interface kvbox's firewall does
+// not see (not on kvbox's bridge), more than one, or another tap name.
 func filterInterfaces(x string, d TemplateData) (string, error) {
 	var dom libvirtxml.Domain
 	if err := dom.Unmarshal(x); err != nil {
@@ -34,27 +75,27 @@ func filterInterfaces(x string, d TemplateData) (string, error) {
 	if d.Bridge == "" {
 		return "", fmt.Errorf("%w: domain template gives a box without network (--network none) an interface: wrap <interface> in {{if .Bridge}} ... {{end}}", ErrInvalid)
 	}
+	if len(dom.Devices.Interfaces) != 1 {
+		return "", fmt.Errorf("%w: domain template: a box has one network interface (its MAC and address), not %d", ErrInvalid, len(dom.Devices.Interfaces))
+	}
 	changed := false
-	for i := range dom.Devices.Interfaces {
-		ifc := &dom.Devices.Interfaces[i]
-		if ifc.Source == nil || ifc.Source.Bridge == nil || ifc.Source.Bridge.Bridge != d.Bridge {
-			return "", fmt.Errorf("%w: domain template: every interface must be <interface type='bridge'> on kvbox's bridge %s (%s), where kvbox's firewall sees it", ErrInvalid, d.Bridge, describeInterface(ifc))
-		}
-		if d.IP == "" {
-			return "", fmt.Errorf("%w: domain template: an interface without an address for kvbox's port filter", ErrInvalid)
-		}
-		want := libvirtxml.DomainInterfaceFilterRef{Filter: network.FilterName, Parameters: []libvirtxml.DomainInterfaceFilterParam{{Name: "IP", Value: d.IP}}}
-		switch f := ifc.FilterRef; {
-		case f == nil:
-			ifc.FilterRef = &want
-			changed = true
-		case f.Filter != want.Filter || len(f.Parameters) != 1 || f.Parameters[0] != want.Parameters[0]:
-			return "", fmt.Errorf("%w: domain template: the interface must reference kvbox's port filter as <filterref filter='{{.Filter}}'><parameter name='IP' value='{{.IP}}'/></filterref>, not %q with %v", ErrInvalid, f.Filter, f.Parameters)
-		}
-		if ifc.PortOptions == nil || ifc.PortOptions.Isolated != "yes" {
-			ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
-			changed = true
-		}
+	ifc := &dom.Devices.Interfaces[0]
+	if ifc.Source == nil || ifc.Source.Bridge == nil || ifc.Source.Bridge.Bridge != d.Bridge {
+		return "", fmt.Errorf("%w: domain template: the interface must be <interface type='bridge'> on kvbox's bridge %s (%s), where kvbox's firewall sees it", ErrInvalid, d.Bridge, describeInterface(ifc))
+	}
+	if d.IP == "" {
+		return "", fmt.Errorf("%w: domain template: an interface without an address for kvbox's port filter", ErrInvalid)
+	}
+	switch {
+	case ifc.Target == nil || ifc.Target.Dev == "":
+		ifc.Target = &libvirtxml.DomainInterfaceTarget{Dev: d.Tap}
+		changed = true
+	case ifc.Target.Dev != d.Tap:
+		return "", fmt.Errorf("%w: domain template: the interface's tap must be kvbox's <target dev='{{.Tap}}'/> (%s), which its port filter holds, not %q", ErrInvalid, d.Tap, ifc.Target.Dev)
+	}
+	if ifc.PortOptions == nil || ifc.PortOptions.Isolated != "yes" {
+		ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
+		changed = true
 	}
 	if !changed {
 		return x, nil

@@ -30,7 +30,8 @@ type TemplateData struct {
 	Bridge      string
 	MAC         string
 	IP          string // the box's address, pinned by the port filter
-	Filter      string // kvbox's libvirt network filter (network.FilterName)
+	Filter      string // libvirt's nwfilter kvbox used before its own port filter (for older templates)
+	Tap         string // the box's tap device (network.TapName), which kvbox's port filter holds
 	ConsoleLog  string
 	AgentPorts  []AgentPort
 	Vsock       bool

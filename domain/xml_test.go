@@ -16,7 +16,7 @@ func testData() TemplateData {
 	return TemplateData{
 		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
 		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
-		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Filter: "kvbox-box-v1", ConsoleLog: "/b/x/console.log",
+		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Filter: "kvbox-box-v1", Tap: "kvb525400010203", ConsoleLog: "/b/x/console.log",
 		AgentPorts: AgentSockets("/b/x"), QemuArgs: SharedRAMArgs(256<<20, "/b/x/memory"),
 	}
 }
@@ -123,30 +123,35 @@ func TestSharedRAMArgsEscapeCommas(t *testing.T) {
 	}
 }
 
-// Every interface carries kvbox's port filter with the box's address on an
-// isolated port: the built-in template has them, an operator's template
-// without them gets them, one that points elsewhere is refused.
+// The interface is an isolated port whose tap is the name kvbox's port
+// filter holds: the built-in template has both, an operator's template
+// without them gets them, one that names another tap is refused.
 func TestRenderFiltersInterfaces(t *testing.T) {
 	out, err := Render(templates.Box, testData())
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"<filterref filter='kvbox-box-v1'>", "<parameter name='IP' value='172.30.0.2'/>", "<port isolated='yes'/>"} {
+	for _, want := range []string{"<target dev='kvb525400010203'/>", "<port isolated='yes'/>"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("built-in template lacks %q", want)
 		}
 	}
-	bare := strings.Replace(templates.Box, "<filterref filter='{{.Filter}}'>", "<!--", 1)
-	bare = strings.Replace(bare, "</filterref>", "-->", 1)
+	bare := strings.Replace(templates.Box, "<target dev='{{.Tap}}'/>", "", 1)
 	bare = strings.Replace(bare, "<port isolated='yes'/>", "", 1)
 	out, err = Render(bare, testData())
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`<filterref filter="kvbox-box-v1">`, `<parameter name="IP" value="172.30.0.2">`, `<port isolated="yes">`, "mem-path=/b/x/memory,share=on"} {
+	for _, want := range []string{`<target dev="kvb525400010203">`, `<port isolated="yes">`, "mem-path=/b/x/memory,share=on"} {
 		if !strings.Contains(out, want) {
-			t.Errorf("an operator template without the filter: rendered XML lacks %q\n%s", want, out)
+			t.Errorf("an operator template without the tap name: rendered XML lacks %q\n%s", want, out)
 		}
+	}
+	// An operator's template written for the older kvbox, with libvirt's
+	// nwfilter on the interface, still renders (the filter stays on).
+	older := strings.Replace(templates.Box, "<target dev='{{.Tap}}'/>", "<filterref filter='{{.Filter}}'><parameter name='IP' value='{{.IP}}'/></filterref>", 1)
+	if out, err := Render(older, testData()); err != nil || !strings.Contains(out, `<filterref filter="kvbox-box-v1">`) || !strings.Contains(out, `<target dev="kvb525400010203">`) {
+		t.Errorf("an older template with the nwfilter: %v\n%s", err, out)
 	}
 	// --network none: no interface; a template that adds one anyway is refused.
 	none := testData()
@@ -159,8 +164,7 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 		t.Errorf("a template with an interface for a --network none box: %v", err)
 	}
 	for name, tmpl := range map[string]string{
-		"other filter": strings.Replace(templates.Box, "filter='{{.Filter}}'", "filter='clean-traffic'", 1),
-		"other IP":     strings.Replace(templates.Box, "value='{{.IP}}'", "value='172.30.0.3'", 1),
+		"other tap":    strings.Replace(templates.Box, "dev='{{.Tap}}'", "dev='vnet99'", 1),
 		"user NIC":     strings.Replace(templates.Box, "</devices>", "<interface type='user'><model type='virtio'/></interface></devices>", 1),
 		"other bridge": strings.Replace(templates.Box, "<source bridge='{{.Bridge}}'/>", "<source bridge='virbr0'/>", 1),
 	} {

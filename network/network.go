@@ -152,6 +152,9 @@ func (c Config) Remove() error {
 	} else {
 		errs = append(errs, err)
 	}
+	if err := removePortFilter(); err != nil {
+		errs = append(errs, err)
+	}
 	if link, err := netlink.LinkByName(c.Bridge); err == nil {
 		if err := netlink.LinkDel(link); err != nil {
 			errs = append(errs, fmt.Errorf("delete bridge %s: %w", c.Bridge, err))

@@ -1,6 +1,7 @@
 package network
 
 import (
+	"bytes"
 	"net/netip"
 	"testing"
 )
@@ -92,5 +93,34 @@ func TestRulesAsIptablesPrintsThem(t *testing.T) {
 	}
 	if n := len(c.fwdRules(nil)); n != 3+len(Blocked)+2 {
 		t.Errorf("%d forward rules without resolvers", n)
+	}
+}
+
+// A box's tap is named after its MAC, within IFNAMSIZ; its port key is the
+// tap, the MAC and the address, each padded to 4 bytes as the registers the
+// rule loads them into.
+func TestPortKey(t *testing.T) {
+	tap := TapName("52:54:00:AB:cd:0e")
+	if tap != "kvb525400abcd0e" || len(tap) > 15 {
+		t.Fatalf("TapName = %q", tap)
+	}
+	k, err := portKey(tap, "52:54:00:ab:cd:0e", netip.MustParseAddr("172.30.0.7"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := append([]byte("kvb525400abcd0e\x00"), 0x52, 0x54, 0, 0xab, 0xcd, 0x0e, 0, 0, 172, 30, 0, 7)
+	if !bytes.Equal(k, want) || len(k) != int(portKeyType.Bytes) {
+		t.Fatalf("portKey = %x, want %x", k, want)
+	}
+	for _, bad := range []struct {
+		tap, mac, ip string
+	}{
+		{tap, "not-a-mac", "172.30.0.7"},
+		{tap, "52:54:00:ab:cd:0e", "fd00::7"},
+		{"a-device-name-too-long", "52:54:00:ab:cd:0e", "172.30.0.7"},
+	} {
+		if _, err := portKey(bad.tap, bad.mac, netip.MustParseAddr(bad.ip)); err == nil {
+			t.Errorf("portKey(%q, %q, %s) = nil error", bad.tap, bad.mac, bad.ip)
+		}
 	}
 }

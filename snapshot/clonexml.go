@@ -222,10 +222,10 @@ func cloneDisk(devs *libvirtxml.DomainDeviceList, disk string) error {
 	return fmt.Errorf("%w: the snapshot's domain XML has no file disk", domain.ErrInvalid)
 }
 
-// cloneInterface gives the box's interface the clone's MAC and bridge and
-// forgets the source's tap. Its port filter pins the clone's own MAC and
-// address, never the source's: a clone whose agent lies and keeps the
-// source's identity gets not one frame through.
+// cloneInterface gives the box's interface the clone's MAC, bridge and tap
+// (named after its MAC). kvbox's port filter pins that tap to the clone's
+// own MAC and address, never the source's: a clone whose agent lies and
+// keeps the source's identity gets not one frame through.
 func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 	if len(devs.Interfaces) == 0 && m.Bridge == "" && m.MAC == "" {
 		return nil // a box without network (--network none)
@@ -238,15 +238,17 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 	}
 	ifc := &devs.Interfaces[0]
 	ifc.MAC = &libvirtxml.DomainInterfaceMAC{Address: m.MAC}
-	ifc.Target = nil
+	ifc.Target = &libvirtxml.DomainInterfaceTarget{Dev: network.TapName(m.MAC)}
 	if m.Bridge != "" {
 		ifc.Source = &libvirtxml.DomainInterfaceSource{Bridge: &libvirtxml.DomainInterfaceSourceBridge{Bridge: m.Bridge}}
 	}
 	if m.IP == "" {
 		return fmt.Errorf("%w: clone XML: the clone has no address for its port filter", domain.ErrInvalid)
 	}
-	ifc.FilterRef = &libvirtxml.DomainInterfaceFilterRef{Filter: network.FilterName,
-		Parameters: []libvirtxml.DomainInterfaceFilterParam{{Name: "IP", Value: m.IP}}}
+	// kvbox's port filter holds the clone's tap with its own MAC and
+	// address; a snapshot of a box an older kvbox made references
+	// libvirt's nwfilter with the source's address: dropped.
+	ifc.FilterRef = nil
 	ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
 	return nil
 }

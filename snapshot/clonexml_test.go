@@ -118,15 +118,16 @@ func TestCloneXML(t *testing.T) {
 				t.Errorf("disk: %+v %+v", dk.Source.File, dk.Driver)
 			}
 			ifc := d.Devices.Interfaces[0]
-			if ifc.MAC.Address != "52:54:00:aa:bb:cc" || ifc.Target != nil || ifc.Source.Bridge.Bridge != "kvbox0" ||
+			if ifc.MAC.Address != "52:54:00:aa:bb:cc" || ifc.Source.Bridge.Bridge != "kvbox0" ||
 				!reflect.DeepEqual(ifc.Address, src.Devices.Interfaces[0].Address) {
 				t.Errorf("interface: %+v", ifc)
 			}
-			// The port filter pins the clone's address, not the source's.
-			if f := ifc.FilterRef; f == nil || f.Filter != network.FilterName || len(f.Parameters) != 1 ||
-				f.Parameters[0] != (libvirtxml.DomainInterfaceFilterParam{Name: "IP", Value: "172.30.0.9"}) ||
+			// The clone's own tap (the name kvbox's port filter holds with
+			// the clone's MAC and address), no nwfilter of the source's
+			// address, an isolated port.
+			if ifc.Target == nil || ifc.Target.Dev != network.TapName("52:54:00:aa:bb:cc") || ifc.FilterRef != nil ||
 				ifc.PortOptions == nil || ifc.PortOptions.Isolated != "yes" {
-				t.Errorf("interface filter %+v, port %+v", ifc.FilterRef, ifc.PortOptions)
+				t.Errorf("interface tap %+v, filter %+v, port %+v", ifc.Target, ifc.FilterRef, ifc.PortOptions)
 			}
 			want := domain.AgentSockets(dir)
 			if len(d.Devices.Channels) != len(want) {

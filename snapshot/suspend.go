@@ -298,7 +298,10 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	if err := r.readSaved(); err != nil {
 		return ResumeResult{}, err
 	}
-	if err := h.Net.Ensure(); err != nil {
+	if err := h.EnsureNetwork(); err != nil {
+		return ResumeResult{}, err
+	}
+	if err := h.AllowPort(box); err != nil {
 		return ResumeResult{}, err
 	}
 	ts, err := r.wake().Run(ctx)

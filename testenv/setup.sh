@@ -15,8 +15,8 @@ require_root
 
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
 # are too old for kvbox (see DESIGN.md), so "installed" is not enough for them.
-# libvirt-daemon-driver-nwfilter applies kvbox's port filter with ebtables/iptables (the
-# iptables package ships ebtables-nft on Debian 12 and 13).
+# libvirt-daemon-driver-nwfilter keeps the port filter of boxes an older kvbox made (libvirt's
+# nwfilter, ebtables/iptables); kvbox's own port filter is nftables over netlink, no package.
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
 BASE_PKGS="tini busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
 declare -A MIN_VERSION=(
