@@ -9,13 +9,19 @@ import (
 )
 
 // EnsureNetwork sets up kvbox's bridge, its firewall and NAT, and its port
-// filter. A port filter made afresh (after a host reboot) gets every box
-// at once. Boxes made by an older kvbox reference libvirt's
-// nwfilter instead, which is kept defined for them.
+// filter (EnsurePortFilter).
 func (h *Host) EnsureNetwork() error {
 	if err := h.Net.Ensure(); err != nil {
 		return err
 	}
+	return h.EnsurePortFilter()
+}
+
+// EnsurePortFilter makes kvbox's port filter unless it is there; one made
+// afresh (after a host reboot) gets every box at once. Boxes made by an
+// older kvbox reference libvirt's nwfilter instead, which is kept defined
+// for them.
+func (h *Host) EnsurePortFilter() error {
 	created, err := network.EnsurePortFilter()
 	if err != nil {
 		return err

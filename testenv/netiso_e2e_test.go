@@ -13,6 +13,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/nftables"
 )
 
 // hostPing checks that the host side of the bridge (this namespace)
@@ -252,6 +254,42 @@ func hexIP(s string) string {
 
 // --network none: a box with no network interface at all, reached through
 // its agent only; its clones have none either.
+// TestPortFilterRebuilt: kvbox's port filter lives in the kernel only; once
+// it is gone (a host reboot) the next kvbox command that sets the network
+// up makes it again with every box in it, so their ports pass again.
+func TestPortFilterRebuilt(t *testing.T) {
+	n := name(t, "pfr")
+	b := newBox(t, n)
+	hostPing(t, b.IP)
+	conn, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyBridge, Name: "kvbox"})
+	if err := conn.Flush(); err != nil {
+		t.Fatalf("delete kvbox's table: %v", err)
+	}
+	mustKvbox(t, "network", "up")
+	table := &nftables.Table{Family: nftables.TableFamilyBridge, Name: "kvbox"}
+	set, err := conn.GetSetByName(table, "ports")
+	if err != nil {
+		t.Fatalf("network up did not make the port filter again: %v", err)
+	}
+	els, err := conn.GetSetElements(set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tap := "kvb" + strings.ReplaceAll(b.MAC, ":", "")
+	found := false
+	for _, e := range els {
+		found = found || strings.HasPrefix(string(e.Key), tap+"\x00")
+	}
+	if !found {
+		t.Errorf("the rebuilt port filter lacks box %s's port %s (%d elements)", n, tap, len(els))
+	}
+	hostPing(t, b.IP)
+}
+
 func TestNetworkNone(t *testing.T) {
 	n := name(t, "nonet")
 	b := newBox(t, n, "--network", "none")

@@ -31,6 +31,13 @@ func (a *app) newCmdNetwork() *cobra.Command {
 			if err := ensure(); err != nil {
 				return err
 			}
+			h, err := a.Host()
+			if err != nil {
+				return err
+			}
+			if err := h.EnsurePortFilter(); err != nil {
+				return err
+			}
 			asJSON, _ := c.Flags().GetBool("json")
 			return a.printNetwork(nc, asJSON)
 		},
