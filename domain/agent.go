@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -14,6 +15,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/overlay"
 )
 
 // AgentSockets are the host ends of a box's agent ports.
@@ -39,18 +41,37 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if b.State != "running" {
 		return nil, fmt.Errorf("box %q is %s, not running (kvbox start %s): %w", b.Name, b.State, b.Name, ErrBusy)
 	}
-	if b.Transport == "vsock" && b.VsockCID > 2 {
-		return agent.DialVsock(ctx, b.VsockCID)
-	}
 	if !filepath.IsAbs(b.Dir) {
 		// Never a socket path relative to kvbox's working directory.
 		return nil, fmt.Errorf("box %q has no folder in its metadata (not made by kvbox?)", b.Name)
+	}
+	tokens, err := readAgentTokens(b.Dir)
+	if err != nil {
+		return nil, fmt.Errorf("box %q: %w", b.Name, err)
+	}
+	c, err := h.dialToken(ctx, b, tokens[0])
+	if errors.Is(err, agent.ErrUnauthorized) && len(tokens) == 2 {
+		// A kvbox died while it gave the agent a new token: the agent has
+		// one of the two.
+		c, err = h.dialToken(ctx, b, tokens[1])
+	}
+	if err == nil && len(tokens) == 2 {
+		settleAgentToken(b.Dir, c.Token)
+	}
+	return c, err
+}
+
+func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Client, error) {
+	if b.Transport == "vsock" && b.VsockCID > 2 && token != nil {
+		// Without a token the agent serves nothing over vsock: a box's
+		// first contact is over its serial port.
+		return agent.DialVsock(ctx, b.VsockCID, token)
 	}
 	var paths []string
 	for _, p := range AgentSockets(b.Dir) {
 		paths = append(paths, p.Path)
 	}
-	c, err := agent.DialSerial(ctx, paths)
+	c, err := agent.DialSerialToken(ctx, paths, token)
 	if errors.Is(err, agent.ErrBusy) {
 		return nil, fmt.Errorf("box %q: %v (other kvbox commands use them all; try again when one ends): %w", b.Name, err, ErrBusy)
 	}
@@ -68,6 +89,10 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
+		if errors.Is(err, agent.ErrUnauthorized) {
+			cancel()
+			return nil, fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+		}
 		if err == nil && silentAgent(b.Name) {
 			c.Close()
 			err = fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
@@ -107,17 +132,83 @@ func (h *Host) Identity(b Box) agent.Identity {
 	return id
 }
 
-// Reidentify gives the guest its identity, sets its clock to the host's
-// and feeds its RNG fresh entropy, in one round trip.
-func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box) error {
+// Reidentify gives the guest its identity, sets its clock to the host's,
+// feeds its RNG fresh entropy and gives its agent the box's token, in one
+// round trip. With newToken (a box's first contact, a clone: its agent has
+// no token, or its snapshot's), the box gets a token of its own: written
+// beside the old one first, then put in its place once the agent took it
+// (ReadAgentToken still finds it if kvbox dies in between).
+func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken bool) error {
 	seed := make([]byte, 64)
 	if _, err := rand.Read(seed); err != nil {
 		return err
 	}
-	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed); err != nil {
+	token := c.Token
+	if newToken || token == nil {
+		token = make([]byte, agent.TokenSize)
+		if _, err := rand.Read(token); err != nil {
+			return err
+		}
+		if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+".new", token, 0o600); err != nil {
+			return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
+		}
+	}
+	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed, token); err != nil {
 		return fmt.Errorf("box %q: %w", b.Name, err)
 	}
+	if !bytes.Equal(token, c.Token) {
+		if err := os.Rename(agentTokenPath(b.Dir)+".new", agentTokenPath(b.Dir)); err != nil {
+			return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
+		}
+		c.Token = token
+	}
 	return nil
+}
+
+// AgentTokenFile is the name of a box's agent token in its folder (and of
+// a snapshot's, the token of the agent in its memory).
+const AgentTokenFile = "agent.token"
+
+func agentTokenPath(dir string) string { return filepath.Join(dir, AgentTokenFile) }
+
+// ReadAgentToken is the token of the agent of the box (or snapshot) in dir;
+// nil when it has none (a box an older kvbox made, or not yet contacted).
+func ReadAgentToken(dir string) ([]byte, error) {
+	ts, err := readAgentTokens(dir)
+	return ts[0], err
+}
+
+// readAgentTokens are the tokens the agent may have: the box's, or first a
+// new one a kvbox was giving it when it died (agent.token.new) and then
+// the box's. Never empty: [nil] without any.
+func readAgentTokens(dir string) ([][]byte, error) {
+	var out [][]byte
+	for _, p := range []string{agentTokenPath(dir) + ".new", agentTokenPath(dir)} {
+		b, err := readNoFollow(p)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return [][]byte{nil}, fmt.Errorf("agent token: %w", err)
+		}
+		if len(b) != agent.TokenSize {
+			return [][]byte{nil}, fmt.Errorf("agent token %s: %d bytes, not %d", p, len(b), agent.TokenSize)
+		}
+		out = append(out, b)
+	}
+	if len(out) == 0 {
+		out = append(out, nil)
+	}
+	return out, nil
+}
+
+// settleAgentToken keeps the token the agent took and drops the other.
+func settleAgentToken(dir string, took []byte) {
+	if b, err := readNoFollow(agentTokenPath(dir) + ".new"); err == nil && bytes.Equal(b, took) {
+		os.Rename(agentTokenPath(dir)+".new", agentTokenPath(dir))
+		return
+	}
+	os.Remove(agentTokenPath(dir) + ".new")
 }
 
 // hostNameservers are the host's resolvers a box can reach through NAT.

@@ -25,6 +25,10 @@ type Creation struct {
 	Res   Reservation     // its address and folder, until Done
 	Agent *agent.Client   // open from the agent step on
 
+	// NewToken gives the box an agent token of its own at identify (a
+	// clone's agent has its snapshot's).
+	NewToken bool
+
 	borrowed bool             // Dom is the caller's to free
 	undefine *revert.Reverter // what define made
 	actx     context.Context  // bounded by AgentTimeout
@@ -143,5 +147,5 @@ func (c *Creation) waitAgent(ctx context.Context) (err error) {
 }
 
 func (c *Creation) identify(context.Context) error {
-	return c.Host.Reidentify(c.actx, c.Agent, c.Box)
+	return c.Host.Reidentify(c.actx, c.Agent, c.Box, c.NewToken)
 }

@@ -286,7 +286,7 @@ func TestReidentifyPipelined(t *testing.T) {
 	ctx := tctx(t)
 	id := Identity{Hostname: "b3", MAC: "52:54:00:00:00:03", Address: "172.30.0.6/24", Gateway: "172.30.0.1"}
 	now := time.Unix(1700000001, 7)
-	if err := c.Reidentify(ctx, id, now, []byte{4, 5, 6}); err != nil {
+	if err := c.Reidentify(ctx, id, now, []byte{4, 5, 6}, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.Ping(ctx); err != nil {
@@ -299,7 +299,7 @@ func TestReidentifyPipelined(t *testing.T) {
 	fs.mu.Unlock()
 
 	bare := start(t, &Server{Log: log.New(io.Discard, "", 0)})
-	err := bare.Reidentify(ctx, id, now, nil)
+	err := bare.Reidentify(ctx, id, now, nil, nil)
 	for _, want := range []string{"set the identity", "set the clock", "seed the RNG"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("Reidentify on an agent without a system: %v, want it to name %q", err, want)

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -50,6 +51,13 @@ type Client struct {
 
 	infoOnce sync.Mutex
 	info     *Info // Ping's answer, once a call needed it (require)
+
+	// Token, when set before the first call, is presented to the agent
+	// after every HELLO (auth.go). An agent older than the feature does not
+	// know auth and is served as before.
+	Token []byte
+	// Provisioned says whether the agent had a token at the last auth.
+	Provisioned bool
 }
 
 // NewClient wraps a connection to an agent. The HELLO handshake happens on
@@ -75,6 +83,11 @@ func NewClient(conn net.Conn) *Client {
 // timeout in ctx: QEMU accepts the connection before the guest opens its
 // port and the HELLO (retried) is answered as soon as the agent reads it.
 func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
+	return DialSerialToken(ctx, socketPaths, nil)
+}
+
+// DialSerialToken is DialSerial presenting token (see Client.Token).
+func DialSerialToken(ctx context.Context, socketPaths []string, token []byte) (*Client, error) {
 	var errs []error
 	for _, p := range socketPaths {
 		lf, err := os.OpenFile(p+".lock", os.O_RDWR|os.O_CREATE, 0o600)
@@ -97,6 +110,7 @@ func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
 			continue
 		}
 		c := NewClient(conn)
+		c.Token = token
 		c.unlock = func() { lf.Close() }
 		if err := c.handshake(ctx); err != nil {
 			c.Close()
@@ -110,13 +124,15 @@ func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
 	return nil, errors.Join(errs...)
 }
 
-// DialVsock connects to the agent of the guest with context id cid.
-func DialVsock(ctx context.Context, cid uint32) (*Client, error) {
+// DialVsock connects to the agent of the guest with context id cid,
+// presenting token (see Client.Token).
+func DialVsock(ctx context.Context, cid uint32, token []byte) (*Client, error) {
 	conn, err := vsock.DialContext(ctx, cid, VsockPort, nil)
 	if err != nil {
 		return nil, err
 	}
 	c := NewClient(conn)
+	c.Token = token
 	if err := c.handshake(ctx); err != nil {
 		c.Close()
 		return nil, err
@@ -228,8 +244,32 @@ func (c *Client) begin(ctx context.Context) (end func(ok bool), err error) {
 			end(false)
 			return nil, err
 		}
+		if err := c.auth(ctx); err != nil {
+			end(false)
+			return nil, err
+		}
 	}
 	return end, nil
+}
+
+// auth presents the token, if the client has one.
+func (c *Client) auth(ctx context.Context) error {
+	if c.Token == nil {
+		return nil
+	}
+	var r authReply
+	err := c.roundTrip(ctx, c.nextID.Add(1), methodAuth, authMsg{Token: c.Token}, &r)
+	var re *RemoteError
+	switch {
+	case errors.As(err, &re) && strings.Contains(re.Message, "unknown method"):
+		return nil // an agent without auth
+	case errors.As(err, &re):
+		return fmt.Errorf("%w (%s)", ErrUnauthorized, re.Message)
+	case err != nil:
+		return err
+	}
+	c.Provisioned = r.Provisioned
+	return nil
 }
 
 // handshake runs HELLO now instead of on the first call.
@@ -415,21 +455,28 @@ func (c *Client) SetClock(ctx context.Context, t time.Time) error {
 	return c.call(ctx, methodSetClock, clockMsg{UnixNano: t.UnixNano()}, nil)
 }
 
-// Reidentify gives the guest an identity, sets its clock to now and mixes
-// seed into its RNG, in one round trip (the three requests pipelined). It
-// says which of them failed.
-func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed []byte) error {
+// Reidentify gives the guest an identity, sets its clock to now, mixes
+// seed into its RNG and, with a token, makes that the agent's token (the
+// client keeps presenting its own until the caller changes it), in one
+// round trip (the requests pipelined). It says which of them failed; an
+// agent older than tokens takes the rest.
+func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed, token []byte) error {
 	if len(seed) > 4096 {
 		return errors.New("Reidentify: at most 4096 bytes of seed")
 	}
-	errs, err := c.Pipeline(ctx,
-		Call{methodIdentify, id},
-		Call{methodSetClock, clockMsg{UnixNano: now.UnixNano()}},
-		Call{methodAddEntropy, seed})
+	calls := []Call{{methodIdentify, id}, {methodSetClock, clockMsg{UnixNano: now.UnixNano()}}, {methodAddEntropy, seed}}
+	if token != nil {
+		calls = append(calls, Call{methodSetToken, authMsg{Token: token}})
+	}
+	errs, err := c.Pipeline(ctx, calls...)
 	if err != nil {
 		return err
 	}
-	for i, what := range []string{"set the identity", "set the clock", "seed the RNG"} {
+	for i, what := range []string{"set the identity", "set the clock", "seed the RNG", "give the agent its token"}[:len(errs)] {
+		var re *RemoteError
+		if i == 3 && errors.As(errs[i], &re) && strings.Contains(re.Message, "unknown method") {
+			errs[i] = nil // an agent without auth
+		}
 		if errs[i] != nil {
 			errs[i] = fmt.Errorf("%s: %w", what, errs[i])
 		}

@@ -71,7 +71,7 @@ func (s *Server) ServePort(ctx context.Context, path string) error {
 		return err
 	}
 	s.logf("serving %s", path)
-	err = s.serve(pr, f, filepath.Base(path), true)
+	err = s.serve(pr, f, filepath.Base(path), true, true)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}

@@ -37,6 +37,10 @@ type Server struct {
 	StateDir string
 
 	vsock atomic.Bool // Serve is running on a vsock listener
+
+	tokenMu   sync.Mutex
+	token     []byte // auth.go
+	tokenRead bool
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -47,13 +51,18 @@ func (s *Server) logf(format string, args ...any) {
 	l.Printf(format, args...)
 }
 
-// ServeConn serves one host connection (vsock, or a test conn) until the
-// host closes it or ctx ends. A running exec is killed when it returns.
+// ServeConn serves one host connection that only the host's root can open
+// (a test's pipe; trusted as a virtio-serial port is) until the host closes
+// it or ctx ends. A running exec is killed when it returns.
 func (s *Server) ServeConn(ctx context.Context, conn io.ReadWriteCloser) error {
+	return s.serveConn(ctx, conn, true)
+}
+
+func (s *Server) serveConn(ctx context.Context, conn io.ReadWriteCloser, trusted bool) error {
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
 	defer conn.Close()
-	err := s.serve(conn, conn, "conn", false)
+	err := s.serve(conn, conn, "conn", false, trusted)
 	if ctx.Err() != nil {
 		return ctx.Err()
 	}
@@ -86,7 +95,8 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := s.ServeConn(ctx, c); err != nil && ctx.Err() == nil {
+			// Any local user of the host can connect over vsock.
+			if err := s.serveConn(ctx, c, false); err != nil && ctx.Err() == nil {
 				s.logf("vsock %v: %v", c.RemoteAddr(), err)
 			}
 		}()
@@ -99,8 +109,8 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 //
 // With announce, the session starts by telling a host that may still be
 // connected (a port, across an agent restart) that the agent started anew.
-func (s *Server) serve(r io.Reader, w io.Writer, name string, announce bool) error {
-	ss := &session{srv: s, w: w, name: name}
+func (s *Server) serve(r io.Reader, w io.Writer, name string, announce, trusted bool) error {
+	ss := &session{srv: s, w: w, name: name, trusted: trusted}
 	defer ss.abort("connection closed")
 	if announce {
 		// Blocks until a host connects; dropped if a HELLO comes first.
@@ -150,6 +160,9 @@ type session struct {
 	// greeted is set by a HELLO: frames before the first HELLO of a host
 	// are leftovers of an earlier one and are dropped. Reader goroutine only.
 	greeted bool
+	// trusted: only the host's root can open this transport (virtio-serial);
+	// authed: this host may be served (auth.go). Reader goroutine only.
+	trusted, authed bool
 }
 
 func (ss *session) send(gen uint64, t frameType, id uint32, payload []byte) error {
@@ -218,6 +231,7 @@ func (ss *session) handle(f frame) {
 		}
 		ss.abort("new host")
 		ss.greeted = true
+		ss.greet()
 		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, helloMsg{Nonce: f.Payload, Version: Version})
 	case frameRequest:
 		if ss.greeted {
@@ -249,6 +263,15 @@ func (ss *session) request(f frame) {
 	var req request
 	if err := json.Unmarshal(f.Payload, &req); err != nil {
 		ss.reply(gen, f.ID, nil, fmt.Errorf("bad request: %v", err))
+		return
+	}
+	if req.Method != methodPing && !ss.authed {
+		if !ss.authRequest(gen, f.ID, req) {
+			ss.reply(gen, f.ID, nil, ErrUnauthorized)
+		}
+		return
+	}
+	if ss.authRequest(gen, f.ID, req) {
 		return
 	}
 	s := ss.srv

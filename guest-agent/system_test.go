@@ -204,7 +204,7 @@ func TestHostGoneKills(t *testing.T) {
 		}
 	}()
 	done := make(chan error)
-	go func() { done <- testServer(t).serve(in, w, "port", false) }()
+	go func() { done <- testServer(t).serve(in, w, "port", false, true) }()
 	pidfile := t.TempDir() + "/pid"
 	var b []byte
 	b = appendFrame(b, frameHello, 1, make([]byte, 16))

@@ -213,7 +213,11 @@ func (in *installer) snapshot(ctx context.Context) (snapshot.Snapshot, error) {
 		return snapshot.Snapshot{}, err
 	}
 	for _, e := range ents {
-		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o440); err != nil {
+		mode := os.FileMode(0o440)
+		if e.Name() == domain.AgentTokenFile {
+			mode = 0o400 // the token of the agent in the memory: root's only
+		}
+		if err := os.Chmod(filepath.Join(tmp, e.Name()), mode); err != nil {
 			return snapshot.Snapshot{}, err
 		}
 	}

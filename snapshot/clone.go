@@ -42,7 +42,9 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	if err := h.EnsureNetwork(); err != nil {
 		return domain.Box{}, nil, err
 	}
-	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout}}
+	// The clone's agent has its snapshot's token until identify gives it
+	// one of its own.
+	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true}}
 	return cl.c.Run(ctx, cl.plan())
 }
 
@@ -92,6 +94,9 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if err := h.ChownForQEMU(disk); err != nil {
 		return err
 	}
+	if err := copyAgentToken(snap.Dir, dir); err != nil {
+		return err
+	}
 	dac, err := h.DACLabel()
 	if err != nil {
 		return err
@@ -122,6 +127,17 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	}
 	r.Add(func() { domain.Undefine(c.Dom) })
 	return c.Reread()
+}
+
+// copyAgentToken copies the token of the agent in a snapshot's memory (or a
+// box's) from one folder to another, root's only; none is fine (a snapshot
+// an older kvbox took).
+func copyAgentToken(from, to string) error {
+	tok, err := domain.ReadAgentToken(from)
+	if err != nil || tok == nil {
+		return err
+	}
+	return overlay.WriteFileAtomic(filepath.Join(to, domain.AgentTokenFile), tok, 0o600)
 }
 
 // closePort: not one frame of the clone may reach the bridge before it is
