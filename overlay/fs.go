@@ -7,8 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
 
 // Du returns the bytes path really takes on disk (st_blocks * 512): for a
@@ -95,23 +93,4 @@ func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
 		return err
 	}
 	return SyncDir(dir)
-}
-
-// DirectIO reports whether files in dir can be opened with O_DIRECT (a
-// QEMU migration with direct-io needs it; tmpfs before Linux 6.6 and some
-// other filesystems refuse it).
-func DirectIO(dir string) bool {
-	f, err := os.CreateTemp(dir, ".direct-io-*")
-	if err != nil {
-		return false
-	}
-	name := f.Name()
-	f.Close()
-	defer os.Remove(name)
-	fd, err := unix.Open(name, unix.O_RDWR|unix.O_DIRECT, 0)
-	if err != nil {
-		return false
-	}
-	unix.Close(fd)
-	return true
 }

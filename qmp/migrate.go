@@ -20,13 +20,13 @@ const (
 	ParamAnnounceRounds  = "announce-rounds"
 	ParamAnnounceStep    = "announce-step"
 	ParamMultifdChannels = "multifd-channels"
-	ParamDirectIO        = "direct-io"
 	ParamMaxBandwidth    = "max-bandwidth"
+	ParamDowntimeLimit   = "downtime-limit"
 )
 
 // DefaultLiveParams are QEMU's defaults (10.0) of the parameters a live
 // copy changes: what recovery sets back where no record says otherwise.
-var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamMultifdChannels: int64(2), ParamDirectIO: false}
+var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamDowntimeLimit: int64(300)}
 
 type capabilityState struct {
 	Capability string `json:"capability"`
@@ -185,11 +185,12 @@ type MigrateStatus struct {
 
 // MigrateRAM holds the RAM counters of query-migrate.
 type MigrateRAM struct {
-	Transferred json.Number `json:"transferred"`
-	Remaining   json.Number `json:"remaining"`
-	Total       json.Number `json:"total"`
-	Duplicate   json.Number `json:"duplicate"`
-	Normal      json.Number `json:"normal"`
+	Transferred    json.Number `json:"transferred"`
+	Remaining      json.Number `json:"remaining"`
+	Total          json.Number `json:"total"`
+	Duplicate      json.Number `json:"duplicate"`
+	Normal         json.Number `json:"normal"`
+	DirtySyncCount json.Number `json:"dirty-sync-count"`
 }
 
 // QueryMigrate returns the state of the current or last migration, outgoing

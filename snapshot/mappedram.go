@@ -2,14 +2,17 @@ package snapshot
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/qmp"
 )
 
 // ramBlockID is the id of the box's RAM block in QEMU's migration stream:
@@ -121,3 +124,65 @@ func findRAMBlock(r io.ReaderAt, ramSize, fileSize int64) (mappedRAMHeader, erro
 		}
 	}
 }
+
+// writeback keeps a file that QEMU is writing on its way to disk: at most
+// every 100 ms it starts the write-out of what is dirty (sync_file_range,
+// no wait). At a live copy's switch-over QEMU flushes the box's disk (block
+// inactivation), and that flush waited behind the state file's dirty page
+// cache: on the Debian box (1.4 GB copied) the pause was 460-870 ms instead
+// of ~110.
+type writeback struct {
+	path string
+	f    *os.File
+	last time.Time
+}
+
+func (w *writeback) kick() {
+	if time.Since(w.last) < 100*time.Millisecond {
+		return
+	}
+	w.last = time.Now()
+	if w.f == nil {
+		f, err := os.OpenFile(w.path, os.O_RDONLY|unix.O_NOFOLLOW, 0)
+		if err != nil {
+			return // not made yet
+		}
+		w.f = f
+	}
+	unix.SyncFileRange(int(w.f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
+}
+
+func (w *writeback) close() {
+	if w.f != nil {
+		w.f.Close()
+	}
+}
+
+// liveDowntimes are the downtime-limits (ms) a live copy goes through: a
+// guest that dirties its memory faster than the copy runs never fits the
+// first, so after every liveRoundsPerStep dirty-bitmap rounds QEMU may
+// stop it for longer, until the copy ends. Better a longer pause than a
+// copy that never ends.
+var liveDowntimes = []int64{50, 300, 2000}
+
+const liveRoundsPerStep = 8
+
+// liveWatch is what kvbox does at each poll of a live copy.
+type liveWatch struct {
+	q     *qmp.Client
+	wb    writeback
+	stage int
+}
+
+func (w *liveWatch) poll(ctx context.Context, s qmp.MigrateStatus) {
+	w.wb.kick()
+	if s.RAM == nil || w.stage+1 >= len(liveDowntimes) {
+		return
+	}
+	if n, _ := s.RAM.DirtySyncCount.Int64(); n > int64(liveRoundsPerStep*(w.stage+1)) {
+		w.stage++
+		w.q.MigrateSetParameters(ctx, map[string]any{qmp.ParamDowntimeLimit: liveDowntimes[w.stage]})
+	}
+}
+
+func (w *liveWatch) close() { w.wb.close() }

@@ -135,7 +135,7 @@ func (s *suspending) plan() step.Plan {
 	caps := map[string]bool{qmp.CapIgnoreShared: true}
 	var params map[string]any
 	if s.mapped {
-		caps, params = liveCaps(), liveParams(overlay.DirectIO(s.box.Dir))
+		caps, params = liveCaps(), liveParams
 	}
 	p := step.Plan{
 		{Name: "keep-definitions", Do: s.keepDefinitions, Undo: func() { s.h.RemoveSuspendFiles(s.box.Name) }},
@@ -224,7 +224,9 @@ func (s *suspending) saveLive(ctx context.Context) error {
 	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
 		return err
 	}
-	stopped, err := s.q.WaitMigrationStop(ctx, 2*time.Millisecond, nil)
+	w := &liveWatch{q: s.q, wb: writeback{path: s.statePath}}
+	defer w.close()
+	stopped, err := s.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(st qmp.MigrateStatus) { w.poll(ctx, st) })
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
 	}
