@@ -230,25 +230,7 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 		t.Fatalf("clone %s: %s", c, r)
 	}
 	startCounter(t, c)
-	for _, step := range []string{"make-folder", "prepare", "live-started", "live-copying", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge"} {
-		sn := name(t, "lk-"+step)
-		cmd := exec.Command(kvboxBin, "snapshots", "new", c, sn)
-		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
-		out, err := cmd.CombinedOutput()
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
-			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
-		}
-		for _, s := range listSnapshots(t) {
-			if s.Name == sn {
-				t.Errorf("kill at %s: snapshot listed", step)
-			}
-		}
-		if st := getBox(t, c).State; st != "running" {
-			t.Fatalf("kill at %s: clone is %s", step, st)
-		}
-		assertDomainClean(t, c)
-		assertCounting(t, c)
-	}
+	killedSnapshots(t, c, "make-folder", "prepare", "live-started", "live-copying", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge")
 	// Data written just before the snapshot is in it.
 	sum := inBox(t, c, "head -c 4000000 /dev/urandom > /www/big && sync && md5sum /www/big | cut -c1-32")
 	snap2 := name(t, "lv2")
@@ -284,22 +266,7 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	sums := inBox(t, src, "mkdir -p /mem /www && mount -t tmpfs -o size=200m mem /mem && head -c 160000000 /dev/urandom > /mem/fill && "+
 		"echo busy > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1 && cd /mem && md5sum fill")
 	startCounter(t, src)
-	for _, step := range []string{"live-started", "live-copying", "copy-memory-live", "drop-page-cache"} {
-		sn := name(t, "bk-"+step)
-		cmd := exec.Command(kvboxBin, "snapshots", "new", src, sn)
-		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
-		out, err := cmd.CombinedOutput()
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
-			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
-		}
-		for _, s := range listSnapshots(t) {
-			if s.Name == sn {
-				t.Errorf("kill at %s: snapshot listed", step)
-			}
-		}
-		assertDomainClean(t, src)
-		assertCounting(t, src)
-	}
+	killedSnapshots(t, src, "live-started", "live-copying", "copy-memory-live", "drop-page-cache")
 	rssBefore := qemuRssFile(t, src)
 	prev := src
 	for level := 1; level <= 3; level++ {
@@ -369,6 +336,33 @@ func qemuRssFile(t testing.TB, n string) int64 {
 	}
 	t.Fatalf("no RssFile in QEMU's status")
 	return 0
+}
+
+// killedSnapshots kills kvbox snapshots new of box right after each step
+// (KVBOX_TEST_KILL_AT): no such snapshot may be listed, and the box runs
+// on, clean (no migration, job, node or setting of kvbox's left) and
+// counting.
+func killedSnapshots(t *testing.T, box string, steps ...string) {
+	t.Helper()
+	for i, step := range steps {
+		sn := fmt.Sprintf("%s-k%d", box, i)
+		cmd := exec.Command(kvboxBin, "snapshots", "new", box, sn)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+step)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kill at %s: kvbox ended with %v, want SIGKILL\n%s", step, err, out)
+		}
+		for _, s := range listSnapshots(t) {
+			if s.Name == sn {
+				t.Errorf("kill at %s: snapshot listed", step)
+			}
+		}
+		if st := getBox(t, box).State; st != "running" {
+			t.Fatalf("kill at %s: box is %s", step, st)
+		}
+		assertDomainClean(t, box)
+		assertCounting(t, box)
+	}
 }
 
 func qmpJSON(t testing.TB, dom, cmd string, v any) {
