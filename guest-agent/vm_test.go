@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -80,8 +81,14 @@ func TestVM(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	// QEMU binds the socket before it listens: a connect in between is
+	// refused, so that is tried again.
 	dctx, dcancel := context.WithTimeout(context.Background(), 90*time.Second)
 	c, err := DialSerial(dctx, socks[:1])
+	for errors.Is(err, syscall.ECONNREFUSED) && dctx.Err() == nil {
+		time.Sleep(20 * time.Millisecond)
+		c, err = DialSerial(dctx, socks[:1])
+	}
 	dcancel()
 	if err != nil {
 		t.Fatal(err)
