@@ -93,6 +93,7 @@ type Phases struct {
 // how much of the RAM QEMU has gone through in its current pass.
 type CopyProgress struct {
 	Written, Scanned, RAM int64
+	Paused                bool // the box stands still while it is copied (TCG: see tcgPaused)
 }
 
 // CreateOf snapshots a box whatever its state: a stopped box is booted first
@@ -168,7 +169,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
 	shared := strings.Contains(c.liveXML, domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1])
-	if err := c.chooseMemoryCopy(shared); err != nil {
+	if err := c.chooseMemoryCopy(ctx, shared); err != nil {
 		return Result{}, err
 	}
 	steps, err := c.plan(ctx).Run(ctx)
@@ -213,6 +214,7 @@ type creation struct {
 	paused  time.Time // when the box stood still
 	running bool      // resumed (by the plan or an undo)
 	pause   time.Duration
+	tcg     bool  // QEMU emulates the CPU: the box stays paused while its RAM is copied (tcgPaused)
 	copied  int64 // bytes the disk copy wrote
 	dropped int64 // bytes of page cache ranges given back after a live copy
 
@@ -255,6 +257,22 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 	return p
 }
 
+// tcgPaused: on TCG (QEMU emulating the CPU, no KVM) the "live" copy runs
+// with the box paused from before the migration starts until it is done,
+// so it is a paused copy in mapped-ram layout, as long as reading the RAM
+// once takes. QEMU's TCG loses guest writes during a live migration of
+// kvbox's RAM: after each dirty-bitmap sync QEMU re-arms the vCPUs' write
+// tracking for the RAM block at ram_addr 0 instead of the block it synced
+// (QEMU 10.0 migration/ram.c, physical_memory_sync_dirty_bitmap passes the
+// block-relative start to cpu_physical_memory_dirty_bits_cleared), and
+// libvirt's own unused "pc.ram" backend sits at 0, kvbox.ram after it
+// (HMP info ramblock). TLB entries that allow direct writes then stay
+// until a guest CR3 write flushes them, and what the guest writes through
+// them after its page was copied never reaches the snapshot: a guest
+// writing 64 MB in a loop gave clones that panicked in hrtimer code and
+// rebooted, an idle one now and then a clone that lost a process. KVM
+// tracks writes in the kernel and is not affected: there the copy is live.
+
 // liveFrom is the touched RAM above which a box booted from an image is
 // snapshotted live too: below it, copying its RAM file in the pause (about
 // 0.6 GB/s here) is shorter than a live copy's switch-over (the last pass,
@@ -262,15 +280,25 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 const liveFrom = 128 << 20
 
 // chooseMemoryCopy decides how the RAM is saved. A clone's RAM is a private
-// mapping of its snapshot: always copied live. A box booted from an image
-// shares its RAM file with QEMU: paused and copied when little of it is
-// touched, live otherwise (its pause would grow with the touched RAM:
-// 2.2 s for 1.4 GB on the Debian box here); the file's holes are kept for
-// drop-page-cache.
-func (c *creation) chooseMemoryCopy(shared bool) error {
+// mapping of its snapshot: always copied live (on TCG with the box paused
+// throughout: tcgPaused). A box booted from an image shares its RAM file
+// with QEMU: paused and copied when little of it is touched, live
+// otherwise (its pause would grow with the touched RAM: 2.2 s for 1.4 GB
+// on the Debian box here); the file's holes are kept for drop-page-cache.
+// On TCG such a box is always paused and its file copied: a paused
+// migration would read every page of the RAM, the copy only its data.
+func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
+	kvm, err := c.q.KVMEnabled(ctx)
+	if err != nil {
+		return err
+	}
+	c.tcg = !kvm
 	if !shared {
 		c.live = true
 		return nil
+	}
+	if c.tcg {
+		return nil // paused either way: copying the file's data beats reading all its RAM
 	}
 	f, err := os.Open(domain.MemoryFile(c.box.Dir))
 	if err != nil {
@@ -503,6 +531,12 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	if err := c.q.MigrateSetParameters(ctx, c.params); err != nil {
 		return err
 	}
+	if c.tcg {
+		// Paused throughout: see tcgPaused.
+		if err := c.suspend(ctx); err != nil {
+			return err
+		}
+	}
 	if err := c.q.Migrate(ctx, "file:"+filepath.Join(c.tmp, StateFile)); err != nil {
 		return err
 	}
@@ -519,7 +553,9 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
 	}
-	c.paused = stopped
+	if !c.tcg {
+		c.paused = stopped
+	}
 	return nil
 }
 
@@ -530,7 +566,7 @@ func (c *creation) report(r qmp.MigrateRAM) {
 	}
 	c.reported = time.Now()
 	n := func(x json.Number) int64 { v, _ := x.Int64(); return v }
-	c.progress(CopyProgress{Written: n(r.Normal) * 4096, Scanned: n(r.Total) - n(r.Remaining), RAM: n(r.Total)})
+	c.progress(CopyProgress{Written: n(r.Normal) * 4096, Scanned: n(r.Total) - n(r.Remaining), RAM: n(r.Total), Paused: c.tcg})
 }
 
 // undoLive takes a live copy back: no migration left running, the box

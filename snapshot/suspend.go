@@ -219,8 +219,24 @@ func (s *suspending) save(ctx context.Context) error {
 }
 
 // saveLive copies a clone's RAM while it runs; QEMU stops the guest for
-// the last pass and the device state.
-func (s *suspending) saveLive(ctx context.Context) error {
+// the last pass and the device state. On TCG the guest is paused
+// throughout (tcgPaused: QEMU's TCG loses writes in a live copy).
+func (s *suspending) saveLive(ctx context.Context) (err error) {
+	kvm, err := s.q.KVMEnabled(ctx)
+	if err != nil {
+		return err
+	}
+	if !kvm {
+		if err := s.suspend(ctx); err != nil {
+			return err
+		}
+		defer func() {
+			if err != nil {
+				s.cancelSave()
+				s.resume()
+			}
+		}()
+	}
 	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
 		return err
 	}
@@ -229,6 +245,9 @@ func (s *suspending) saveLive(ctx context.Context) error {
 	stopped, err := s.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(st qmp.MigrateStatus) { w.poll(ctx, st) })
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
+	}
+	if !kvm {
+		stopped = s.stopped
 	}
 	s.pause = time.Since(stopped)
 	return nil

@@ -76,8 +76,12 @@ boxes are still cloned from then is kept until the last of them is removed
 				return stop
 			}
 			copying := func(p snapshot.CopyProgress) {
-				status(fmt.Sprintf("memory copied live while it runs: %s written, %d%% of its RAM gone through",
-					domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1)))
+				how := "live while it runs"
+				if p.Paused {
+					how = "while it is paused (TCG)"
+				}
+				status(fmt.Sprintf("memory copied %s: %s written, %d%% of its RAM gone through",
+					how, domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1)))
 			}
 			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name,
 				snapshot.Phases{Booting: booting, Saving: saving, Copying: copying})
