@@ -389,7 +389,8 @@ func TestSSHProxy(t *testing.T) {
 		os.WriteFile(cfg, []byte(conf), 0o600)
 		out, key, err := sshRun(t, cfg, c, filepath.Join(dir, "kh-"+c), "hostname")
 		if err != nil || strings.TrimSpace(out) != c {
-			t.Fatalf("ssh to clone %s: %v: %s", c, err, out)
+			diag := kvbox(t, "exec", c, "--", "sh", "-c", "ss -ltnp; systemctl status --no-pager ssh; journalctl --no-pager -n 80")
+			t.Fatalf("ssh to clone %s: %v: %s\nin the clone:\n%s", c, err, out, diag)
 		}
 		if other, dup := keys[key]; dup || key == "" {
 			t.Errorf("clone %s presents host key %q, the same as %s", c, key, other)
