@@ -28,6 +28,10 @@ type Creation struct {
 	// NewToken gives the box an agent token of its own at identify (a
 	// clone's agent has its snapshot's).
 	NewToken bool
+	// BootID, when set, is the guest boot the agent must answer from (a
+	// clone: its snapshot's): another one means the guest booted again
+	// after its memory was restored, and the box is not what was asked.
+	BootID string
 
 	borrowed bool             // Dom is the caller's to free
 	undefine *revert.Reverter // what define made
@@ -142,7 +146,12 @@ func (c *Creation) Destroy() { c.Dom.Destroy() }
 
 func (c *Creation) waitAgent(ctx context.Context) (err error) {
 	c.actx, c.cancel = context.WithTimeout(ctx, c.AgentTimeout)
-	c.Agent, err = c.Host.WaitAgent(c.actx, c.Dom, c.Box)
+	var info agent.Info
+	c.Agent, info, err = c.Host.WaitAgent(c.actx, c.Dom, c.Box)
+	if err == nil && c.BootID != "" && info.BootID != "" && info.BootID != c.BootID {
+		err = fmt.Errorf("the guest of box %q booted again after its memory was restored (its kernel panicked or it rebooted): "+
+			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.FailedConsoleLog(c.Box.Name))
+	}
 	return err
 }
 

@@ -40,6 +40,9 @@ type Info struct {
 	// AfterCloneHooks is how many after-clone hooks the box has (-1: its
 	// folder is unreadable); reported with FeatureHookCount.
 	AfterCloneHooks int `json:"after_clone_hooks,omitempty"`
+	// BootID is the guest kernel's boot_id: a clone whose agent answers
+	// with another one than its snapshot's booted again after the restore.
+	BootID string `json:"boot_id,omitempty"`
 }
 
 // ExecRequest describes a process to run in the guest.

@@ -9,6 +9,7 @@ import (
 	"log"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -362,6 +363,9 @@ func (s *Server) info() Info {
 	var si unix.Sysinfo_t
 	if unix.Sysinfo(&si) == nil {
 		in.Uptime = time.Duration(si.Uptime) * time.Second
+	}
+	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
+		in.BootID = strings.TrimSpace(string(b))
 	}
 	return in
 }

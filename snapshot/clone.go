@@ -44,7 +44,7 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 	// The clone's agent has its snapshot's token until identify gives it
 	// one of its own.
-	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true}}
+	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
 	return cl.c.Run(ctx, cl.plan())
 }
 

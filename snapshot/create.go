@@ -214,9 +214,10 @@ type creation struct {
 	paused  time.Time // when the box stood still
 	running bool      // resumed (by the plan or an undo)
 	pause   time.Duration
-	tcg     bool  // QEMU emulates the CPU: the box stays paused while its RAM is copied (tcgPaused)
-	copied  int64 // bytes the disk copy wrote
-	dropped int64 // bytes of page cache ranges given back after a live copy
+	tcg     bool   // QEMU emulates the CPU: the box stays paused while its RAM is copied (tcgPaused)
+	bootID  string // the guest's boot_id, from its agent (best effort)
+	copied  int64  // bytes the disk copy wrote
+	dropped int64  // bytes of page cache ranges given back after a live copy
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
@@ -425,7 +426,26 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
 		return err
 	}
+	c.bootID = guestBootID(ctx, c.h, c.box)
 	return c.recordCompat(ctx)
+}
+
+// guestBootID asks the box's agent for the guest's boot_id, which a clone's
+// agent must answer with too; "" when the agent does not answer in a
+// second or is too old to say (the clone is then not checked).
+func guestBootID(ctx context.Context, h *domain.Host, box domain.Box) string {
+	actx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	a, err := h.Dial(actx, box)
+	if err != nil {
+		return ""
+	}
+	defer a.Close()
+	info, err := a.Ping(actx)
+	if err != nil {
+		return ""
+	}
+	return info.BootID
 }
 
 // recordCompat writes what a restore of the snapshot needs, with this
@@ -667,7 +687,7 @@ func (c *creation) snapshot() Snapshot {
 	base := c.base()
 	return Snapshot{
 		Name: c.name, Box: c.box.Name, BoxUUID: c.box.UUID, Created: time.Now().UTC(), Image: c.box.Image,
-		BaseDisk: base.Filename, BaseFormat: base.Format, Parent: c.box.Snapshot, Memory: c.mem,
+		BaseDisk: base.Filename, BaseFormat: base.Format, Parent: c.box.Snapshot, GuestBootID: c.bootID, Memory: c.mem,
 		CPUs: c.box.CPUs, MemoryBytes: c.box.MemoryBytes, DiskBytes: c.box.DiskBytes, Bitmap: c.p.Bitmap,
 		Incremental: c.prev != nil, DiskCopiedBytes: c.copied, PauseMillis: c.pause.Milliseconds(),
 	}

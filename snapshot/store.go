@@ -55,18 +55,22 @@ type Memory struct {
 
 // Snapshot is a complete snapshot.
 type Snapshot struct {
-	Name        string    `json:"name"`
-	Box         string    `json:"box"`
-	BoxUUID     string    `json:"box_uuid"`
-	Created     time.Time `json:"created"`
-	Image       string    `json:"image"`     // base image of the disk chain
-	BaseDisk    string    `json:"base_disk"` // the base image's disk: disk.qcow2's backing file
-	BaseFormat  string    `json:"base_format"`
-	Parent      string    `json:"parent,omitempty"` // snapshot the box was cloned from, if any
-	Memory      Memory    `json:"memory"`
-	CPUs        int       `json:"cpus"`
-	MemoryBytes int64     `json:"memory_bytes"`
-	DiskBytes   int64     `json:"disk_bytes"`
+	Name       string    `json:"name"`
+	Box        string    `json:"box"`
+	BoxUUID    string    `json:"box_uuid"`
+	Created    time.Time `json:"created"`
+	Image      string    `json:"image"`     // base image of the disk chain
+	BaseDisk   string    `json:"base_disk"` // the base image's disk: disk.qcow2's backing file
+	BaseFormat string    `json:"base_format"`
+	Parent     string    `json:"parent,omitempty"` // snapshot the box was cloned from, if any
+	// GuestBootID is the guest kernel's boot_id when the snapshot was taken
+	// (empty when its agent did not say): a clone answering with another
+	// booted again after its restore, and is refused.
+	GuestBootID string `json:"guest_boot_id,omitempty"`
+	Memory      Memory `json:"memory"`
+	CPUs        int    `json:"cpus"`
+	MemoryBytes int64  `json:"memory_bytes"`
+	DiskBytes   int64  `json:"disk_bytes"`
 	// Bitmap is the persistent dirty bitmap left on the source's disk
 	// that tracks blocks changed since this snapshot: the next snapshot
 	// of the same box copies only those.

@@ -48,6 +48,7 @@ type SuspendResult struct {
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
 	Live       bool          // RAM copied live (a clone)
+	Paused     bool          // and with the box paused throughout (TCG: tcgPaused)
 	// Steps are the plan's steps, then sync-memory: the box's memory file
 	// put on disk once QEMU is gone.
 	Steps step.Timings
@@ -103,7 +104,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	ts = append(ts, step.Timing{Name: "sync-memory", Duration: time.Since(start)})
 	removeOldStates(box.Dir, s.stateName)
 	size, _ := overlay.Du(s.statePath)
-	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Steps: ts}, nil
+	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Paused: s.mapped && s.tcg, Steps: ts}, nil
 }
 
 // suspending is one suspend in progress: what its steps find out and hand
@@ -117,6 +118,7 @@ type suspending struct {
 	live, boot   string // the running box's migratable XML, its persistent definition
 	suspendedDef string // the definition that makes virsh start fail
 	mapped       bool   // its RAM is a private mapping (a clone): copied live
+	tcg          bool   // and on TCG with the box paused throughout (tcgPaused)
 
 	stateName, statePath string
 	restore              func(context.Context) error // migration settings back as they were
@@ -226,6 +228,7 @@ func (s *suspending) saveLive(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	s.tcg = !kvm
 	if !kvm {
 		if err := s.suspend(ctx); err != nil {
 			return err
@@ -460,7 +463,7 @@ func (r *resuming) setClock(ctx context.Context, timeout time.Duration) error {
 	defer cancel()
 	b := r.box
 	b.State, b.Suspended = "running", nil
-	c, err := r.h.WaitAgent(actx, r.dom, b)
+	c, _, err := r.h.WaitAgent(actx, r.dom, b)
 	if err != nil {
 		return err
 	}

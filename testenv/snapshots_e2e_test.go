@@ -297,6 +297,48 @@ func TestSnapshotKeepsEveryWrite(t *testing.T) {
 	}
 }
 
+// TestCloneBootedAgainRefused: a snapshot records the guest's boot_id, and
+// a clone whose agent answers from another boot (its guest panicked and
+// rebooted after the restore: what a damaged snapshot gives) is refused and
+// rolled back instead of being reported as the snapshot's running machine.
+// The boot is made to differ by editing the snapshot's record.
+func TestCloneBootedAgainRefused(t *testing.T) {
+	src, c1, c2 := name(t, "bid"), name(t, "bidc1"), name(t, "bidc2")
+	newBox(t, src)
+	boot := strings.TrimSpace(inBox(t, src, "cat /proc/sys/kernel/random/boot_id"))
+	sn := name(t, "bids")
+	newSnapshot(t, src, sn)
+	path := filepath.Join(stateDir, "snapshots", sn, "snapshot.json")
+	var rec map[string]any
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatal(err)
+	}
+	if rec["guest_boot_id"] != boot {
+		t.Fatalf("the snapshot records boot %v, the guest runs %s", rec["guest_boot_id"], boot)
+	}
+	if r := newClone(t, sn, c1); r.code != 0 {
+		t.Fatalf("clone %s: %s", c1, r)
+	}
+	rec["guest_boot_id"] = "00000000-0000-4000-8000-000000000000"
+	b, _ = json.Marshal(rec)
+	if err := os.WriteFile(path, b, 0o400); err != nil {
+		t.Fatal(err)
+	}
+	r := newClone(t, sn, c2)
+	if r.code == 0 || !strings.Contains(r.stderr, "booted again after its memory was restored") {
+		t.Fatalf("clone of a snapshot whose guest boot differs: %s", r)
+	}
+	for _, bx := range listBoxes(t) {
+		if bx.Name == c2 {
+			t.Errorf("the refused clone %s is listed (%s)", c2, bx.State)
+		}
+	}
+}
+
 // TestLiveSnapshotOfBusyBox: a box booted from an image with much of its RAM
 // touched is snapshotted live too (its RAM copied into the state file while
 // it runs; on TCG paused, see snapshot.tcgPaused), kills inside the live copy leave it running and clean, the

@@ -43,6 +43,9 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 				if res.Live {
 					how = "RAM copied live"
 				}
+				if res.Paused {
+					how = "RAM copied while paused (TCG)"
+				}
 				fmt.Fprintf(a.io.Out, "✓ box %s is suspended (%s, %s on disk, paused %d ms, %.2fs); wake it with: kvbox resume %s\n",
 					n, how, domain.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
 				if verbose {
