@@ -53,17 +53,9 @@ boxes are still cloned from then is kept until the last of them is removed
 				return err
 			}
 			boxName, name := args[0], args[1]
-			var expires *time.Time
-			if c.Flags().Changed("ttl") {
-				d, ok, err := parseTTL(ttl)
-				if err != nil {
-					return err
-				}
-				if !ok {
-					return fmt.Errorf("%w: --ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", errUsage, ttl)
-				}
-				t := time.Now().Add(d)
-				expires = &t
+			expires, err := newSnapshotExpiry(c.Flags().Changed("ttl"), ttl)
+			if err != nil {
+				return err
 			}
 			booting := func() func() {
 				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
@@ -75,14 +67,7 @@ boxes are still cloned from then is kept until the last of them is removed
 				status, stop = a.spinStatus("saving " + boxName + " as " + name)
 				return stop
 			}
-			copying := func(p snapshot.CopyProgress) {
-				how := "live while it runs"
-				if p.Paused {
-					how = "while it is paused (TCG)"
-				}
-				status(fmt.Sprintf("memory copied %s: %s written, %d%% of its RAM gone through",
-					how, domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1)))
-			}
+			copying := func(p snapshot.CopyProgress) { status(copyProgressLine(p)) }
 			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name,
 				snapshot.Phases{Booting: booting, Saving: saving, Copying: copying})
 			if err != nil {
@@ -201,4 +186,31 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			return nil
 		},
 	}
+}
+
+// copyProgressLine is the status line of a memory copy in progress.
+func copyProgressLine(p snapshot.CopyProgress) string {
+	how := "live while it runs"
+	if p.Paused {
+		how = "while it is paused (TCG)"
+	}
+	return fmt.Sprintf("memory copied %s: %s written, %d%% of its RAM gone through",
+		how, domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1))
+}
+
+// newSnapshotExpiry is when a new snapshot given --ttl is removed (nil
+// without the flag).
+func newSnapshotExpiry(given bool, ttl string) (*time.Time, error) {
+	if !given {
+		return nil, nil
+	}
+	d, ok, err := parseTTL(ttl)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, fmt.Errorf("%w: --ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", errUsage, ttl)
+	}
+	t := time.Now().Add(d)
+	return &t, nil
 }
