@@ -561,14 +561,11 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		return err
 	}
 	step.KillPoint("live-started")
-	w := &liveWatch{q: c.q, wb: writeback{path: filepath.Join(c.tmp, StateFile)}}
-	defer w.close()
-	stopped, err := c.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
+	stopped, err := waitLiveCopy(ctx, c.q, filepath.Join(c.tmp, StateFile), func(s qmp.MigrateStatus) {
 		if s.RAM != nil {
 			step.KillPoint("live-copying")
 			c.report(*s.RAM)
 		}
-		w.poll(ctx, s)
 	})
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", c.box.Name, err)

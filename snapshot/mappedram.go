@@ -186,3 +186,17 @@ func (w *liveWatch) poll(ctx context.Context, s qmp.MigrateStatus) {
 }
 
 func (w *liveWatch) close() { w.wb.close() }
+
+// waitLiveCopy follows the live copy QEMU is writing into path (liveWatch
+// at every poll, and onStatus if set) until it completes, and returns when
+// QEMU stopped the guest for its last pass.
+func waitLiveCopy(ctx context.Context, q *qmp.Client, path string, onStatus func(qmp.MigrateStatus)) (time.Time, error) {
+	w := &liveWatch{q: q, wb: writeback{path: path}}
+	defer w.close()
+	return q.WaitMigrationStop(ctx, 2*time.Millisecond, func(s qmp.MigrateStatus) {
+		if onStatus != nil {
+			onStatus(s)
+		}
+		w.poll(ctx, s)
+	})
+}

@@ -243,9 +243,7 @@ func (s *suspending) saveLive(ctx context.Context) (err error) {
 	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
 		return err
 	}
-	w := &liveWatch{q: s.q, wb: writeback{path: s.statePath}}
-	defer w.close()
-	stopped, err := s.q.WaitMigrationStop(ctx, 2*time.Millisecond, func(st qmp.MigrateStatus) { w.poll(ctx, st) })
+	stopped, err := waitLiveCopy(ctx, s.q, s.statePath, nil)
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
 	}
