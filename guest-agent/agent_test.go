@@ -85,12 +85,19 @@ func socketpair(t *testing.T) (net.Conn, net.Conn) {
 // start serves one connection and returns a client on its other end.
 func start(t *testing.T, s *Server) *Client {
 	t.Helper()
+	return serve(t, s, true)
+}
+
+// serve serves one connection, trusted (a virtio-serial port) or not (as
+// the vsock listener does), and returns a client on its other end.
+func serve(t *testing.T, s *Server, trusted bool) *Client {
+	t.Helper()
 	hc, gc := socketpair(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		s.ServeConn(ctx, gc)
+		s.serveConn(ctx, gc, trusted)
 	}()
 	c := NewClient(hc)
 	t.Cleanup(func() {

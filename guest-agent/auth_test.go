@@ -15,20 +15,8 @@ import (
 // local user could have opened it.
 func serveUntrusted(t *testing.T, s *Server, token []byte) *Client {
 	t.Helper()
-	hc, gc := socketpair(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		s.serveConn(ctx, gc, false)
-	}()
-	c := NewClient(hc)
+	c := serve(t, s, false)
 	c.Token = token
-	t.Cleanup(func() {
-		c.Close()
-		cancel()
-		<-done
-	})
 	return c
 }
 
