@@ -32,6 +32,15 @@ func (h *Host) QEMUGID() int {
 	return f.gid
 }
 
+// QEMUUID is the user QEMU runs as, or 0 like QEMUGID.
+func (h *Host) QEMUUID() int {
+	f, err := h.hostFacts()
+	if err != nil || f.uid < 0 {
+		return 0
+	}
+	return f.uid
+}
+
 // ShareWithQEMU makes path root-owned, group QEMU's, with mode: QEMU reads
 // (or traverses) it through its group and cannot write or chmod it.
 // Links are refused, never followed.

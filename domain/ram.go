@@ -2,6 +2,7 @@ package domain
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -113,4 +114,59 @@ func mappingOf(pid int, file string) (uint64, error) {
 		return 0, err
 	}
 	return 0, fmt.Errorf("QEMU (pid %d) does not map %s", pid, file)
+}
+
+// ReserveRAM gives a box's RAM file (MemoryFile(dir)) all its disk blocks
+// before QEMU maps it, so that the guest touching a page never needs a block
+// the filesystem no longer has. QEMU maps the file shared; a page fault in a
+// hole of it allocates a block, and on a full filesystem (another box's disk
+// grew, a snapshot was written) the kernel answers with SIGBUS: QEMU dies
+// and the box with it. fallocate reserves the blocks as unwritten extents:
+// they read as zeros, cost no I/O and no page cache, and SEEK_DATA still
+// sees the pages the guest never touched as holes, so snapshots stay
+// sparse. A filesystem without room for the whole RAM fails the start with
+// ENOSPC instead of killing the box later. Data already in the file (a box
+// suspended with its RAM there) is kept.
+//
+// The folder is QEMU's: the file is opened without following a link and
+// must be a plain file with one name, owned by root or QEMU, or is refused.
+func (h *Host) ReserveRAM(dir string, size int64) error {
+	path := MemoryFile(dir)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0o660)
+	if err != nil {
+		return fmt.Errorf("reserve RAM: %w", err)
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("reserve RAM: %w", err)
+	}
+	qemu := h.QEMUUID()
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink != 1 || (st.Uid != 0 && int(st.Uid) != qemu) {
+		return fmt.Errorf("reserve RAM: %s is not a plain file of root or QEMU (a link planted in the box folder?)", path)
+	}
+	if st.Uid == 0 {
+		// Made now: QEMU's group writes it, nobody else reads it.
+		if err := f.Chown(0, h.QEMUGID()); err != nil {
+			return fmt.Errorf("reserve RAM: %w", err)
+		}
+		if err := f.Chmod(0o660); err != nil {
+			return fmt.Errorf("reserve RAM: %w", err)
+		}
+	}
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+		if st.Size == 0 {
+			f.Truncate(0) // give back what was reserved of it
+		}
+		if errors.Is(err, unix.EOPNOTSUPP) {
+			return nil // a filesystem without fallocate: the file stays sparse
+		}
+		var sfs unix.Statfs_t
+		free := "?"
+		if unix.Fstatfs(int(f.Fd()), &sfs) == nil {
+			free = FormatSize(int64(sfs.Bavail) * sfs.Bsize)
+		}
+		return fmt.Errorf("the box's RAM needs %s of disk under %s (%s free): %w", FormatSize(size), filepath.Dir(dir), free, err)
+	}
+	return nil
 }

@@ -93,24 +93,22 @@ func syncFile(f *os.File, name string, sync bool) error {
 // copyExtents copies the data extents of in to out, skipping holes and
 // leaving pages that are all zero unwritten, so out is as sparse as in's
 // data allows.
+//
+// The extents are all found before the first read: a read makes the kernel
+// read ahead past its range, and in a file whose blocks are reserved
+// (unwritten extents: a box's RAM file) the pages read ahead turn the hole
+// after an extent into data for SEEK_DATA, so a walk that seeks as it reads
+// goes on reading ahead into the next hole, and the next, to the end.
 func copyExtents(out, in *os.File, size int64) (int64, error) {
 	x := &extentCopy{in: in, out: out, buf: make([]byte, copyChunk), zeros: make([]byte, zeroPage), cfr: useCopyFileRange}
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
-		if errors.Is(err, unix.ENXIO) {
-			break // only a hole is left
-		}
-		if err != nil {
-			return x.written, fmt.Errorf("SEEK_DATA: %w", err)
-		}
-		hole, err := unix.Seek(int(in.Fd()), data, unix.SEEK_HOLE)
-		if err != nil {
-			return x.written, fmt.Errorf("SEEK_HOLE: %w", err)
-		}
-		if err := x.extent(data, min(hole, size)); err != nil {
+	data, _, err := DataExtents(in)
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range data {
+		if err := x.extent(e.Off, min(e.Off+e.Len, size)); err != nil {
 			return x.written, err
 		}
-		off = hole
 	}
 	return x.written, nil
 }

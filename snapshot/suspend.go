@@ -405,6 +405,9 @@ func (r *resuming) wake() step.Plan {
 					return err
 				}
 			}
+			if err := r.h.ReserveRAM(r.box.Dir, r.box.MemoryBytes); err != nil {
+				return fmt.Errorf("resume box %q: %w", name, err)
+			}
 			d, err := r.h.Conn.DomainDefineXML(r.wakeDef)
 			if err != nil {
 				return fmt.Errorf("define box %q to resume it: %s", name, domain.LibvirtMessage(err))

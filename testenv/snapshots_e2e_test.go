@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/overlay"
 )
 
 // snap is an element of `kvbox snapshots ls --json`.
@@ -129,14 +131,34 @@ func TestSnapshotWhileRunning(t *testing.T) {
 		t.Errorf("snapshot's /root/data has md5 %s, the guest wrote %s", got, data)
 	}
 	// Size: far below RAM + disk, close to what the guest touched.
-	touched := du(t, filepath.Join(b.Dir, "memory")) + du(t, filepath.Join(b.Dir, "disk.qcow2"))
+	touched := dataBytes(t, filepath.Join(b.Dir, "memory")) + du(t, filepath.Join(b.Dir, "disk.qcow2"))
 	if s.SizeBytes > (256<<20+1<<30)/4 || s.SizeBytes > touched+8<<20 {
 		t.Errorf("snapshot takes %d bytes; the box touched %d of 256 MB RAM + 1 GB disk", s.SizeBytes, touched)
 	}
-	if du(t, filepath.Join(snapDir, "memory")) > du(t, filepath.Join(b.Dir, "memory")) {
+	if du(t, filepath.Join(snapDir, "memory")) > dataBytes(t, filepath.Join(b.Dir, "memory")) {
 		t.Errorf("the memory copy is not sparse")
 	}
 	assertDomainClean(t, n)
+}
+
+// dataBytes is how much of a file SEEK_DATA calls data: for a box's RAM
+// file, whose blocks are reserved, the pages that are in the page cache.
+func dataBytes(t testing.TB, path string) int64 {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ext, _, err := overlay.DataExtents(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, e := range ext {
+		n += e.Len
+	}
+	return n
 }
 
 func du(t testing.TB, path string) int64 {
@@ -628,13 +650,17 @@ func TestSnapshotBadInput(t *testing.T) {
 // that QEMU and the tests see the same small filesystem.
 const smallFS = "/var/lib/kvbox-small"
 
-func TestSnapshotDiskFull(t *testing.T) {
+// smallStateDir is a kvbox state dir of this test on smallFS, with the tiny
+// image imported: k runs kvbox on it, fill leaves the filesystem only room
+// bytes free (until the test ends or fill(-1) gives it its size back).
+func smallStateDir(t *testing.T) (k func(args ...string) result, fill func(room int64)) {
+	t.Helper()
 	if out, err := exec.Command("mountpoint", "-q", smallFS).CombinedOutput(); err != nil {
 		t.Fatalf("%s is not mounted (testenv/setup.sh mounts it): %v %s", smallFS, err, out)
 	}
 	sd := filepath.Join(smallFS, runID)
 	t.Cleanup(func() { os.RemoveAll(sd) })
-	k := func(args ...string) result { return kvbox(t, append([]string{"--state-dir", sd}, args...)...) }
+	k = func(args ...string) result { return kvbox(t, append([]string{"--state-dir", sd}, args...)...) }
 	var ims []struct {
 		Disk, Kernel, Initrd, Cmdline string
 		Name                          string `json:"name"`
@@ -649,6 +675,26 @@ func TestSnapshotDiskFull(t *testing.T) {
 			}
 		}
 	}
+	resize := func(size int64) {
+		if out, err := exec.Command("mount", "-o", fmt.Sprintf("remount,size=%d", size), smallFS).CombinedOutput(); err != nil {
+			t.Fatalf("resize %s: %v %s", smallFS, err, out)
+		}
+	}
+	t.Cleanup(func() { resize(1 << 30) })
+	fill = func(room int64) {
+		if room < 0 {
+			resize(1 << 30)
+			return
+		}
+		var st unix.Statfs_t
+		unix.Statfs(smallFS, &st)
+		resize(int64(st.Blocks-st.Bfree)*st.Bsize + room)
+	}
+	return k, fill
+}
+
+func TestSnapshotDiskFull(t *testing.T) {
+	k, fill := smallStateDir(t)
 	n := name(t, "full")
 	t.Cleanup(func() { k("rm", "--force", n) })
 	if r := k(append(append([]string{"new"}, smallBox...), n)...); r.code != 0 {
@@ -656,26 +702,17 @@ func TestSnapshotDiskFull(t *testing.T) {
 	}
 	startCounter(t, n)
 	// Leave room for the box to run, not for a copy of its memory.
-	var st unix.Statfs_t
-	unix.Statfs(smallFS, &st)
-	used := int64(st.Blocks-st.Bfree) * st.Bsize
-	resize := func(size int64) {
-		if out, err := exec.Command("mount", "-o", fmt.Sprintf("remount,size=%d", size), smallFS).CombinedOutput(); err != nil {
-			t.Fatalf("resize %s: %v %s", smallFS, err, out)
-		}
-	}
-	resize(used + 16<<20)
-	t.Cleanup(func() { resize(1 << 30) })
+	fill(16 << 20)
 
 	r := k("snapshots", "new", n, "full")
 	if r.code == 0 || !strings.Contains(r.stderr, "no space left on device") || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
 		t.Fatalf("snapshot on a full disk: want one line saying no space left, got %s", r)
 	}
-	resize(1 << 30)
+	fill(-1)
 	if ls := k("snapshots", "ls", "--json"); ls.code != 0 || strings.TrimSpace(ls.stdout) != "[]" {
 		t.Errorf("after the failed snapshot: %s", ls)
 	}
-	ents, _ := os.ReadDir(filepath.Join(sd, "snapshots"))
+	ents, _ := os.ReadDir(filepath.Join(smallFS, runID, "snapshots"))
 	for _, e := range ents {
 		if !strings.HasSuffix(e.Name(), ".lock") {
 			t.Errorf("left behind: %s", e.Name())
