@@ -65,7 +65,15 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Clien
 	if b.Transport == "vsock" && b.VsockCID > 2 && token != nil {
 		// Without a token the agent serves nothing over vsock: a box's
 		// first contact is over its serial port.
-		return agent.DialVsock(ctx, b.VsockCID, token)
+		c, err := agent.DialVsock(ctx, b.VsockCID, token)
+		if err == nil || errors.Is(err, agent.ErrUnauthorized) || ctx.Err() != nil {
+			return c, err
+		}
+		// Nobody on the agent's vsock port: an agent older than that
+		// port (it listens on 1024, where any guest user could listen
+		// too, so kvbox never dials it) or one that is restarting. Its
+		// serial ports serve it, root's on the host and the agent's in
+		// the guest.
 	}
 	var paths []string
 	for _, p := range AgentSockets(b.Dir) {

@@ -4,11 +4,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mdlayher/vsock"
 )
 
 // serveUntrusted serves one connection as the vsock listener does: any
@@ -84,5 +87,65 @@ func TestAuth(t *testing.T) {
 	}
 	if err := execTrue(serveUntrusted(t, s2, next)); err != nil {
 		t.Errorf("the new token: %v", err)
+	}
+}
+
+// vsockListener hands Serve connections that say they come from a vsock
+// context, as the agent's listener does in a guest.
+type vsockListener struct {
+	conns chan net.Conn
+	done  chan struct{}
+}
+
+func (l *vsockListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+func (l *vsockListener) Close() error   { return nil }
+func (l *vsockListener) Addr() net.Addr { return &vsock.Addr{ContextID: 3, Port: VsockPort} }
+
+type vsockConn struct {
+	net.Conn
+	peer uint32
+}
+
+func (c vsockConn) RemoteAddr() net.Addr { return &vsock.Addr{ContextID: c.peer, Port: 40000} }
+
+// Over vsock the agent serves the host (context 2) alone: not the guest
+// itself (a guest user dialing its own agent through vsock loopback, with
+// a token it learnt), not another context. Its port is privileged in the
+// guest, so no guest user can listen there while the agent restarts.
+func TestServeVsockOnlyFromHost(t *testing.T) {
+	if VsockPort >= 1024 {
+		t.Fatalf("VsockPort %d: any guest user may bind it", VsockPort)
+	}
+	s := testServer(t)
+	l := &vsockListener{conns: make(chan net.Conn), done: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error)
+	go func() { served <- s.Serve(ctx, l) }()
+	t.Cleanup(func() { cancel(); close(l.done); <-served })
+
+	for _, tc := range []struct {
+		peer uint32
+		want bool
+	}{{vsock.Local, false}, {3, false}, {vsock.Hypervisor, false}, {vsock.Host, true}} {
+		hc, gc := socketpair(t)
+		l.conns <- vsockConn{gc, tc.peer}
+		c := NewClient(hc)
+		pctx, pcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := c.Ping(pctx)
+		pcancel()
+		c.Close()
+		if tc.want && err != nil {
+			t.Errorf("the host (context %d): ping: %v", tc.peer, err)
+		}
+		if !tc.want && err == nil {
+			t.Errorf("context %d was served", tc.peer)
+		}
 	}
 }

@@ -9,8 +9,12 @@ import (
 // Version is the agent's protocol and build version, reported by Ping.
 const Version = "0.1.0"
 
-// VsockPort is the vsock port the agent listens on for any CID.
-const VsockPort = 1024
+// VsockPort is the vsock port the agent listens on for any CID. It is below
+// 1024, so binding it takes CAP_NET_BIND_SERVICE in the guest: no guest
+// user can take it while the agent restarts and have kvbox present the
+// box's token to it. Agents before this one listened on 1024, where kvbox
+// no longer dials: it talks to them over their serial ports.
+const VsockPort = 1023
 
 // SerialPortPrefix starts the name of every virtio-serial port the agent
 // serves (org.kvbox.agent.0 ... org.kvbox.agent.3).

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/mdlayher/vsock"
 	"golang.org/x/sys/unix"
 )
 
@@ -93,6 +94,11 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 			}
 			return err
 		}
+		if !fromHost(c) {
+			s.logf("vsock: refused %v: only the host (context %d) is served", c.RemoteAddr(), vsock.Host)
+			c.Close()
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -102,6 +108,15 @@ func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 			}
 		}()
 	}
+}
+
+// fromHost reports whether a connection may be served: a vsock peer must be
+// the host, never another context: not the guest itself (a guest user
+// dialing its own agent over vsock loopback), not another guest. A
+// connection of another kind (a test's listener) is the caller's to trust.
+func fromHost(c net.Conn) bool {
+	a, ok := c.RemoteAddr().(*vsock.Addr)
+	return !ok || a.ContextID == vsock.Host
 }
 
 // serve runs the frame loop of one byte stream. r may return errHostGone

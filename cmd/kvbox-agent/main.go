@@ -93,7 +93,8 @@ func reapplyIdentity(ctx context.Context, srv *agent.Server) {
 	}
 }
 
-// serveVsock listens on vsock port 1024 for any CID, so a clone with a new
+// serveVsock listens on vsock port agent.VsockPort (privileged) for any CID
+// and serves only the host's connections, so a clone with a new
 // CID needs no restart. The vsock transport module may load after the
 // agent starts; keep trying quietly.
 func serveVsock(ctx context.Context, srv *agent.Server) {
