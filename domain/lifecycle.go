@@ -420,7 +420,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	}
 	// The file still holds the RAM of the last run when an operator shut
 	// the box down with virsh; a fresh boot needs none of it.
-	if err := emptyMemory(b.Dir); err != nil {
+	if err := EmptyMemory(b.Dir); err != nil {
 		return Box{}, err
 	}
 	// The box plan without define. A box whose agent does not answer is
@@ -447,13 +447,13 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 	}
 	if !force {
 		if err := dom.Shutdown(); err == nil && waitState(ctx, dom, libvirt.DOMAIN_SHUTOFF, timeout) {
-			return emptyMemory(b.Dir)
+			return EmptyMemory(b.Dir)
 		}
 	}
 	if err := powerOff(dom, name); err != nil {
 		return err
 	}
-	return emptyMemory(b.Dir)
+	return EmptyMemory(b.Dir)
 }
 
 // Remove deletes a box: its domain, folder (disk, memory, sockets) and with
@@ -528,12 +528,19 @@ func waitState(ctx context.Context, dom *libvirt.Domain, want libvirt.DomainStat
 	return false
 }
 
-func emptyMemory(dir string) error {
-	err := os.Truncate(MemoryFile(dir), 0)
+// EmptyMemory truncates a box's RAM file to nothing (its blocks go back to
+// the filesystem); a missing one is fine. The box folder is QEMU's: a link
+// planted in the file's place is refused, never truncated through.
+func EmptyMemory(dir string) error {
+	f, err := OpenNoFollow(MemoryFile(dir), os.O_WRONLY)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
-	return err
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Truncate(0)
 }
 
 // Resume continues a paused box (one a failed or interrupted snapshot left

@@ -1,7 +1,7 @@
 package domain
 
 import (
-	"fmt"
+	"errors"
 	"io"
 	"io/fs"
 	"os"
@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Modes of what kvbox keeps under its state dir. Nothing has world bits:
@@ -43,19 +45,47 @@ func (h *Host) QEMUUID() int {
 
 // ShareWithQEMU makes path root-owned, group QEMU's, with mode: QEMU reads
 // (or traverses) it through its group and cannot write or chmod it.
-// Links are refused, never followed.
+// Links are refused, never followed: the path is opened O_PATH|O_NOFOLLOW
+// and changed through that descriptor, so a link QEMU's user swaps in after
+// a check is not followed either.
 func (h *Host) ShareWithQEMU(path string, mode fs.FileMode) error {
-	st, err := os.Lstat(path)
+	fd, err := syscall.Open(path, unix_O_PATH|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
 	if err != nil {
-		return err
+		return &fs.PathError{Op: "share with qemu", Path: path, Err: err}
 	}
-	if st.Mode()&fs.ModeSymlink != 0 {
+	defer syscall.Close(fd)
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		return &fs.PathError{Op: "share with qemu", Path: path, Err: err}
+	}
+	if st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
 		return &fs.PathError{Op: "share with qemu", Path: path, Err: os.ErrInvalid}
 	}
-	if err := os.Lchown(path, 0, h.QEMUGID()); err != nil {
-		return err
+	if err := unix.Fchownat(fd, "", 0, h.QEMUGID(), unix.AT_EMPTY_PATH); err != nil {
+		return &fs.PathError{Op: "share with qemu", Path: path, Err: err}
 	}
-	return os.Chmod(path, mode)
+	return os.Chmod("/proc/self/fd/"+strconv.Itoa(fd), mode)
+}
+
+// OpenNoFollow opens path, a plain file, in a folder QEMU's user can write
+// (a box folder, a snapshot being built): a link planted there is refused,
+// not followed, and so is anything but a regular file (a FIFO would block)
+// or a file with another name elsewhere (a hard link).
+func OpenNoFollow(path string, flag int) (*os.File, error) {
+	f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Nlink != 1 {
+		f.Close()
+		return nil, &fs.PathError{Op: "open", Path: path, Err: errors.New("not a plain file with one name (a link planted in a folder QEMU writes?)")}
+	}
+	return f, nil
 }
 
 // SecureStateDir sets the modes of the state dir and its fixed subfolders,
@@ -164,17 +194,10 @@ func (h *Host) qemuGroup(fi fs.FileInfo) bool {
 // readNoFollow reads the regular file at path, refusing a symbolic link or
 // anything else that is not a plain file (a FIFO would block).
 func readNoFollow(path string) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, err := OpenNoFollow(path, os.O_RDONLY)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is not a regular file", path)
-	}
 	return io.ReadAll(f)
 }

@@ -104,3 +104,135 @@ func TestCloseBoxDirRefusesLinks(t *testing.T) {
 		t.Errorf("the link's target became %v: closeBoxDir followed a planted link", fi.Mode())
 	}
 }
+
+// plant fills dir with what QEMU's user could put in a box folder in place
+// of a file kvbox opens: a link to a host file, a FIFO, a hard link to a
+// host file, a folder. It returns the names and the host file.
+func plant(t *testing.T, dir string) ([]string, string) {
+	t.Helper()
+	outside := filepath.Join(t.TempDir(), "shadow")
+	if err := os.WriteFile(outside, []byte("root:secret"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(outside, 0o644)
+	must := func(err error) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Symlink(outside, filepath.Join(dir, "link")))
+	must(syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o644))
+	must(os.Link(outside, filepath.Join(dir, "hardlink")))
+	must(os.Mkdir(filepath.Join(dir, "folder"), 0o755))
+	return []string{"link", "fifo", "hardlink", "folder"}, outside
+}
+
+func assertUntouched(t *testing.T, outside string) {
+	t.Helper()
+	b, err := os.ReadFile(outside)
+	fi, _ := os.Stat(outside)
+	if err != nil || string(b) != "root:secret" || fi.Mode().Perm() != 0o644 || fi.Sys().(*syscall.Stat_t).Gid != 0 {
+		t.Fatalf("the host file was changed through a planted name: %q %v %v", b, fi.Mode(), err)
+	}
+}
+
+// Every path kvbox, as root, opens in a folder QEMU's user can write
+// refuses what that user could plant there: the RAM file it empties at a
+// stop or resume, reserves at a start, copies at a snapshot, and what it
+// hands to QEMU's group.
+func TestPlantedNamesRefused(t *testing.T) {
+	h := &Host{facts: &hostFacts{uid: 64055, gid: 64055}}
+	for _, tc := range []struct {
+		what  string
+		do    func(path string) error
+		names []string // what it must refuse; all that plant makes when nil
+	}{
+		{"OpenNoFollow", func(p string) error {
+			f, err := OpenNoFollow(p, os.O_RDONLY)
+			if err == nil {
+				f.Close()
+			}
+			return err
+		}, nil},
+		{"EmptyMemory", func(p string) error {
+			// EmptyMemory takes the folder: the planted name is its memory.
+			d := t.TempDir()
+			if err := os.Rename(p, MemoryFile(d)); err != nil {
+				t.Fatal(err)
+			}
+			return EmptyMemory(d)
+		}, nil},
+		{"ReserveRAM", func(p string) error {
+			d := t.TempDir()
+			if err := os.Rename(p, MemoryFile(d)); err != nil {
+				t.Fatal(err)
+			}
+			return h.ReserveRAM(d, 1<<20)
+		}, nil},
+		// chown and chmod of a FIFO, a folder or a hard link (the kernel's
+		// protected_hardlinks stops QEMU's user making one to a file not
+		// its own) reach nothing outside: a link is what it must refuse.
+		{"ShareWithQEMU", func(p string) error { return h.ShareWithQEMU(p, SharedFileMode) }, []string{"link"}},
+	} {
+		t.Run(tc.what, func(t *testing.T) {
+			dir := t.TempDir()
+			names, outside := plant(t, dir)
+			if tc.names != nil {
+				names = tc.names
+			}
+			for _, n := range names {
+				if err := tc.do(filepath.Join(dir, n)); err == nil {
+					t.Errorf("%s went through a planted %s", tc.what, n)
+				}
+			}
+			assertUntouched(t, outside)
+		})
+	}
+}
+
+// The real thing passes: a box's RAM file is reserved whole (its data
+// kept), emptied at a stop, and a plain file is shared with QEMU's group.
+func TestRAMFileReservedAndEmptied(t *testing.T) {
+	h := &Host{facts: &hostFacts{uid: 64055, gid: 64055}}
+	dir := t.TempDir()
+	if err := os.WriteFile(MemoryFile(dir), []byte("ram page"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Chown(MemoryFile(dir), 64055, 64055) // QEMU made it (a suspended box's RAM)
+	if err := h.ReserveRAM(dir, 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	var st syscall.Stat_t
+	syscall.Stat(MemoryFile(dir), &st)
+	if st.Size != 8<<20 || st.Blocks*512 < 8<<20 {
+		t.Errorf("reserved RAM file: size %d, %d bytes allocated; want 8 MiB of both", st.Size, st.Blocks*512)
+	}
+	if b, _ := os.ReadFile(MemoryFile(dir)); string(b[:8]) != "ram page" {
+		t.Errorf("the RAM's data was lost: %q", b[:8])
+	}
+	if err := EmptyMemory(dir); err != nil {
+		t.Fatal(err)
+	}
+	syscall.Stat(MemoryFile(dir), &st)
+	if st.Size != 0 || st.Blocks != 0 {
+		t.Errorf("emptied RAM file: size %d, %d blocks", st.Size, st.Blocks)
+	}
+	// Made by kvbox: root's, QEMU's group writes it, nobody else.
+	fresh := t.TempDir()
+	if err := h.ReserveRAM(fresh, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	syscall.Stat(MemoryFile(fresh), &st)
+	if st.Uid != 0 || st.Gid != 64055 || st.Mode&0o777 != 0o660 {
+		t.Errorf("new RAM file: %d:%d %o, want 0:64055 660", st.Uid, st.Gid, st.Mode&0o777)
+	}
+	f := filepath.Join(t.TempDir(), "base.qcow2")
+	os.WriteFile(f, []byte("x"), 0o600)
+	if err := h.ShareWithQEMU(f, SharedFileMode); err != nil {
+		t.Fatal(err)
+	}
+	syscall.Stat(f, &st)
+	if st.Uid != 0 || st.Gid != 64055 || st.Mode&0o777 != 0o440 {
+		t.Errorf("shared file: %d:%d %o, want 0:64055 440", st.Uid, st.Gid, st.Mode&0o777)
+	}
+}

@@ -28,17 +28,6 @@ var useCopyFileRange = true
 // back to writing the bytes already read. written counts the bytes copied
 // into dst (0 for a reflink). dst has src's size.
 func CopySparse(dst, src string) (written int64, err error) {
-	return copySparse(dst, src, true)
-}
-
-// CopySparseNoSync is CopySparse without the final fsync, for a caller that
-// must return quickly (kvbox copies a paused box's RAM) and syncs the copy
-// later, before it counts on it.
-func CopySparseNoSync(dst, src string) (written int64, err error) {
-	return copySparse(dst, src, false)
-}
-
-func copySparse(dst, src string, sync bool) (written int64, err error) {
 	in, err := os.Open(src)
 	if err != nil {
 		return 0, err
@@ -64,30 +53,33 @@ func copySparse(dst, src string, sync bool) (written int64, err error) {
 		}
 	}()
 
-	if unix.IoctlFileClone(int(out.Fd()), int(in.Fd())) == nil {
-		return 0, syncFile(out, dst, sync)
+	written, err = CopyFileSparse(out, in)
+	if err != nil {
+		return written, fmt.Errorf("overlay: copy %s to %s: %w", src, dst, err)
 	}
-	// The clone failed (EOPNOTSUPP, EXDEV, EINVAL on ext4/tmpfs ...); dst
+	if err := out.Sync(); err != nil {
+		return written, fmt.Errorf("overlay: fsync %s: %w", dst, err)
+	}
+	return written, nil
+}
+
+// CopyFileSparse is CopySparse on open files (out empty), without the
+// fsync: for a caller that opened them itself (not following links).
+func CopyFileSparse(out, in *os.File) (written int64, err error) {
+	if unix.IoctlFileClone(int(out.Fd()), int(in.Fd())) == nil {
+		return 0, nil
+	}
+	// The clone failed (EOPNOTSUPP, EXDEV, EINVAL on ext4/tmpfs ...); out
 	// is still empty.
+	st, err := in.Stat()
+	if err != nil {
+		return 0, err
+	}
 	size := st.Size()
 	if err := out.Truncate(size); err != nil {
 		return 0, err
 	}
-	written, err = copyExtents(out, in, size)
-	if err != nil {
-		return written, fmt.Errorf("overlay: copy %s to %s: %w", src, dst, err)
-	}
-	return written, syncFile(out, dst, sync)
-}
-
-func syncFile(f *os.File, name string, sync bool) error {
-	if !sync {
-		return nil
-	}
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("overlay: fsync %s: %w", name, err)
-	}
-	return nil
+	return copyExtents(out, in, size)
 }
 
 // copyExtents copies the data extents of in to out, skipping holes and

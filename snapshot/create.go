@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/domain"
@@ -301,7 +302,7 @@ func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
 	if c.tcg {
 		return nil // paused either way: copying the file's data beats reading all its RAM
 	}
-	f, err := os.Open(domain.MemoryFile(c.box.Dir))
+	f, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
 	if err != nil {
 		return fmt.Errorf("the memory of box %q: %w", c.box.Name, err)
 	}
@@ -344,17 +345,36 @@ func (c *creation) removeFolder() {
 	os.RemoveAll(c.tmp)
 }
 
+// makeFolder makes the partial folder, root's: QEMU's group traverses it
+// to write the two files kvbox makes for it, the state (here, empty, until
+// QEMU's migration fills it) and the disk copy (at prepare), and QEMU's
+// user can put nothing else in it, so no name kvbox opens there can be a
+// link planted by a QEMU that the box took over.
 func (c *creation) makeFolder(context.Context) error {
 	os.RemoveAll(c.tmp) // ours: we hold the name lock
 	if err := os.Mkdir(c.tmp, 0o750); err != nil {
 		return err
 	}
-	// QEMU writes the state and the disk here.
-	if err := c.h.ChownForQEMU(c.tmp); err != nil {
+	// setgid: what kvbox makes in it is QEMU's group (the snapshot's files
+	// stay readable to QEMU through it; anything else has no world bits).
+	err := c.h.ShareWithQEMU(c.tmp, domain.SharedDirMode|os.ModeSetgid)
+	if err == nil {
+		err = makeForQEMU(c.h, filepath.Join(c.tmp, StateFile))
+	}
+	if err != nil {
 		os.RemoveAll(c.tmp)
+	}
+	return err
+}
+
+// makeForQEMU creates an empty file that QEMU's user will write.
+func makeForQEMU(h *domain.Host, path string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
+	if err != nil {
 		return err
 	}
-	return nil
+	f.Close()
+	return h.ChownForQEMU(path)
 }
 
 // prepare finds what the snapshot builds on and records what Recover needs
@@ -525,9 +545,26 @@ func (c *creation) saveState(ctx context.Context) error {
 
 // copyMemory copies the paused box's RAM file. Not synced here: seal syncs
 // every file once the box runs again.
+//
+// Both folders are QEMU's: the box's RAM file is opened without following a
+// link, and the copy is a file kvbox creates (O_EXCL: nothing planted in its
+// place is written through).
 func (c *creation) copyMemory(context.Context) error {
 	c.mem = Memory{File: MemoryFile}
-	if _, err := overlay.CopySparseNoSync(filepath.Join(c.tmp, MemoryFile), domain.MemoryFile(c.box.Dir)); err != nil {
+	in, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
+	if err != nil {
+		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
+	}
+	defer in.Close()
+	out, err := os.OpenFile(filepath.Join(c.tmp, MemoryFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
+	if err != nil {
+		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
+	}
+	_, err = overlay.CopyFileSparse(out, in)
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
 	}
 	return nil
@@ -737,22 +774,26 @@ func seal(h *domain.Host, dir string, s Snapshot) error {
 		return err
 	}
 	for _, e := range ents {
+		// QEMU's user could write the folder until now: what it planted
+		// is refused, never followed.
 		p := filepath.Join(dir, e.Name())
-		f, err := os.Open(p)
+		f, err := domain.OpenNoFollow(p, os.O_RDONLY)
 		if err != nil {
 			return err
 		}
 		err = f.Sync()
-		f.Close()
-		if err != nil {
-			return fmt.Errorf("sync %s: %w", p, err)
-		}
-		if e.Name() == domain.AgentTokenFile {
+		if err == nil && e.Name() == domain.AgentTokenFile {
 			// Root's only: QEMU needs it no more than anyone else.
-			if err := os.Chmod(p, 0o400); err != nil {
+			err = f.Chmod(0o400)
+			f.Close()
+			if err != nil {
 				return err
 			}
 			continue
+		}
+		f.Close()
+		if err != nil {
+			return fmt.Errorf("sync %s: %w", p, err)
 		}
 		// Root's, read-only to QEMU through its group, nothing for others.
 		if err := h.ShareWithQEMU(p, domain.SharedFileMode); err != nil {

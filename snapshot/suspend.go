@@ -401,7 +401,7 @@ func (r *resuming) wake() step.Plan {
 				// The stream holds the RAM: its pages are read into a fresh
 				// (sparse, all zero) memory file, the pages it lacks being
 				// zero.
-				if err := os.Truncate(domain.MemoryFile(r.box.Dir), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+				if err := domain.EmptyMemory(r.box.Dir); err != nil {
 					return err
 				}
 			}
