@@ -84,6 +84,16 @@ func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 	return b, true, nil
 }
 
+// MetaOfXML is the kvbox metadata in a domain XML (a snapshot's
+// domain.xml); ok is false when it has none.
+func MetaOfXML(x string) (m Meta, ok bool, err error) {
+	dx, err := parseDomainXML(x)
+	if err != nil || dx.Metadata == nil {
+		return Meta{}, false, err
+	}
+	return *dx.Metadata, true, nil
+}
+
 // Boxes lists every box, sorted by name. Domains without kvbox metadata are
 // not boxes and are left out.
 func (h *Host) Boxes() ([]Box, error) {

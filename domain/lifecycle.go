@@ -43,6 +43,10 @@ type Spec struct {
 	// NoNetwork: the box has no network interface at all (--network
 	// none); its agent still works over its own channel.
 	NoNetwork bool
+	// Group puts the box in a box group (--network group:NAME): on the
+	// group's bridge, made with its first box, where its boxes reach each
+	// other and nothing else that isolated boxes cannot reach.
+	Group string
 }
 
 // Validate checks a spec before anything is created.
@@ -99,6 +103,9 @@ func (h *Host) CreateTimed(ctx context.Context, s Spec) (Box, step.Timings, erro
 	if err := s.Validate(); err != nil {
 		return Box{}, nil, err
 	}
+	if s.Group != "" && s.NoNetwork {
+		return Box{}, nil, fmt.Errorf("%w: a box without network is in no group", ErrInvalid)
+	}
 	if err := h.EnsureNetwork(); err != nil {
 		return Box{}, nil, err
 	}
@@ -112,7 +119,11 @@ func (h *Host) CreateTimed(ctx context.Context, s Spec) (Box, step.Timings, erro
 // on the image's) and defines the domain, which then holds the address in
 // its metadata. It runs under the host lock.
 func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Reverter) (err error) {
-	if c.Res, err = h.Reserve(s.Name, r); err != nil {
+	nc, err := h.GroupNetwork(s.Group)
+	if err != nil {
+		return err
+	}
+	if c.Res, err = h.Reserve(s.Name, nc, r); err != nil {
 		return err
 	}
 	dir := c.Res.Dir
@@ -129,8 +140,8 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 		return err
 	}
 	meta := Meta{
-		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: h.Net.Subnet.Bits(), Gateway: h.Net.Gateway().String(),
-		MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
+		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: nc.Subnet.Bits(), Gateway: nc.Gateway().String(),
+		MAC: network.NewMAC(), Bridge: nc.Bridge, Group: nc.Group, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
 		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
 	if s.NoNetwork {
@@ -162,11 +173,12 @@ func (r Reservation) Done() { r.marker.RemoveAndUnlock() }
 // creatingMarker is the lock file in a folder of a box being created.
 const creatingMarker = ".creating.lock"
 
-// Reserve checks that no domain has the name, picks a free address and
-// makes the box's folder (given to QEMU's user), adding its removal to r.
+// Reserve checks that no domain has the name, picks a free address on nc
+// (the main network or a group's) and makes the box's folder (given to
+// QEMU's user), adding its removal to r.
 // Call it under Lock and define the domain before unlocking: the domain's
 // metadata is what holds the address. Call Done once the box is complete.
-func (h *Host) Reserve(name string, r *revert.Reverter) (Reservation, error) {
+func (h *Host) Reserve(name string, nc network.Config, r *revert.Reverter) (Reservation, error) {
 	if err := h.NameFree(name); err != nil {
 		return Reservation{}, err
 	}
@@ -174,11 +186,11 @@ func (h *Host) Reserve(name string, r *revert.Reverter) (Reservation, error) {
 	if err != nil {
 		return Reservation{}, err
 	}
-	ip, err := h.Net.Allocate(used)
+	ip, err := nc.Allocate(used)
 	if err != nil {
 		return Reservation{}, err
 	}
-	h.Net.ForgetNeighbor(ip)
+	nc.ForgetNeighbor(ip)
 	dir := h.BoxDir(name)
 	// No domain has this name, so a folder left here is debris of a kvbox
 	// that was killed half-way; it holds nothing of value.
@@ -325,7 +337,7 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	return Render(h.Template, TemplateData{
 		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
-		Bridge: meta.Bridge, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
+		Bridge: meta.Bridge, Group: meta.Group, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
 		DACLabel: dac,
 	})
@@ -412,7 +424,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	if b.State != "stopped" && b.State != "crashed" {
 		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
 	}
-	if err := h.EnsureNetwork(); err != nil {
+	if err := h.EnsureBoxNetwork(b); err != nil {
 		return Box{}, err
 	}
 	if err := h.AllowPort(b); err != nil {
@@ -495,6 +507,10 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 	}
 	os.Remove(h.QMPLog(name))
 	os.Remove(h.QMPLog(name) + ".1")
+	if b.Group != "" && portErr == nil {
+		// A group's network goes with its last box.
+		portErr = h.PruneGroups()
+	}
 	if portErr != nil {
 		return fmt.Errorf("box %q is removed, but: %w", name, portErr)
 	}

@@ -13,14 +13,17 @@ const MetadataNS = "https://kvbox.dev/xmlns/box/1"
 
 // Meta is what kvbox records about a box in its domain XML.
 type Meta struct {
-	XMLName   xml.Name  `xml:"https://kvbox.dev/xmlns/box/1 box" json:"-"`
-	Image     string    `xml:"image,omitempty" json:"image,omitempty"`
-	Snapshot  string    `xml:"snapshot,omitempty" json:"snapshot,omitempty"`
-	IP        string    `xml:"ip" json:"ip"`
-	Prefix    int       `xml:"prefix" json:"prefix"`
-	Gateway   string    `xml:"gateway" json:"gateway"`
-	MAC       string    `xml:"mac" json:"mac"`
-	Bridge    string    `xml:"bridge" json:"bridge"`
+	XMLName  xml.Name `xml:"https://kvbox.dev/xmlns/box/1 box" json:"-"`
+	Image    string   `xml:"image,omitempty" json:"image,omitempty"`
+	Snapshot string   `xml:"snapshot,omitempty" json:"snapshot,omitempty"`
+	IP       string   `xml:"ip" json:"ip"`
+	Prefix   int      `xml:"prefix" json:"prefix"`
+	Gateway  string   `xml:"gateway" json:"gateway"`
+	MAC      string   `xml:"mac" json:"mac"`
+	Bridge   string   `xml:"bridge" json:"bridge"`
+	// Group is the box group the box is in (kvbox new --network
+	// group:NAME): Bridge is then the group's, where boxes reach each other.
+	Group     string    `xml:"group,omitempty" json:"group,omitempty"`
 	Dir       string    `xml:"dir" json:"dir"`
 	DiskBytes int64     `xml:"disk-bytes" json:"disk_bytes"`
 	Transport string    `xml:"transport" json:"transport"`

@@ -65,7 +65,8 @@ func (h *Host) ForgetPort(b Box) error {
 }
 
 // filterInterfaces makes every interface of a rendered box an isolated
-// port on kvbox's bridge whose tap is named after the box's MAC, the name
+// port (not isolated in a box group) on kvbox's bridge (or its group's)
+// whose tap is named after the box's MAC, the name
 // kvbox's port filter holds. The built-in template has both; an operator's
 // template without them gets them inserted (its boxes would otherwise
 // spoof and reach each other). Refused: an interface kvbox's firewall does
@@ -99,8 +100,13 @@ func filterInterfaces(x string, d TemplateData) (string, error) {
 	case ifc.Target.Dev != d.Tap:
 		return "", fmt.Errorf("%w: domain template: the interface's tap must be kvbox's <target dev='{{.Tap}}'/> (%s), which its port filter holds, not %q", ErrInvalid, d.Tap, ifc.Target.Dev)
 	}
-	if ifc.PortOptions == nil || ifc.PortOptions.Isolated != "yes" {
+	isolated := ifc.PortOptions != nil && ifc.PortOptions.Isolated == "yes"
+	switch {
+	case d.Group == "" && !isolated:
 		ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
+		changed = true
+	case d.Group != "" && ifc.PortOptions != nil && ifc.PortOptions.Isolated != "":
+		ifc.PortOptions = nil // a box group's boxes reach each other
 		changed = true
 	}
 	if !changed {

@@ -32,6 +32,7 @@ type TemplateData struct {
 	IP          string // the box's address, pinned by the port filter
 	Filter      string // libvirt's nwfilter kvbox used before its own port filter (for older templates)
 	Tap         string // the box's tap device (network.TapName), which kvbox's port filter holds
+	Group       string // the box group it is in: its port is not isolated (empty: it is)
 	ConsoleLog  string
 	AgentPorts  []AgentPort
 	Vsock       bool
@@ -51,7 +52,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
 	}
 	e := d
-	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
+	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
 		*s = html.EscapeString(*s)
 	}
 	e.AgentPorts = nil

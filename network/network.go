@@ -20,6 +20,9 @@ import (
 type Config struct {
 	Bridge string       // bridge device, e.g. kvbox0
 	Subnet netip.Prefix // e.g. 172.30.0.0/24; the first host address is the gateway
+	// Group names the box group this bridge is of (group.go): its ports
+	// are not isolated. Empty for kvbox's main network.
+	Group string
 }
 
 // Default is kvbox's network unless configured otherwise.
@@ -142,7 +145,9 @@ func (c Config) Status() Status {
 }
 
 // Remove deletes the bridge and kvbox's firewall rules.
-func (c Config) Remove() error {
+func (c Config) Remove() error { return c.remove(true) }
+
+func (c Config) remove(portFilter bool) error {
 	var errs []error
 	if ipt, err := iptables.New(); err == nil {
 		if err := c.removeNAT(ipt); err != nil {
@@ -152,8 +157,10 @@ func (c Config) Remove() error {
 	} else {
 		errs = append(errs, err)
 	}
-	if err := removePortFilter(); err != nil {
-		errs = append(errs, err)
+	if portFilter {
+		if err := removePortFilter(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if link, err := netlink.LinkByName(c.Bridge); err == nil {
 		if err := netlink.LinkDel(link); err != nil {
@@ -253,11 +260,11 @@ func ClosePort(tap string) error {
 }
 
 // OpenPort attaches a box's tap device to the bridge as an isolated port
-// and brings it up. A new bridge port starts with the kernel's defaults
-// (not isolated), so the tap is down until the flag is set: not one frame
-// passes between boxes meanwhile. libvirt sets the flag itself for a box
-// it attaches (<port isolated='yes'/>); this is for a clone's port, which
-// kvbox re-attaches.
+// (not isolated on a group's bridge) and brings it up. A new bridge port
+// starts with the kernel's defaults (not isolated), so the tap is down
+// until the flag is set: not one frame passes between boxes meanwhile.
+// libvirt sets the flag itself for a box it attaches (<port
+// isolated='yes'/>); this is for a clone's port, which kvbox re-attaches.
 func (c Config) OpenPort(tap string) error {
 	link, err := netlink.LinkByName(tap)
 	if err != nil {
@@ -273,7 +280,7 @@ func (c Config) OpenPort(tap string) error {
 	if err := netlink.LinkSetMaster(link, br); err != nil {
 		return fmt.Errorf("open port %s on %s: %w", tap, c.Bridge, err)
 	}
-	if err := netlink.LinkSetIsolated(link, true); err != nil {
+	if err := netlink.LinkSetIsolated(link, c.Group == ""); err != nil {
 		netlink.LinkSetNoMaster(link)
 		return fmt.Errorf("open port %s on %s: isolate it: %w", tap, c.Bridge, err)
 	}

@@ -52,8 +52,9 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 type cloning struct {
 	c      *domain.Creation
 	snap   Snapshot
-	srcXML string       // the snapshot's domain XML
-	spec   CloneXMLSpec // what the clone's XML is made from
+	srcXML string         // the snapshot's domain XML
+	spec   CloneXMLSpec   // what the clone's XML is made from
+	net    network.Config // the network it is on: the main one or its group's
 }
 
 func (cl *cloning) plan() step.Plan {
@@ -82,7 +83,15 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if _, err := os.Stat(snap.Path(MetaFile)); err != nil {
 		return fmt.Errorf("snapshot %q is gone: %w", snap.Name, domain.ErrNotFound)
 	}
-	if c.Res, err = h.Reserve(c.Name, r); err != nil {
+	// A clone is in its snapshot's group, if the snapshot's box was in one.
+	src, _, err := domain.MetaOfXML(cl.srcXML)
+	if err != nil {
+		return err
+	}
+	if cl.net, err = h.GroupNetwork(src.Group); err != nil {
+		return err
+	}
+	if c.Res, err = h.Reserve(c.Name, cl.net, r); err != nil {
 		return err
 	}
 	dir := c.Res.Dir
@@ -106,12 +115,12 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		memFile = MemoryFile
 	}
 	meta := domain.Meta{
-		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: h.Net.Subnet.Bits(),
-		Gateway: h.Net.Gateway().String(), MAC: network.NewMAC(), Bridge: h.Net.Bridge, Dir: dir,
+		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
+		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: cl.net.Group, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
 	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
-		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge = "", 0, "", "", ""
+		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge, meta.Group = "", 0, "", "", "", ""
 	}
 	cl.spec = CloneXMLSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
@@ -158,7 +167,7 @@ func (cl *cloning) openPort(context.Context) error {
 	if cl.spec.Meta.Bridge == "" {
 		return nil
 	}
-	return cl.c.Host.Net.OpenPort(cl.c.Box.Tap)
+	return cl.net.OpenPort(cl.c.Box.Tap)
 }
 
 func (cl *cloning) load(ctx context.Context) error {

@@ -249,7 +249,11 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 	// address; a snapshot of a box an older kvbox made references
 	// libvirt's nwfilter with the source's address: dropped.
 	ifc.FilterRef = nil
+	// An isolated port, but in a box group, where boxes reach each other.
 	ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
+	if m.Group != "" {
+		ifc.PortOptions = nil
+	}
 	return nil
 }
 

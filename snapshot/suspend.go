@@ -320,7 +320,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	if err := r.readSaved(); err != nil {
 		return ResumeResult{}, err
 	}
-	if err := h.EnsureNetwork(); err != nil {
+	if err := h.EnsureBoxNetwork(box); err != nil {
 		return ResumeResult{}, err
 	}
 	if err := h.AllowPort(box); err != nil {

@@ -121,6 +121,9 @@ type box struct {
 	Name        string `json:"name"`
 	State       string `json:"state"`
 	IP          string `json:"ip"`
+	Gateway     string `json:"gateway"`
+	Group       string `json:"group"`
+	Bridge      string `json:"bridge"`
 	MAC         string `json:"mac"`
 	Image       string `json:"image"`
 	Snapshot    string `json:"snapshot"`

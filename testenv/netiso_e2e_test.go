@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/google/nftables"
+
+	"kvbox.dev/kvbox/network"
 )
 
 // hostPing checks that the host side of the bridge (this namespace)
@@ -318,9 +320,131 @@ func TestNetworkNone(t *testing.T) {
 	for _, args := range [][]string{
 		{"new", "--from", snap, "--network", "none", name(t, "nonetx")},
 		{"new", "--network", "bogus", name(t, "nonety")},
+		{"new", "--network", "group:", name(t, "nonety")},
+		{"new", "--network", "group:../x", name(t, "nonety")},
+		{"new", "--network", "group:a b", name(t, "nonety")},
+		{"new", "--from", snap, "--network", "group:g", name(t, "nonety")},
 	} {
 		if r := kvbox(t, args...); r.code != 2 || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
 			t.Errorf("kvbox %v: want exit 2 and one line: %s", args, r)
 		}
 	}
+}
+
+// Boxes of one group (--network group:NAME) reach each other and nothing
+// else an isolated box cannot reach: not a box of another group or an
+// isolated one, not the host, not beyond the bridge; the internet through
+// the NAT. The port filter holds inside a group (a box taking a
+// groupmate's address gets not one frame out), a clone of a group box's
+// snapshot is in the group, and a group's network goes with its last box.
+func TestNetworkGroups(t *testing.T) {
+	n := setupIsoNet(t)
+	g1, g2 := name(t, "g1"), name(t, "g2")
+	a := newBox(t, name(t, "ga"), append(n.flags, "--network", "group:"+g1)...)
+	b := newBox(t, name(t, "gb"), append(n.flags, "--network", "group:"+g1)...)
+	c := newBox(t, name(t, "gc"), append(n.flags, "--network", "group:"+g2)...)
+	d := newBox(t, name(t, "gd"), n.flags...)
+	br1, br2 := network.GroupBridge(g1), network.GroupBridge(g2)
+	if a.Group != g1 || a.Bridge != br1 || b.Bridge != br1 || c.Bridge != br2 || d.Bridge != n.br || a.Gateway == c.Gateway || a.Gateway == n.gw {
+		t.Fatalf("groups: a %s on %s (gw %s), b on %s, c %s on %s (gw %s), d on %s", a.Group, a.Bridge, a.Gateway, b.Bridge, c.Group, c.Bridge, c.Gateway, d.Bridge)
+	}
+	for _, x := range []box{a, b, c, d} {
+		inBox(t, x.Name, "mkdir -p /www && echo "+x.Name+" > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1")
+	}
+	// reaches: TCP (to's server) or ICMP from one box to another.
+	reaches := func(from, to box) bool {
+		t.Helper()
+		return strings.TrimSpace(inBox(t, from.Name, fmt.Sprintf("(timeout 3 wget -q -O - http://%s:8080/ | grep -qx %s && echo yes) || (ping -c 1 -W 2 %s >/dev/null 2>&1 && echo yes) || echo no", to.IP, to.Name, to.IP))) == "yes"
+	}
+	inet := "http://" + inetAddr + "/"
+
+	t.Run("in the group", func(t *testing.T) {
+		if got := boxGet(t, a.Name, "http://"+b.IP+":8080/"); got != b.Name {
+			t.Errorf("box a cannot reach its groupmate b's server: %q", got)
+		}
+		if !boxPings(t, b.Name, a.IP) {
+			t.Errorf("box b cannot ping its groupmate a")
+		}
+	})
+	t.Run("across groups", func(t *testing.T) {
+		for _, p := range [][2]box{{a, c}, {c, a}, {a, d}, {d, a}, {c, d}} {
+			if reaches(p[0], p[1]) {
+				t.Errorf("box %s reaches box %s of another group", p[0].Name, p[1].Name)
+			}
+		}
+	})
+	t.Run("host and beyond", func(t *testing.T) {
+		for _, gw := range []string{a.Gateway, n.gw} {
+			if boxPings(t, a.Name, gw) {
+				t.Errorf("box a pings the host at %s", gw)
+			}
+		}
+		for _, u := range []string{"http://" + n.gw + ":" + hostPort + "/", "http://" + metaAddr + "/", "http://" + privateAddr + "/"} {
+			if got := boxGet(t, a.Name, u); got != "" {
+				t.Errorf("box a reaches %s: %q", u, got)
+			}
+		}
+		hostPing(t, a.IP)
+	})
+	t.Run("internet", func(t *testing.T) {
+		for _, x := range []box{a, c} {
+			if got := boxGet(t, x.Name, inet); got != "beyond" {
+				t.Errorf("group box %s cannot reach the internet server through the NAT: %q", x.Name, got)
+			}
+		}
+	})
+	t.Run("spoofing a groupmate", func(t *testing.T) {
+		stop := capture(t, "-i", br1, fmt.Sprintf("ether src %s and not ((ip and src host %s) or (arp and arp[14:4] = %s))", a.MAC, a.IP, hexIP(a.IP)))
+		out := inBox(t, a.Name, strings.Join([]string{
+			"ip addr flush dev eth0", "ip addr add " + b.IP + "/24 dev eth0", "ip route add default via " + a.Gateway,
+			"timeout 4 wget -q -O - " + inet + " && echo GOT-THROUGH-AS-B",
+			"arping -c 2 -U -I eth0 -s " + b.IP + " " + b.IP,
+			"ip addr flush dev eth0", "ip addr add " + a.IP + "/24 dev eth0", "ip route add default via " + a.Gateway,
+			"true",
+		}, " >/dev/null 2>&1; ")+" 2>&1")
+		if strings.Contains(out, "GOT-THROUGH") {
+			t.Errorf("box a, as b, reached the internet server")
+		}
+		if leaked := strings.TrimSpace(strings.Join(stop(), "")); leaked != "" {
+			t.Errorf("box a's frames as b reached the group's bridge: %s", leaked)
+		}
+		if got := boxGet(t, a.Name, "http://"+b.IP+":8080/"); got != b.Name {
+			t.Errorf("box a, itself again, cannot reach b: %q", got)
+		}
+	})
+	t.Run("a clone is in its snapshot's group", func(t *testing.T) {
+		snap := name(t, "gsnap")
+		t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+		mustKvbox(t, "snapshots", "new", b.Name, snap)
+		e := name(t, "ge")
+		t.Cleanup(func() { kvbox(t, "rm", "--force", e) })
+		mustKvbox(t, append([]string{"new", "--from", snap, e}, n.flags...)...)
+		eb := getBox(t, e)
+		if eb.Group != g1 || eb.Bridge != br1 {
+			t.Fatalf("clone of a box of group %s: group %q on %s", g1, eb.Group, eb.Bridge)
+		}
+		if got := boxGet(t, e, "http://"+a.IP+":8080/"); got != a.Name {
+			t.Errorf("the clone cannot reach box a of its group: %q", got)
+		}
+		if reaches(eb, d) || reaches(eb, c) {
+			t.Errorf("the clone reaches a box outside its group")
+		}
+		mustKvbox(t, "rm", "--force", e)
+	})
+	t.Run("a group's network goes with its last box", func(t *testing.T) {
+		mustKvbox(t, "rm", "--force", a.Name)
+		if _, err := net.InterfaceByName(br1); err != nil {
+			t.Fatalf("group %s lost its bridge while box b is in it: %v", g1, err)
+		}
+		mustKvbox(t, "rm", "--force", b.Name)
+		if _, err := net.InterfaceByName(br1); err == nil {
+			t.Errorf("group %s's bridge %s is left after its last box", g1, br1)
+		}
+		if out, _ := exec.Command("iptables-save").CombinedOutput(); strings.Contains(string(out), br1) {
+			t.Errorf("firewall rules of group %s are left:\n%s", g1, out)
+		}
+		if _, err := net.InterfaceByName(br2); err != nil {
+			t.Errorf("group %s lost its bridge: %v", g2, err)
+		}
+	})
 }

@@ -72,7 +72,7 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	f.StringArrayVarP(&o.publish, "publish", "p", nil, "forward [ADDR:]HOSTPORT:GUESTPORT to the box while it lives (127.0.0.1 unless ADDR is given; repeatable)")
-	f.StringVar(&o.network, "network", "isolated", "isolated: on kvbox's bridge, the internet through NAT and nothing else; none: no network interface at all (exec still works)")
+	f.StringVar(&o.network, "network", "isolated", "isolated: on kvbox's bridge, the internet through NAT and nothing else; group:NAME: the same, and the boxes of group NAME reach each other; none: no network interface at all (exec still works)")
 	f.StringVar(&o.ttl, "ttl", "", "remove the box(es) this long after the start (20s, 30m, 2h, 3d), whatever happens meanwhile (kvbox ttl changes it)")
 	return c
 }
@@ -149,7 +149,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 	start := time.Now()
 	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
 	b, tm, err := h.CreateTimed(c.Context(), domain.Spec{
-		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none",
+		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none", Group: o.group(),
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
 	})
@@ -435,14 +435,27 @@ type failedError struct {
 func (e failedError) Error() string { return e.msg }
 func (e failedError) Unwrap() error { return e.cause }
 
+// group is the box group --network names, if any.
+func (o *newOptions) group() string {
+	g, _ := strings.CutPrefix(o.network, "group:")
+	if g == o.network {
+		return ""
+	}
+	return g
+}
+
 // checkNetwork refuses a --network kvbox does not know, and --network with
 // --from: a clone has its snapshot's devices (the migration stream holds
 // them), a network interface or none.
 func (o *newOptions) checkNetwork(c *cobra.Command) error {
-	switch o.network {
-	case "isolated", "none":
+	switch g, isGroup := strings.CutPrefix(o.network, "group:"); {
+	case o.network == "isolated", o.network == "none":
+	case isGroup:
+		if err := domain.ValidGroup(g); err != nil {
+			return fmt.Errorf("--network %q: %w", o.network, err)
+		}
 	default:
-		return fmt.Errorf("%w: --network %q: give isolated (the default) or none", domain.ErrInvalid, o.network)
+		return fmt.Errorf("%w: --network %q: give isolated (the default), group:NAME or none", domain.ErrInvalid, o.network)
 	}
 	if o.from != "" && c.Flags().Changed("network") {
 		return fmt.Errorf("%w: --network with --from: a clone keeps its snapshot's network (with it or without it)", domain.ErrInvalid)

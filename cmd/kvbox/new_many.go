@@ -95,7 +95,7 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 	}
 	return starter{from: "image " + im.Name, start: func(ctx context.Context, name string) (domain.Box, string, error) {
 		b, err := h.Create(ctx, domain.Spec{
-			Name: name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none",
+			Name: name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none", Group: o.group(),
 			Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 				Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
 		})

@@ -1,0 +1,135 @@
+package domain
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+
+	"kvbox.dev/kvbox/network"
+)
+
+// Box groups (network/group.go): boxes of one group share a bridge of their
+// own where they reach each other. A group exists while it has boxes: its
+// network is made with its first box and removed with its last. Its boxes'
+// metadata is all kvbox keeps of it (the group's name, bridge and subnet),
+// so a host reboot loses nothing: starting a box of the group makes its
+// network again.
+
+// ValidGroup checks a group name: a box name's rules.
+func ValidGroup(group string) error { return ValidName(group) }
+
+// groupOf is the network of the group box b is in.
+func groupOf(b Box) (network.Config, error) {
+	gw, err := netip.ParseAddr(b.Gateway)
+	if err != nil || b.Prefix <= 0 || b.Bridge != network.GroupBridge(b.Group) {
+		return network.Config{}, fmt.Errorf("box %q: its metadata holds no network for group %q (gateway %q/%d, bridge %q)", b.Name, b.Group, b.Gateway, b.Prefix, b.Bridge)
+	}
+	return network.GroupConfig(b.Group, netip.PrefixFrom(gw, b.Prefix)), nil
+}
+
+// GroupNetwork is the network a new box of group goes on, set up: the main
+// network for "", else the group's, with the subnet its boxes have, or a new
+// one for its first box. Call it under the host lock, which the box's
+// definition is made under (two first boxes of two groups must not take one
+// subnet); it first removes the networks of groups that have no box left (a
+// first box that failed leaves its group's network for this to remove: its
+// undo runs outside the lock).
+func (h *Host) GroupNetwork(group string) (network.Config, error) {
+	if group == "" {
+		return h.Net, nil
+	}
+	if err := ValidGroup(group); err != nil {
+		return network.Config{}, fmt.Errorf("group %q: %w", group, err)
+	}
+	boxes, err := h.Boxes()
+	if err != nil {
+		return network.Config{}, err
+	}
+	h.pruneGroups(boxes)
+	taken := []netip.Prefix{h.Net.Subnet}
+	for _, b := range boxes {
+		if b.Group == "" {
+			continue
+		}
+		nc, err := groupOf(b)
+		if err != nil {
+			return network.Config{}, err
+		}
+		if b.Group == group {
+			return nc, nc.EnsureGroup(h.Net)
+		}
+		taken = append(taken, nc.Subnet)
+	}
+	sub, err := network.GroupSubnet(taken)
+	if err != nil {
+		return network.Config{}, err
+	}
+	nc := network.GroupConfig(group, sub)
+	return nc, nc.EnsureGroup(h.Net)
+}
+
+// EnsureBoxNetwork sets up the network box b is on before it starts: the
+// main network, and its group's when it is in one (after a host reboot
+// the group's bridge is gone until its first box starts again).
+func (h *Host) EnsureBoxNetwork(b Box) error {
+	if err := h.EnsureNetwork(); err != nil {
+		return err
+	}
+	if b.Group == "" {
+		return nil
+	}
+	nc, err := groupOf(b)
+	if err != nil {
+		return err
+	}
+	return nc.EnsureGroup(h.Net)
+}
+
+// PruneGroups removes the networks of groups no box is in any more: a
+// group's bridge, firewall and NAT go with its last box.
+func (h *Host) PruneGroups() error {
+	unlock, err := h.Lock()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	boxes, err := h.Boxes()
+	if err != nil {
+		return err
+	}
+	return h.pruneGroups(boxes)
+}
+
+func (h *Host) pruneGroups(boxes []Box) error {
+	inUse := map[string]bool{}
+	for _, b := range boxes {
+		inUse[b.Bridge] = true
+	}
+	links, err := netlink.LinkList()
+	if err != nil {
+		return err
+	}
+	var errs []string
+	for _, l := range links {
+		name := l.Attrs().Name
+		if l.Type() != "bridge" || !strings.HasPrefix(name, network.GroupBridgePrefix) || inUse[name] {
+			continue
+		}
+		addrs, _ := netlink.AddrList(l, netlink.FAMILY_V4)
+		nc := network.Config{Bridge: name, Group: name}
+		if len(addrs) > 0 {
+			ones, _ := addrs[0].Mask.Size()
+			a, _ := netip.AddrFromSlice(addrs[0].IP.To4())
+			nc.Subnet = netip.PrefixFrom(a, ones).Masked()
+		}
+		if err := nc.RemoveGroup(); err != nil {
+			errs = append(errs, err.Error())
+		}
+	}
+	if errs != nil {
+		return fmt.Errorf("remove the network of a group without boxes: %s", strings.Join(errs, "; "))
+	}
+	return nil
+}

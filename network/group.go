@@ -1,0 +1,91 @@
+package network
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"net/netip"
+
+	"github.com/coreos/go-iptables/iptables"
+	"github.com/vishvananda/netlink"
+)
+
+// Box groups. Boxes are isolated from each other by default: every box is
+// an isolated port of kvbox's bridge. Boxes that should talk to each other
+// say so with a group (kvbox new --network group:NAME): a group is a bridge
+// of its own (GroupBridge), with a subnet of its own (GroupSubnet) and the
+// same firewall (the host's services, private ranges and 169.254/16 out of
+// reach, the internet through NAT where the main network has it) and the
+// same port filter (each box its own MAC and address only), whose ports are
+// not isolated: the boxes of a group reach each other and no other box.
+
+// GroupBridge is the bridge of group: "kvbg" and 8 hex digits of the
+// group's name (an interface name has at most 15 characters).
+func GroupBridge(group string) string {
+	sum := sha256.Sum256([]byte(group))
+	return GroupBridgePrefix + hex.EncodeToString(sum[:4])
+}
+
+// GroupBridgePrefix begins the name of every group's bridge.
+const GroupBridgePrefix = "kvbg"
+
+// GroupPool is where group subnets are taken from, a /24 each.
+var GroupPool = netip.MustParsePrefix("172.30.0.0/16")
+
+// GroupConfig is the network of group on subnet.
+func GroupConfig(group string, subnet netip.Prefix) Config {
+	return Config{Bridge: GroupBridge(group), Subnet: subnet.Masked(), Group: group}
+}
+
+// GroupSubnet picks a /24 of GroupPool for a new group: one that overlaps
+// none of taken (the main network's and other groups' subnets) and no
+// address or route of this host (a LAN, a VPN, another program's bridge).
+func GroupSubnet(taken []netip.Prefix) (netip.Prefix, error) {
+	inUse := append([]netip.Prefix(nil), taken...)
+	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("group subnet: list routes: %w", err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue // the default route overlaps everything and nothing
+		}
+		if p, ok := netip.AddrFromSlice(r.Dst.IP.To4()); ok {
+			bits, _ := r.Dst.Mask.Size()
+			inUse = append(inUse, netip.PrefixFrom(p, bits))
+		}
+	}
+	base := GroupPool.Masked().Addr().As4()
+	for i := 1; i < 256; i++ {
+		p := netip.PrefixFrom(netip.AddrFrom4([4]byte{base[0], base[1], byte(i), 0}), 24)
+		free := true
+		for _, u := range inUse {
+			if u.Overlaps(p) {
+				free = false
+				break
+			}
+		}
+		if free {
+			return p, nil
+		}
+	}
+	return netip.Prefix{}, fmt.Errorf("no free /24 left in %s for a new group", GroupPool)
+}
+
+// EnsureGroup sets up a group's bridge and firewall, with NAT when the main
+// network has it (a group reaches what the host's other boxes reach).
+func (c Config) EnsureGroup(main Config) error {
+	nat := hasUplink()
+	if !nat {
+		if ipt, err := iptables.New(); err == nil {
+			nat = main.hasNAT(ipt)
+		}
+	}
+	return c.ensure(nat)
+}
+
+// RemoveGroup deletes a group's bridge, firewall and NAT; kvbox's port
+// filter, which every bridge shares, stays.
+func (c Config) RemoveGroup() error {
+	return c.remove(false)
+}
