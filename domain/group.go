@@ -90,15 +90,11 @@ func (h *Host) EnsureBoxNetwork(b Box) error {
 // PruneGroups removes the networks of groups no box is in any more: a
 // group's bridge, firewall and NAT go with its last box.
 func (h *Host) PruneGroups() error {
-	unlock, err := h.Lock()
+	boxes, unlock, err := h.lockedBoxes()
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	boxes, err := h.Boxes()
-	if err != nil {
-		return err
-	}
 	return h.pruneGroups(boxes)
 }
 

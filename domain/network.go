@@ -9,15 +9,11 @@ import (
 // rules for it, refusing (ErrBusy, naming them) while boxes are on it. It
 // holds the host lock, so no box is defined on the bridge meanwhile.
 func (h *Host) RemoveNetwork() error {
-	unlock, err := h.Lock()
+	boxes, unlock, err := h.lockedBoxes()
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	boxes, err := h.Boxes()
-	if err != nil {
-		return err
-	}
 	var users []string
 	for _, b := range boxes {
 		if b.Bridge == h.Net.Bridge {
@@ -28,4 +24,19 @@ func (h *Host) RemoveNetwork() error {
 		return fmt.Errorf("%w: boxes %s are on %s; remove them first", ErrBusy, strings.Join(users, ", "), h.Net.Bridge)
 	}
 	return h.Net.Remove()
+}
+
+// lockedBoxes takes the host lock and lists the boxes: none is defined or
+// removed until unlock.
+func (h *Host) lockedBoxes() ([]Box, func(), error) {
+	unlock, err := h.Lock()
+	if err != nil {
+		return nil, nil, err
+	}
+	boxes, err := h.Boxes()
+	if err != nil {
+		unlock()
+		return nil, nil, err
+	}
+	return boxes, unlock, nil
 }

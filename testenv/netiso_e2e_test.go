@@ -111,6 +111,18 @@ func setupIsoNet(t *testing.T) isoNet {
 	return n
 }
 
+// clone snapshots box src (snapshot BASEsnap) and starts a clone of it
+// (BASEclone) on this network; both go when the test ends.
+func (n isoNet) clone(t *testing.T, src box, base string) box {
+	t.Helper()
+	snap, c := name(t, base+"snap"), name(t, base+"clone")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", src.Name, snap)
+	t.Cleanup(func() { kvbox(t, "rm", "--force", c) })
+	mustKvbox(t, append([]string{"new", "--from", snap, c}, n.flags...)...)
+	return getBox(t, c)
+}
+
 // boxGet fetches url from inside a box: its body, or "" when it cannot.
 func boxGet(t *testing.T, n, url string) string {
 	t.Helper()
@@ -222,13 +234,8 @@ func TestNetworkIsolation(t *testing.T) {
 	})
 
 	t.Run("clone keeping its source's identity", func(t *testing.T) {
-		snap := name(t, "isosnap")
-		t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
-		mustKvbox(t, "snapshots", "new", a.Name, snap)
-		c := name(t, "isoclone")
-		t.Cleanup(func() { kvbox(t, "rm", "--force", c) })
-		mustKvbox(t, append([]string{"new", "--from", snap, c}, n.flags...)...)
-		cb := getBox(t, c)
+		cb := n.clone(t, a, "iso")
+		c := cb.Name
 		// What an agent that refused the new identity would leave: the
 		// source's MAC and address.
 		out := inBox(t, c, strings.Join([]string{
@@ -413,13 +420,8 @@ func TestNetworkGroups(t *testing.T) {
 		}
 	})
 	t.Run("a clone is in its snapshot's group", func(t *testing.T) {
-		snap := name(t, "gsnap")
-		t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
-		mustKvbox(t, "snapshots", "new", b.Name, snap)
-		e := name(t, "ge")
-		t.Cleanup(func() { kvbox(t, "rm", "--force", e) })
-		mustKvbox(t, append([]string{"new", "--from", snap, e}, n.flags...)...)
-		eb := getBox(t, e)
+		eb := n.clone(t, b, "g")
+		e := eb.Name
 		if eb.Group != g1 || eb.Bridge != br1 {
 			t.Fatalf("clone of a box of group %s: group %q on %s", g1, eb.Group, eb.Bridge)
 		}
