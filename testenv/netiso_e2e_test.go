@@ -433,6 +433,21 @@ func TestNetworkGroups(t *testing.T) {
 		}
 		mustKvbox(t, "rm", "--force", e)
 	})
+	t.Run("made again after a reboot", func(t *testing.T) {
+		// What a host reboot leaves of group g2: its box c defined, its
+		// bridge and firewall gone.
+		mustKvbox(t, "stop", "--force", c.Name)
+		if out, err := exec.Command("ip", "link", "del", br2).CombinedOutput(); err != nil {
+			t.Fatalf("ip link del %s: %v %s", br2, err, out)
+		}
+		mustKvbox(t, append([]string{"start", c.Name}, n.flags...)...)
+		if got := boxGet(t, c.Name, inet); got != "beyond" {
+			t.Errorf("group box %s started after its group's bridge was gone cannot reach the internet: %q", c.Name, got)
+		}
+		if reaches(c, d) {
+			t.Errorf("box %s reaches box %s of another group after the restart", c.Name, d.Name)
+		}
+	})
 	t.Run("a group's network goes with its last box", func(t *testing.T) {
 		mustKvbox(t, "rm", "--force", a.Name)
 		if _, err := net.InterfaceByName(br1); err != nil {
