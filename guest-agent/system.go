@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
@@ -160,13 +161,23 @@ func applyNetwork(id Identity) error {
 		return err
 	}
 	name := link.Attrs().Name
-	if err := netlink.LinkSetDown(link); err != nil {
-		return fmt.Errorf("%s down: %w", name, err)
-	}
-	if id.MAC != "" {
-		hw, _ := net.ParseMAC(id.MAC)
-		if err := netlink.LinkSetHardwareAddr(link, hw); err != nil {
-			return fmt.Errorf("%s set mac: %w", name, err)
+	// A clone's new MAC is set while the link is up where the driver can
+	// (virtio-net: IFF_LIVE_ADDR_CHANGE): taking the NIC down and up again
+	// restarts its queues, the costliest part of a clone's
+	// re-identification under TCG. The gratuitous ARP the link's coming up
+	// would send is lost for a clone anyway: its port stays closed until
+	// its identity is applied. Otherwise (the same MAC, a box's first
+	// contact, or a driver that refuses) the link goes down and up.
+	hw, _ := net.ParseMAC(id.MAC)
+	live := hw != nil && !bytes.Equal(link.Attrs().HardwareAddr, hw) && netlink.LinkSetHardwareAddr(link, hw) == nil
+	if !live {
+		if err := netlink.LinkSetDown(link); err != nil {
+			return fmt.Errorf("%s down: %w", name, err)
+		}
+		if hw != nil {
+			if err := netlink.LinkSetHardwareAddr(link, hw); err != nil {
+				return fmt.Errorf("%s set mac: %w", name, err)
+			}
 		}
 	}
 	if id.Address != "" {
