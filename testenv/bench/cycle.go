@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -60,10 +61,12 @@ func benchCycle(ctx context.Context, e *env) error {
 	}
 
 	const par = 10
+	busy0 := hostBusy()
 	wall, rmWall, pss, err := benchParallel(ctx, e, snap.Name, par)
 	if err != nil {
 		return err
 	}
+	busy := hostBusy() - busy0 // the starts and the rm of all
 
 	cli := median(news)
 	fmt.Printf("kvbox exec BOX -- true (CLI, median of %d)   %6.0f ms\n", len(execs), ms(median(execs)))
@@ -80,7 +83,33 @@ func benchCycle(ctx context.Context, e *env) error {
 		}
 		fmt.Printf("  PSS per clone's QEMU: mean %.1f MB over %d clones\n", float64(sum)/float64(len(pss))/1024, len(pss))
 	}
+	if busy > 0 {
+		per := busy / par
+		fmt.Printf("  host CPU busy: %.1f s over the starts and the rm, %.2f s per clone: at most %.1f clones/s on %d cores\n",
+			busy.Seconds(), per.Seconds(), float64(runtime.NumCPU())/per.Seconds(), runtime.NumCPU())
+	}
 	return nil
+}
+
+// hostBusy is the host's CPU time spent so far: user, nice, system, irq and
+// softirq of /proc/stat (in USER_HZ ticks of 10 ms; guest time is already
+// in user); 0 when it cannot be read.
+func hostBusy() time.Duration {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" { // cpu user nice system idle iowait irq softirq ...
+		return 0
+	}
+	var ticks int64
+	for _, v := range []string{f[1], f[2], f[3], f[6], f[7]} {
+		n, _ := strconv.ParseInt(v, 10, 64)
+		ticks += n
+	}
+	return time.Duration(ticks) * 10 * time.Millisecond
 }
 
 // virshRestorePeer is the peer: virsh save of the clone, then virsh
