@@ -27,8 +27,8 @@ func (e *env) kvboxCLI(ctx context.Context, args ...string) (time.Duration, erro
 
 // benchCycle times, through the CLI, what a job does with a warm clone:
 // `exec true` on a running clone, the whole job cycle (new --from, exec
-// true, rm --force), ten clones started at once (wall time and PSS of
-// each QEMU), and the peer `virsh restore` of a saved clone.
+// true, rm --force), ten clones started at once (wall time, host CPU and
+// PSS of each QEMU), and the peer `virsh restore` of a saved clone.
 func benchCycle(ctx context.Context, e *env) error {
 	snap, err := e.warmSnapshot(ctx)
 	if err != nil {
@@ -61,12 +61,10 @@ func benchCycle(ctx context.Context, e *env) error {
 	}
 
 	const par = 10
-	busy0 := hostBusy()
-	wall, rmWall, pss, err := benchParallel(ctx, e, snap.Name, par)
+	wall, rmWall, busy, pss, err := benchParallel(ctx, e, snap.Name, par)
 	if err != nil {
 		return err
 	}
-	busy := hostBusy() - busy0 // the starts and the rm of all
 
 	cli := median(news)
 	fmt.Printf("kvbox exec BOX -- true (CLI, median of %d)   %6.0f ms\n", len(execs), ms(median(execs)))
@@ -85,7 +83,7 @@ func benchCycle(ctx context.Context, e *env) error {
 	}
 	if busy > 0 {
 		per := busy / par
-		fmt.Printf("  host CPU busy: %.1f s over the starts and the rm, %.2f s per clone: at most %.1f clones/s on %d cores\n",
+		fmt.Printf("  host CPU busy while they started: %.1f s, %.2f s per clone: at most %.1f clones/s on %d cores\n",
 			busy.Seconds(), per.Seconds(), float64(runtime.NumCPU())/per.Seconds(), runtime.NumCPU())
 	}
 	return nil
@@ -152,20 +150,20 @@ func jobCycles(ctx context.Context, e *env, snap string) (news, cycles []time.Du
 }
 
 // benchParallel starts par clones of snap at once through the CLI and
-// returns the wall time, the PSS (KiB) of each one's QEMU, and the wall time
-// of one rm of them all.
-func benchParallel(ctx context.Context, e *env, snap string, par int) (wall, rmWall time.Duration, pss []int64, err error) {
+// returns the wall time, the wall time of one rm of them all, the host CPU
+// time the starts took (hostBusy) and the PSS (KiB) of each one's QEMU.
+func benchParallel(ctx context.Context, e *env, snap string, par int) (wall, rmWall, busy time.Duration, pss []int64, err error) {
 	names := make([]string, par)
 	errs := make([]error, par)
 	var wg sync.WaitGroup
-	t0 := time.Now()
+	t0, busy0 := time.Now(), hostBusy()
 	for i := range par {
 		names[i] = fmt.Sprintf("bench-par-%d", i)
 		wg.Add(1)
 		go func() { defer wg.Done(); _, errs[i] = e.kvboxCLI(ctx, "new", "--from", snap, names[i]) }()
 	}
 	wg.Wait()
-	wall = time.Since(t0)
+	wall, busy = time.Since(t0), hostBusy()-busy0
 	for i, n := range names {
 		if errs[i] == nil {
 			if kb, err := qemuPSS(n); err == nil {
@@ -175,15 +173,15 @@ func benchParallel(ctx context.Context, e *env, snap string, par int) (wall, rmW
 	}
 	t0 = time.Now()
 	if _, err := e.kvboxCLI(context.Background(), append([]string{"rm", "--force"}, names...)...); err != nil {
-		return 0, 0, nil, err
+		return 0, 0, 0, nil, err
 	}
 	rmWall = time.Since(t0)
 	for _, err := range errs {
 		if err != nil {
-			return 0, 0, nil, err
+			return 0, 0, 0, nil, err
 		}
 	}
-	return wall, rmWall, pss, nil
+	return wall, rmWall, busy, pss, nil
 }
 
 // qemuPSS is the proportional set size (KiB) of the named domain's QEMU.
