@@ -279,24 +279,35 @@ func TestPortFilterRebuilt(t *testing.T) {
 		t.Fatalf("delete kvbox's table: %v", err)
 	}
 	mustKvbox(t, "network", "up")
-	table := &nftables.Table{Family: nftables.TableFamilyBridge, Name: "kvbox"}
-	set, err := conn.GetSetByName(table, "ports")
+	if !inPortFilter(t, b) {
+		t.Errorf("the rebuilt port filter lacks box %s's port", n)
+	}
+	hostPing(t, b.IP)
+}
+
+// inPortFilter reports whether kvbox's port filter holds box b's port.
+func inPortFilter(t *testing.T, b box) bool {
+	t.Helper()
+	conn, err := nftables.New()
 	if err != nil {
-		t.Fatalf("network up did not make the port filter again: %v", err)
+		t.Fatal(err)
+	}
+	set, err := conn.GetSetByName(&nftables.Table{Family: nftables.TableFamilyBridge, Name: "kvbox"}, "ports")
+	if err != nil {
+		t.Logf("kvbox's port filter: %v", err)
+		return false
 	}
 	els, err := conn.GetSetElements(set)
 	if err != nil {
 		t.Fatal(err)
 	}
 	tap := "kvb" + strings.ReplaceAll(b.MAC, ":", "")
-	found := false
 	for _, e := range els {
-		found = found || strings.HasPrefix(string(e.Key), tap+"\x00")
+		if strings.HasPrefix(string(e.Key), tap+"\x00") {
+			return true
+		}
 	}
-	if !found {
-		t.Errorf("the rebuilt port filter lacks box %s's port %s (%d elements)", n, tap, len(els))
-	}
-	hostPing(t, b.IP)
+	return false
 }
 
 func TestNetworkNone(t *testing.T) {
@@ -446,6 +457,18 @@ func TestNetworkGroups(t *testing.T) {
 		}
 		if reaches(c, d) {
 			t.Errorf("box %s reaches box %s of another group after the restart", c.Name, d.Name)
+		}
+	})
+	t.Run("network rm keeps the port filter for groups", func(t *testing.T) {
+		// The test's main network loses its last box and goes; group g2's
+		// box c still needs kvbox's port filter, which every bridge shares.
+		mustKvbox(t, "rm", "--force", d.Name)
+		mustKvbox(t, append(n.flags, "network", "rm")...)
+		if !inPortFilter(t, c) {
+			t.Errorf("network rm took box %s of group %s out of kvbox's port filter", c.Name, g2)
+		}
+		if got := boxGet(t, c.Name, "http://"+metaAddr+"/"); got != "" {
+			t.Errorf("box %s reaches the metadata server after network rm: %q", c.Name, got)
 		}
 	})
 	t.Run("a group's network goes with its last box", func(t *testing.T) {
