@@ -68,9 +68,10 @@ func (h *Host) ShareWithQEMU(path string, mode fs.FileMode) error {
 }
 
 // OpenNoFollow opens path, a plain file, in a folder QEMU's user can write
-// (a box folder, a snapshot being built): a link planted there is refused,
-// not followed, and so is anything but a regular file (a FIFO would block)
-// or a file with another name elsewhere (a hard link).
+// (a box folder): a link planted there is refused, not followed, and so is
+// anything but a regular file (a FIFO would block) or a file with another
+// name elsewhere (a hard link). With O_CREATE a missing file is made with
+// no permission bits: the caller sets them.
 func OpenNoFollow(path string, flag int) (*os.File, error) {
 	f, err := os.OpenFile(path, flag|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
 	if err != nil {

@@ -369,12 +369,18 @@ func (c *creation) makeFolder(context.Context) error {
 
 // makeForQEMU creates an empty file that QEMU's user will write.
 func makeForQEMU(h *domain.Host, path string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
+	f, err := createNew(path)
 	if err != nil {
 		return err
 	}
 	f.Close()
 	return h.ChownForQEMU(path)
+}
+
+// createNew creates a file of the partial folder, which must not exist yet
+// (O_EXCL: nothing in its place is written through).
+func createNew(path string) (*os.File, error) {
+	return os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
 }
 
 // prepare finds what the snapshot builds on and records what Recover needs
@@ -546,9 +552,8 @@ func (c *creation) saveState(ctx context.Context) error {
 // copyMemory copies the paused box's RAM file. Not synced here: seal syncs
 // every file once the box runs again.
 //
-// Both folders are QEMU's: the box's RAM file is opened without following a
-// link, and the copy is a file kvbox creates (O_EXCL: nothing planted in its
-// place is written through).
+// The box folder is QEMU's: its RAM file is opened without following a
+// link. The copy is a new file of the partial folder (createNew).
 func (c *creation) copyMemory(context.Context) error {
 	c.mem = Memory{File: MemoryFile}
 	in, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
@@ -556,7 +561,7 @@ func (c *creation) copyMemory(context.Context) error {
 		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
 	}
 	defer in.Close()
-	out, err := os.OpenFile(filepath.Join(c.tmp, MemoryFile), os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
+	out, err := createNew(filepath.Join(c.tmp, MemoryFile))
 	if err != nil {
 		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
 	}
@@ -774,8 +779,8 @@ func seal(h *domain.Host, dir string, s Snapshot) error {
 		return err
 	}
 	for _, e := range ents {
-		// QEMU's user could write the folder until now: what it planted
-		// is refused, never followed.
+		// Never followed: a snapshot folder an older kvbox left QEMU's
+		// user to write may hold what that user planted.
 		p := filepath.Join(dir, e.Name())
 		f, err := domain.OpenNoFollow(p, os.O_RDONLY)
 		if err != nil {

@@ -36,7 +36,7 @@ const mappedRAMHeaderSize = 4 + 8 + 8 + 8
 // the state reads no page (the clone maps the pages from the file instead,
 // privately, at the returned offset), and returns that offset.
 func prepareMappedRAM(path string, ramSize int64) (int64, error) {
-	f, err := domain.OpenNoFollow(path, os.O_RDWR) // QEMU wrote it, in a folder it can write
+	f, err := domain.OpenNoFollow(path, os.O_RDWR) // QEMU wrote it: a plain file of its own, never a link
 	if err != nil {
 		return 0, err
 	}

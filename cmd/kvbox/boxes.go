@@ -437,21 +437,20 @@ func (e failedError) Unwrap() error { return e.cause }
 
 // group is the box group --network names, if any.
 func (o *newOptions) group() string {
-	g, _ := strings.CutPrefix(o.network, "group:")
-	if g == o.network {
-		return ""
+	if g, ok := strings.CutPrefix(o.network, "group:"); ok {
+		return g
 	}
-	return g
+	return ""
 }
 
 // checkNetwork refuses a --network kvbox does not know, and --network with
 // --from: a clone has its snapshot's devices (the migration stream holds
 // them), a network interface or none.
 func (o *newOptions) checkNetwork(c *cobra.Command) error {
-	switch g, isGroup := strings.CutPrefix(o.network, "group:"); {
+	switch {
 	case o.network == "isolated", o.network == "none":
-	case isGroup:
-		if err := domain.ValidGroup(g); err != nil {
+	case strings.HasPrefix(o.network, "group:"):
+		if err := domain.ValidGroup(o.group()); err != nil {
 			return fmt.Errorf("--network %q: %w", o.network, err)
 		}
 	default:
