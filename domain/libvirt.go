@@ -45,8 +45,10 @@ func isNoDomain(err error) bool {
 
 // hostFacts are what kvbox reads from libvirt's capabilities.
 type hostFacts struct {
-	domainType string // kvm where the host offers it, else qemu
-	uid, gid   int    // who QEMU runs as (the DAC label), -1 when unknown
+	domainType  string // kvm where the host offers it, else qemu
+	uid, gid    int    // who QEMU runs as (the DAC label), -1 when unknown
+	qemu        string // the x86_64 QEMU binary libvirt runs by default
+	macSecurity bool   // libvirt confines QEMU (AppArmor, SELinux)
 }
 
 var baselabelRE = regexp.MustCompile(`<baselabel type='(\w+)'>\+?(\d+):\+?(\d+)</baselabel>`)
@@ -66,6 +68,10 @@ func readHostFacts(c *libvirt.Connect) (hostFacts, error) {
 			f.gid, _ = strconv.Atoi(m[3])
 		}
 	}
+	if m := qemuEmulatorRE.FindStringSubmatch(caps); m != nil {
+		f.qemu = m[1]
+	}
+	f.macSecurity = macModelRE.MatchString(caps)
 	return f, nil
 }
 

@@ -334,8 +334,12 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	if err != nil {
 		return "", err
 	}
+	emulator, err := h.Emulator()
+	if err != nil {
+		return "", err
+	}
 	return Render(h.Template, TemplateData{
-		Type: typ, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
+		Type: typ, Emulator: emulator, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
 		Bridge: meta.Bridge, Group: meta.Group, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,

@@ -19,6 +19,7 @@ type AgentPort struct {
 // XML-escaped by Render; Metadata is an XML fragment and is not.
 type TemplateData struct {
 	Type        string // kvm or qemu
+	Emulator    string // the QEMU binary libvirt runs; empty: libvirt's default
 	Name        string
 	Metadata    string
 	MemoryBytes int64
@@ -52,7 +53,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
 	}
 	e := d
-	for _, s := range []*string{&e.Type, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
+	for _, s := range []*string{&e.Type, &e.Emulator, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
 		*s = html.EscapeString(*s)
 	}
 	e.AgentPorts = nil

@@ -131,6 +131,9 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if err != nil {
 		return err
 	}
+	if err := h.EnsureEmulator(xml); err != nil {
+		return err
+	}
 	if c.Dom, err = h.Conn.DomainDefineXML(xml); err != nil {
 		return fmt.Errorf("define clone %q: %s", c.Name, domain.LibvirtMessage(err))
 	}

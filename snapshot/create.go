@@ -94,7 +94,7 @@ type Phases struct {
 // how much of the RAM QEMU has gone through in its current pass.
 type CopyProgress struct {
 	Written, Scanned, RAM int64
-	Paused                bool // the box stands still while it is copied (TCG: see tcgPaused)
+	Paused                bool // the box stands still while it is copied (see copyPaused)
 }
 
 // CreateOf snapshots a box whatever its state: a stopped box is booted first
@@ -204,6 +204,7 @@ type creation struct {
 	prev    *Snapshot           // what an incremental disk copy builds on
 	liveXML string              // the box's migratable domain XML
 	live    bool                // RAM copied live into the state file (mapped-ram), not copied from the box's RAM file while paused
+	shared  bool                // the box's RAM is its shared RAM file (a box booted from an image)
 	holes   []overlay.Extent    // what the box's shared RAM file did not hold before a live copy read all of it
 	caps    map[string]bool     // migration capabilities the snapshot sets
 	params  map[string]any      // and parameters (a live copy)
@@ -212,13 +213,13 @@ type creation struct {
 	disk    string              // the disk copy's target
 	mem     Memory
 
-	paused  time.Time // when the box stood still
-	running bool      // resumed (by the plan or an undo)
-	pause   time.Duration
-	tcg     bool   // QEMU emulates the CPU: the box stays paused while its RAM is copied (tcgPaused)
-	bootID  string // the guest's boot_id, from its agent (best effort)
-	copied  int64  // bytes the disk copy wrote
-	dropped int64  // bytes of page cache ranges given back after a live copy
+	paused     time.Time // when the box stood still
+	running    bool      // resumed (by the plan or an undo)
+	pause      time.Duration
+	copyPaused bool   // the box stays paused while its RAM is copied (see copyPaused)
+	bootID     string // the guest's boot_id, from its agent (best effort)
+	copied     int64  // bytes the disk copy wrote
+	dropped    int64  // bytes of page cache ranges given back after a live copy
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
@@ -253,27 +254,41 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 			Replace("save-state", step.Step{Name: "copy-memory-live", Do: c.copyLive, Undo: c.undoLive}).
 			Replace("copy-memory")
 	}
-	if c.holes != nil {
+	if c.live && c.shared {
 		p = p.After("resume", step.Step{Name: "drop-page-cache", Do: c.dropPageCache})
 	}
 	return p
 }
 
-// tcgPaused: on TCG (QEMU emulating the CPU, no KVM) the "live" copy runs
-// with the box paused from before the migration starts until it is done,
-// so it is a paused copy in mapped-ram layout, as long as reading the RAM
-// once takes. QEMU's TCG loses guest writes during a live migration of
-// kvbox's RAM: after each dirty-bitmap sync QEMU re-arms the vCPUs' write
-// tracking for the RAM block at ram_addr 0 instead of the block it synced
-// (QEMU 10.0 migration/ram.c, physical_memory_sync_dirty_bitmap passes the
+// copyPaused: on TCG (QEMU emulating the CPU, no KVM) with kvbox's RAM
+// not QEMU's first RAM block, the "live" copy runs with the box paused
+// from before the migration starts until it is done, so it is a paused
+// copy in mapped-ram layout, as long as reading the RAM once takes. QEMU's
+// TCG then loses guest writes during a live migration of kvbox's RAM:
+// after each dirty-bitmap sync QEMU re-arms the vCPUs' write tracking for
+// the RAM block at ram_addr 0 instead of the block it synced (QEMU 10.0
+// migration/ram.c, physical_memory_sync_dirty_bitmap passes the
 // block-relative start to cpu_physical_memory_dirty_bits_cleared), and
 // libvirt's own unused "pc.ram" backend sits at 0, kvbox.ram after it
 // (HMP info ramblock). TLB entries that allow direct writes then stay
 // until a guest CR3 write flushes them, and what the guest writes through
 // them after its page was copied never reaches the snapshot: a guest
 // writing 64 MB in a loop gave clones that panicked in hrtimer code and
-// rebooted, an idle one now and then a clone that lost a process. KVM
-// tracks writes in the kernel and is not affected: there the copy is live.
+// rebooted, an idle one now and then a clone that lost a process. With
+// kvbox.ram first (the emulator wrapper on TCG hosts, domain/emulator.go)
+// the block-relative and absolute starts are the same and the copy is
+// live, as on KVM, which tracks writes in the kernel.
+func copyPaused(ctx context.Context, q *qmp.Client) (bool, error) {
+	kvm, err := q.KVMEnabled(ctx)
+	if err != nil || kvm {
+		return false, err
+	}
+	off, ok, err := q.RAMBlockOffset(ctx, domain.RAMBackendID)
+	if err != nil {
+		return false, err
+	}
+	return !ok || off != 0, nil
+}
 
 // liveFrom is the touched RAM above which a box booted from an image is
 // snapshotted live too: below it, copying its RAM file in the pause (about
@@ -282,24 +297,25 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 const liveFrom = 128 << 20
 
 // chooseMemoryCopy decides how the RAM is saved. A clone's RAM is a private
-// mapping of its snapshot: always copied live (on TCG with the box paused
-// throughout: tcgPaused). A box booted from an image shares its RAM file
+// mapping of its snapshot: always copied live (paused throughout where
+// copyPaused says so). A box booted from an image shares its RAM file
 // with QEMU: paused and copied when little of it is touched, live
 // otherwise (its pause would grow with the touched RAM: 2.2 s for 1.4 GB
 // on the Debian box here); the file's holes are kept for drop-page-cache.
-// On TCG such a box is always paused and its file copied: a paused
-// migration would read every page of the RAM, the copy only its data.
+// Where copyPaused holds, such a box is always paused and its file copied:
+// a paused migration would read every page of the RAM, the copy only its
+// data.
 func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
-	kvm, err := c.q.KVMEnabled(ctx)
-	if err != nil {
+	var err error
+	if c.copyPaused, err = copyPaused(ctx, c.q); err != nil {
 		return err
 	}
-	c.tcg = !kvm
+	c.shared = shared
 	if !shared {
 		c.live = true
 		return nil
 	}
-	if c.tcg {
+	if c.copyPaused {
 		return nil // paused either way: copying the file's data beats reading all its RAM
 	}
 	f, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
@@ -316,6 +332,8 @@ func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
 		touched += e.Len
 	}
 	if touched > liveFrom {
+		// (No holes at all is possible: a live copy killed half-way
+		// left the file's holes in the page cache as zero pages.)
 		c.live = true
 		c.holes = overlay.Holes(data, size)
 	}
@@ -593,8 +611,8 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	if err := c.q.MigrateSetParameters(ctx, c.params); err != nil {
 		return err
 	}
-	if c.tcg {
-		// Paused throughout: see tcgPaused.
+	if c.copyPaused {
+		// Paused throughout: see copyPaused.
 		if err := c.suspend(ctx); err != nil {
 			return err
 		}
@@ -612,7 +630,7 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
 	}
-	if !c.tcg {
+	if !c.copyPaused {
 		c.paused = stopped
 	}
 	return nil
@@ -625,7 +643,7 @@ func (c *creation) report(r qmp.MigrateRAM) {
 	}
 	c.reported = time.Now()
 	n := func(x json.Number) int64 { v, _ := x.Int64(); return v }
-	c.progress(CopyProgress{Written: n(r.Normal) * 4096, Scanned: n(r.Total) - n(r.Remaining), RAM: n(r.Total), Paused: c.tcg})
+	c.progress(CopyProgress{Written: n(r.Normal) * 4096, Scanned: n(r.Total) - n(r.Remaining), RAM: n(r.Total), Paused: c.copyPaused})
 }
 
 // undoLive takes a live copy back: no migration left running, the box

@@ -48,7 +48,7 @@ type SuspendResult struct {
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
 	Live       bool          // RAM copied live (a clone)
-	Paused     bool          // and with the box paused throughout (TCG: tcgPaused)
+	Paused     bool          // and with the box paused throughout (see copyPaused)
 	// Steps are the plan's steps, then sync-memory: the box's memory file
 	// put on disk once QEMU is gone.
 	Steps step.Timings
@@ -104,7 +104,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	ts = append(ts, step.Timing{Name: "sync-memory", Duration: time.Since(start)})
 	removeOldStates(box.Dir, s.stateName)
 	size, _ := overlay.Du(s.statePath)
-	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Paused: s.mapped && s.tcg, Steps: ts}, nil
+	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Paused: s.mapped && s.copyPaused, Steps: ts}, nil
 }
 
 // suspending is one suspend in progress: what its steps find out and hand
@@ -118,7 +118,7 @@ type suspending struct {
 	live, boot   string // the running box's migratable XML, its persistent definition
 	suspendedDef string // the definition that makes virsh start fail
 	mapped       bool   // its RAM is a private mapping (a clone): copied live
-	tcg          bool   // and on TCG with the box paused throughout (tcgPaused)
+	copyPaused   bool   // and with the box paused throughout (see copyPaused)
 
 	stateName, statePath string
 	restore              func(context.Context) error // migration settings back as they were
@@ -221,15 +221,13 @@ func (s *suspending) save(ctx context.Context) error {
 }
 
 // saveLive copies a clone's RAM while it runs; QEMU stops the guest for
-// the last pass and the device state. On TCG the guest is paused
-// throughout (tcgPaused: QEMU's TCG loses writes in a live copy).
+// the last pass and the device state. Where copyPaused holds, the guest is
+// paused throughout (QEMU's TCG would lose writes in a live copy).
 func (s *suspending) saveLive(ctx context.Context) (err error) {
-	kvm, err := s.q.KVMEnabled(ctx)
-	if err != nil {
+	if s.copyPaused, err = copyPaused(ctx, s.q); err != nil {
 		return err
 	}
-	s.tcg = !kvm
-	if !kvm {
+	if s.copyPaused {
 		if err := s.suspend(ctx); err != nil {
 			return err
 		}
@@ -247,7 +245,7 @@ func (s *suspending) saveLive(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
 	}
-	if !kvm {
+	if s.copyPaused {
 		stopped = s.stopped
 	}
 	s.pause = time.Since(stopped)
@@ -407,6 +405,9 @@ func (r *resuming) wake() step.Plan {
 			}
 			if err := r.h.ReserveRAM(r.box.Dir, r.box.MemoryBytes); err != nil {
 				return fmt.Errorf("resume box %q: %w", name, err)
+			}
+			if err := r.h.EnsureEmulator(r.wakeDef); err != nil {
+				return err
 			}
 			d, err := r.h.Conn.DomainDefineXML(r.wakeDef)
 			if err != nil {

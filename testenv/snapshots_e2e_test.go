@@ -278,8 +278,9 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 // box is snapshotted, as a box booted from an image and as a clone (the two
 // ways kvbox copies RAM), finds every page in the clones as it last wrote
 // it (testenv/memcheck), and so do the boxes snapshotted. On TCG this is
-// what showed QEMU losing writes in a live copy (snapshot.tcgPaused): the
-// clone of such a copy panicked.
+// what showed QEMU losing writes in a live copy (snapshot.copyPaused): the
+// clone of such a copy panicked. Both copies are live here on TCG too
+// (kvbox's RAM is QEMU's first block: TestRAMFirstOnTCG).
 func TestSnapshotKeepsEveryWrite(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "memcheck")
 	build := exec.Command("go", "build", "-o", bin, "./memcheck")
@@ -363,7 +364,7 @@ func TestCloneBootedAgainRefused(t *testing.T) {
 
 // TestLiveSnapshotOfBusyBox: a box booted from an image with much of its RAM
 // touched is snapshotted live too (its RAM copied into the state file while
-// it runs; on TCG paused, see snapshot.tcgPaused), kills inside the live copy leave it running and clean, the
+// it runs; paused where snapshot.copyPaused holds), kills inside the live copy leave it running and clean, the
 // page cache its copy read into the file's holes is given back, and the
 // snapshot starts a chain three templates deep, each clone with every
 // file of the levels above.
@@ -375,9 +376,10 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	sums := inBox(t, src, "mkdir -p /mem /www && mount -t tmpfs -o size=200m mem /mem && head -c 160000000 /dev/urandom > /mem/fill && "+
 		"echo busy > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1 && cd /mem && md5sum fill")
 	startCounter(t, src)
-	// On TCG such a box is paused and its RAM file copied (snapshot.tcgPaused).
-	tcg := onTCG(t, src)
-	if tcg {
+	// Where snapshot.copyPaused holds, such a box is paused and its RAM
+	// file copied.
+	paused := copiedPaused(t, src)
+	if paused {
 		killedSnapshots(t, src, "save-state", "copy-memory")
 	} else {
 		killedSnapshots(t, src, "live-started", "live-copying", "copy-memory-live", "drop-page-cache")
@@ -407,10 +409,10 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 		}
 		t.Logf("level %d: %s", level, strings.TrimSpace(r.stdout[strings.LastIndex(r.stdout, "\r")+1:]))
 		if level == 1 {
-			if tcg && (!strings.Contains(r.stderr, "copy-memory ") || strings.Contains(r.stderr, "copy-memory-live")) {
+			if paused && (!strings.Contains(r.stderr, "copy-memory ") || strings.Contains(r.stderr, "copy-memory-live")) {
 				t.Errorf("a box on TCG was not paused for its snapshot: %s", r)
 			}
-			if !tcg && (!strings.Contains(r.stderr, "copy-memory-live") || !strings.Contains(r.stderr, "drop-page-cache")) {
+			if !paused && (!strings.Contains(r.stderr, "copy-memory-live") || !strings.Contains(r.stderr, "drop-page-cache")) {
 				t.Errorf("a box with 160 MB touched was not snapshotted live: %s", r)
 			}
 			// What the live copy read into the RAM file's holes went back:
@@ -435,14 +437,32 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 }
 
 // onTCG reports whether QEMU emulates the box's CPU (no KVM).
-func onTCG(t testing.TB, box string) bool {
+// copiedPaused says whether kvbox copies the box's RAM while it is paused
+// (snapshot.copyPaused): on TCG with kvbox.ram not QEMU's first RAM block.
+func copiedPaused(t testing.TB, box string) bool {
 	var r struct {
 		Return struct {
 			Enabled bool `json:"enabled"`
 		} `json:"return"`
 	}
 	qmpJSON(t, box, `{"execute":"query-kvm"}`, &r)
-	return !r.Return.Enabled
+	return !r.Return.Enabled && ramBlockOffset(t, box, "kvbox.ram") != "0x0000000000000000"
+}
+
+// ramBlockOffset is the offset HMP "info ramblock" gives the named RAM
+// block of a box's QEMU; "" when it has none.
+func ramBlockOffset(t testing.TB, box, block string) string {
+	t.Helper()
+	out, err := virsh("qemu-monitor-command", box, "--hmp", "info ramblock")
+	if err != nil {
+		t.Fatalf("info ramblock of %s: %v\n%s", box, err, out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) >= 4 && f[0] == block {
+			return f[3]
+		}
+	}
+	return ""
 }
 
 // qemuRssFile is how much of files a box's QEMU maps (RssFile, bytes): for
