@@ -220,20 +220,3 @@ func DataExtents(f *os.File) ([]Extent, int64, error) {
 	}
 	return out, size, nil
 }
-
-// Holes returns the ranges of a file of size bytes that the data extents
-// leave out.
-func Holes(data []Extent, size int64) []Extent {
-	var out []Extent
-	at := int64(0)
-	for _, e := range data {
-		if e.Off > at {
-			out = append(out, Extent{at, e.Off - at})
-		}
-		at = e.Off + e.Len
-	}
-	if at < size {
-		out = append(out, Extent{at, size - at})
-	}
-	return out
-}

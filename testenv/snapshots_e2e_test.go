@@ -370,8 +370,9 @@ func TestCloneBootedAgainRefused(t *testing.T) {
 // file of the levels above.
 func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	src := name(t, "busy")
-	newBox(t, src)
-	// 160 MB of a 256 MB box: past the live threshold (128 MiB touched).
+	newBox(t, src, "--memory", "512M")
+	// 160 MB of a 512 MB box: past the live threshold (128 MiB touched),
+	// with room left untouched.
 	// (a tmpfs of its own: /dev/shm holds half the RAM at most).
 	sums := inBox(t, src, "mkdir -p /mem /www && mount -t tmpfs -o size=200m mem /mem && head -c 160000000 /dev/urandom > /mem/fill && "+
 		"echo busy > /www/index.html && setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1 && cd /mem && md5sum fill")
@@ -379,6 +380,8 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	// Where snapshot.copyPaused holds, such a box is paused and its RAM
 	// file copied.
 	paused := copiedPaused(t, src)
+	memFile := filepath.Join(getBox(t, src).Dir, "memory")
+	cachedBefore := dataBytes(t, memFile)
 	if paused {
 		killedSnapshots(t, src, "save-state", "copy-memory")
 	} else {
@@ -419,6 +422,14 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 			// QEMU maps no more of it than before (the untouched ~90 MB).
 			if after := qemuRssFile(t, src); after > rssBefore+32<<20 {
 				t.Errorf("QEMU maps %d MB of its RAM file after the snapshot, %d MB before", after>>20, rssBefore>>20)
+			}
+			// Nor does the page cache keep it (SEEK_DATA counts a cached
+			// page of a preallocated extent as data), also after the live
+			// copies killed above.
+			after := dataBytes(t, memFile)
+			t.Logf("level 1: the page cache holds %d MB of the RAM file, %d MB before the snapshots", after>>20, cachedBefore>>20)
+			if after > cachedBefore+32<<20 {
+				t.Errorf("the page cache holds %d MB of the RAM file after the snapshots, %d MB before", after>>20, cachedBefore>>20)
 			}
 		}
 		assertDomainClean(t, prev)
