@@ -15,6 +15,7 @@ import (
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -98,16 +99,23 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var a kvSnaps
-	memBefore := hostMemory(src)
+	memBefore := hostMemory(e, src)
 	for i := range snapRuns {
 		if err := a.take(ctx, e, st, src, srcBox.IP, fmt.Sprintf("%s-s%d", sc.prefix, i)); err != nil {
 			return err
 		}
 		if i == 0 {
-			a.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s, QEMU's file mappings (RssFile) %s -> %s",
-				domain.FormatSize(memBefore.cached), domain.FormatSize(hostMemory(src).cached),
-				domain.FormatSize(memBefore.qemuFile), domain.FormatSize(hostMemory(src).qemuFile))
+			m := hostMemory(e, src)
+			a.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), the box's RAM file cached or written %s -> %s, QEMU's file mappings (RssFile) %s -> %s",
+				domain.FormatSize(memBefore.cached), domain.FormatSize(m.cached), domain.FormatSize(a.size),
+				domain.FormatSize(memBefore.ramFile), domain.FormatSize(m.ramFile),
+				domain.FormatSize(memBefore.qemuFile), domain.FormatSize(m.qemuFile))
 		}
+	}
+
+	write, err := writeTime(e.stateDir, a.size)
+	if err != nil {
+		return err
 	}
 
 	// (b) kvbox: snapshots of a clone of the first one.
@@ -136,13 +144,37 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	if err != nil {
 		return err
 	}
-	printSnapshotTable(base, a, b, pr)
+	printSnapshotTable(base, write, a, b, pr)
 	return nil
 }
 
-func printSnapshotTable(base time.Duration, a, b kvSnaps, pr peerSnaps) {
+// writeTime is how long writing n bytes (not zeros) to a new file in dir
+// and syncing it takes: what a snapshot of that size must at least spend.
+func writeTime(dir string, n int64) (time.Duration, error) {
+	f, err := os.CreateTemp(dir, ".bench-write-")
+	if err != nil {
+		return 0, err
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	buf := bytes.Repeat([]byte("kvbox-bench-write-time\n"), 4<<20/23)
+	t0 := time.Now()
+	for left := n; left > 0; left -= int64(len(buf)) {
+		if _, err := f.Write(buf[:min(left, int64(len(buf)))]); err != nil {
+			return 0, err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		return 0, err
+	}
+	return time.Since(t0), nil
+}
+
+func printSnapshotTable(base, write time.Duration, a, b kvSnaps, pr peerSnaps) {
 	fmt.Printf("ping gap with no snapshot (1 s, box idle)   %8.0f ms\n", ms(base))
 	a.print("kvbox snapshot of a source box")
+	fmt.Printf("  writing %s (the first's size) to this disk and syncing: %.0f ms; first snapshot's total / that: %.1f (target <= 2)\n",
+		domain.FormatSize(a.size), ms(write), float64(a.total[0])/float64(write))
 	b.print("kvbox snapshot of a clone")
 	fmt.Printf("peer virsh save (box down throughout)       %8.0f ms   (file %s)\n", ms(median(pr.save)), domain.FormatSize(pr.saveSize))
 	if pr.liveNote != "" {
@@ -257,10 +289,21 @@ type kvSnaps struct {
 
 // memUse is the host's page cache and what a box's QEMU maps of files
 // (for a box booted from an image, mostly its RAM file).
-type memUse struct{ cached, qemuFile int64 }
+type memUse struct{ cached, qemuFile, ramFile int64 }
 
-func hostMemory(box string) memUse {
+// hostMemory measures memUse, and for a box booted from an image what of
+// its RAM file is data (SEEK_DATA: written, or in the page cache over its
+// preallocated blocks).
+func hostMemory(e *env, box string) memUse {
 	var m memUse
+	if f, err := os.Open(filepath.Join(e.stateDir, "boxes", box, "memory")); err == nil {
+		if ext, _, err := overlay.DataExtents(f); err == nil {
+			for _, x := range ext {
+				m.ramFile += x.Len
+			}
+		}
+		f.Close()
+	}
 	field := func(file, name string) int64 {
 		b, _ := os.ReadFile(file)
 		for _, l := range strings.Split(string(b), "\n") {
@@ -294,7 +337,9 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 	k.pause = append(k.pause, res.Pause)
 	k.total = append(k.total, t1.Sub(t0))
 	k.gap = append(k.gap, gap)
-	k.size = res.Snapshot.SizeBytes
+	if k.size == 0 {
+		k.size = res.Snapshot.SizeBytes // the first's
+	}
 	if k.steps == nil {
 		k.steps = map[string][]time.Duration{}
 	}
