@@ -105,11 +105,33 @@ func copyExtents(out, in *os.File, size int64) (int64, error) {
 	return x.written, nil
 }
 
+// CopyRangeSparse copies n bytes of in from inOff to out at 0, as
+// copyExtents does: only in's data extents, and of those only the pages
+// that are not all zero; out's bytes elsewhere are left as they are.
+func CopyRangeSparse(out, in *os.File, inOff, n int64) (int64, error) {
+	x := &extentCopy{in: in, out: out, buf: make([]byte, copyChunk), zeros: make([]byte, zeroPage), cfr: useCopyFileRange, shift: inOff}
+	data, _, err := DataExtents(in)
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range data {
+		pos, end := max(e.Off, inOff), min(e.Off+e.Len, inOff+n)
+		if pos >= end {
+			continue
+		}
+		if err := x.extent(pos, end); err != nil {
+			return x.written, err
+		}
+	}
+	return x.written, nil
+}
+
 // extentCopy is one sparse copy in progress.
 type extentCopy struct {
 	in, out    *os.File
 	buf, zeros []byte
-	cfr        bool // copy_file_range still works between the two files
+	cfr        bool  // copy_file_range still works between the two files
+	shift      int64 // a byte at off in in goes to off-shift in out
 	written    int64
 }
 
@@ -153,7 +175,7 @@ func (x *extentCopy) extent(pos, end int64) error {
 func (x *extentCopy) run(off int64, data []byte) error {
 	inFd, outFd := int(x.in.Fd()), int(x.out.Fd())
 	for x.cfr && len(data) > 0 {
-		roff, woff := off, off
+		roff, woff := off, off-x.shift
 		n, err := unix.CopyFileRange(inFd, &roff, outFd, &woff, len(data), 0)
 		if err != nil {
 			if errors.Is(err, unix.EINTR) {
@@ -178,7 +200,7 @@ func (x *extentCopy) run(off int64, data []byte) error {
 	if len(data) == 0 {
 		return nil
 	}
-	n, err := x.out.WriteAt(data, off)
+	n, err := x.out.WriteAt(data, off-x.shift)
 	x.written += int64(n)
 	return err
 }

@@ -51,6 +51,24 @@ func TestPrepareMappedRAM(t *testing.T) {
 	if got[pagesOff] != 0xab {
 		t.Fatal("a page was touched")
 	}
+	// Again (a resume killed after readying the file): the bitmap is all
+	// zero now, and no page may be punched for it.
+	if off, err := prepareMappedRAM(path, ram); err != nil || off != pagesOff {
+		t.Fatalf("prepareMappedRAM again = %d, %v; want %d", off, err, pagesOff)
+	}
+	if got, _ := os.ReadFile(path); got[pagesOff] != 0xab {
+		t.Fatal("readying the file again zeroed a page")
+	}
+}
+
+// The header is found past the first window findRAMBlock reads.
+func TestFindRAMBlockPastFirstWindow(t *testing.T) {
+	const ram = 64 << 20
+	stream := append(make([]byte, 200<<10), fakeStream(ram, 4096, 1<<20)...)
+	h, err := findRAMBlock(bytes.NewReader(stream), ram, ram+2<<20)
+	if err != nil || h.PagesOffset != 1<<20 {
+		t.Fatalf("findRAMBlock = %+v, %v", h, err)
+	}
 }
 
 func TestPrepareMappedRAMRejectsOtherStreams(t *testing.T) {

@@ -465,6 +465,8 @@ func TestSuspendResume(t *testing.T) {
 	mustKvbox(t, "new", "--from", snap, cl)
 	bc := getBox(t, cl)
 	assertCounting(t, cl)
+	// 30 MB in a tmpfs: RAM the resume must give back byte for byte.
+	sum := inBox(t, cl, "mkdir -p /mem && mount -t tmpfs -o size=64m mem /mem && head -c 30000000 /dev/urandom > /mem/f && md5sum /mem/f")
 	for round := 1; round <= 2; round++ {
 		cc := counter(t, cl)
 		t0 := time.Now()
@@ -472,6 +474,18 @@ func TestSuspendResume(t *testing.T) {
 		running := time.Since(t0)
 		t.Logf("clone round %d: %s", round, strings.TrimSpace(out))
 		suspendChecks(t, cl)
+		if round == 1 {
+			// A resume killed once the RAM is in the box's memory file
+			// (its saved state readied): the box is suspended again, and
+			// the next resume starts from the same state.
+			cmd := exec.Command(kvboxBin, "resume", cl)
+			cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT=start-paused")
+			if out, err := cmd.CombinedOutput(); err == nil {
+				t.Fatalf("resume with KVBOX_TEST_KILL_AT=start-paused was not killed: %s", out)
+			}
+			mustKvbox(t, "ls")
+			suspendChecks(t, cl)
+		}
 		time.Sleep(3 * time.Second)
 		t0 = time.Now()
 		out = mustKvbox(t, "resume", "-v", cl)
@@ -489,6 +503,9 @@ func TestSuspendResume(t *testing.T) {
 		assertCounting(t, cl)
 		if got := strings.TrimSpace(inBox(t, cl, "hostname")); got != cl {
 			t.Errorf("resumed clone's hostname %q", got)
+		}
+		if got := inBox(t, cl, "md5sum /mem/f"); got != sum {
+			t.Errorf("clone round %d: the file in its tmpfs is %q after resume, %q before", round, got, sum)
 		}
 		if body, err := httpGet("http://" + b.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "s-"+src {
 			t.Errorf("server of the resumed clone: %q %v", body, err)
