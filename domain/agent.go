@@ -86,32 +86,38 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Clien
 	return c, err
 }
 
-// WaitAgent dials the box's agent until it answers a ping or ctx ends, and
-// returns the client and the ping's answer. It gives up early when the
-// domain stops running.
-func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, agent.Info, error) {
+// WaitAgent dials the box's agent until it answers or ctx ends, and returns
+// the client and the guest's boot_id ("" if the agent does not say). An
+// agent that took the box's token at the dial has answered, with its
+// boot_id; otherwise (a first contact, an agent older than that) a ping is
+// the answer. It gives up early when the domain stops running.
+func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, string, error) {
 	closeBoxDir(b.Dir) // QEMU has made its sockets and RAM file by now
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
-			return nil, agent.Info{}, fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
+			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
 		}
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
 		if errors.Is(err, agent.ErrUnauthorized) {
 			cancel()
-			return nil, agent.Info{}, fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+			return nil, "", fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
 		}
 		if err == nil && silentAgent(b.Name) {
 			c.Close()
 			err = fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
+		}
+		if err == nil && c.BootID != "" {
+			cancel()
+			return c, c.BootID, nil
 		}
 		if err == nil {
 			var info agent.Info
 			info, err = c.Ping(actx)
 			if err == nil {
 				cancel()
-				return c, info, nil
+				return c, info.BootID, nil
 			}
 			c.Close()
 		}
@@ -119,7 +125,7 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 		last = err
 		select {
 		case <-ctx.Done():
-			return nil, agent.Info{}, fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
+			return nil, "", fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
 				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.FailedConsoleLog(b.Name))
 		case <-time.After(50 * time.Millisecond):
 		}

@@ -149,9 +149,9 @@ func (c *Creation) Destroy() { c.Dom.Destroy() }
 
 func (c *Creation) waitAgent(ctx context.Context) (err error) {
 	c.actx, c.cancel = context.WithTimeout(ctx, c.AgentTimeout)
-	var info agent.Info
-	c.Agent, info, err = c.Host.WaitAgent(c.actx, c.Dom, c.Box)
-	if err == nil && c.BootID != "" && info.BootID != "" && info.BootID != c.BootID {
+	var bootID string
+	c.Agent, bootID, err = c.Host.WaitAgent(c.actx, c.Dom, c.Box)
+	if err == nil && c.BootID != "" && bootID != "" && bootID != c.BootID {
 		err = fmt.Errorf("the guest of box %q booted again after its memory was restored (its kernel panicked or it rebooted): "+
 			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.FailedConsoleLog(c.Box.Name))
 	}

@@ -77,6 +77,11 @@ func TestAuth(t *testing.T) {
 	if !right.Provisioned {
 		t.Error("auth did not say the agent has a token")
 	}
+	// Auth also says the kernel's boot_id, as ping does: kvbox waits for
+	// a clone's agent with it alone.
+	if info, err := right.Ping(tctx(t)); err != nil || right.BootID == "" || right.BootID != info.BootID {
+		t.Errorf("boot_id from auth %q, from ping %q (%v)", right.BootID, info.BootID, err)
+	}
 	// With it, a new token (a clone's); the old one is refused from then.
 	next := bytes.Repeat([]byte{9}, TokenSize)
 	if err := right.Reidentify(tctx(t), id, time.Now(), nil, next); err != nil {

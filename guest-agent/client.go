@@ -58,6 +58,9 @@ type Client struct {
 	Token []byte
 	// Provisioned says whether the agent had a token at the last auth.
 	Provisioned bool
+	// BootID is the guest's boot_id from the last auth ("" without auth,
+	// or from an agent older than it).
+	BootID string
 }
 
 // NewClient wraps a connection to an agent. The HELLO handshake happens on
@@ -269,6 +272,7 @@ func (c *Client) auth(ctx context.Context) error {
 		return err
 	}
 	c.Provisioned = r.Provisioned
+	c.BootID = r.BootID
 	return nil
 }
 

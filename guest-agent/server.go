@@ -379,10 +379,26 @@ func (s *Server) info() Info {
 	if unix.Sysinfo(&si) == nil {
 		in.Uptime = time.Duration(si.Uptime) * time.Second
 	}
-	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
-		in.BootID = strings.TrimSpace(string(b))
-	}
+	in.BootID = bootID()
 	return in
+}
+
+// bootIDCache holds the kernel's boot_id once read: it cannot change under
+// a running process (a guest that boots again runs a new agent).
+var bootIDCache atomic.Value
+
+// bootID is the guest kernel's boot_id ("" where it cannot be read).
+func bootID() string {
+	if id, _ := bootIDCache.Load().(string); id != "" {
+		return id
+	}
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return ""
+	}
+	id := strings.TrimSpace(string(b))
+	bootIDCache.Store(id)
+	return id
 }
 
 func (s *Server) identify(id Identity) error {
