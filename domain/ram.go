@@ -63,8 +63,11 @@ func DropUntouchedRAM(name, dir string) (int64, error) {
 	}
 	defer f.Close()
 	holes, ok, err := overlay.UnwrittenRanges(f)
-	if err != nil || !ok {
-		return 0, fmt.Errorf("box %q: the extents of its RAM file: %v", name, err)
+	if err != nil {
+		return 0, fmt.Errorf("box %q: the extents of its RAM file: %w", name, err)
+	}
+	if !ok {
+		return 0, fmt.Errorf("box %q: the filesystem of its RAM file has no extent map (FIEMAP)", name)
 	}
 	start, err := mappingOf(pid, MemoryFile(dir))
 	if err != nil {

@@ -92,22 +92,13 @@ func CopyFileSparse(out, in *os.File) (written int64, err error) {
 // after an extent into data for SEEK_DATA, so a walk that seeks as it reads
 // goes on reading ahead into the next hole, and the next, to the end.
 func copyExtents(out, in *os.File, size int64) (int64, error) {
-	x := &extentCopy{in: in, out: out, buf: make([]byte, copyChunk), zeros: make([]byte, zeroPage), cfr: useCopyFileRange}
-	data, _, err := DataExtents(in)
-	if err != nil {
-		return 0, err
-	}
-	for _, e := range data {
-		if err := x.extent(e.Off, min(e.Off+e.Len, size)); err != nil {
-			return x.written, err
-		}
-	}
-	return x.written, nil
+	return CopyRangeSparse(out, in, 0, size)
 }
 
-// CopyRangeSparse copies n bytes of in from inOff to out at 0, as
-// copyExtents does: only in's data extents, and of those only the pages
-// that are not all zero; out's bytes elsewhere are left as they are.
+// CopyRangeSparse copies n bytes of in from inOff to out at 0: only in's
+// data extents (all found before the first read, see copyExtents), and of
+// those only the pages that are not all zero; out's bytes elsewhere are
+// left as they are.
 func CopyRangeSparse(out, in *os.File, inOff, n int64) (int64, error) {
 	x := &extentCopy{in: in, out: out, buf: make([]byte, copyChunk), zeros: make([]byte, zeroPage), cfr: useCopyFileRange, shift: inOff}
 	data, _, err := DataExtents(in)
@@ -203,6 +194,18 @@ func (x *extentCopy) run(off int64, data []byte) error {
 	n, err := x.out.WriteAt(data, off-x.shift)
 	x.written += int64(n)
 	return err
+}
+
+// DataBytes is how much of f SEEK_DATA calls data (see DataExtents). For a
+// box's RAM file, whose blocks are reserved, that is what the guest wrote
+// plus the pages in the page cache.
+func DataBytes(f *os.File) (int64, error) {
+	data, _, err := DataExtents(f)
+	var n int64
+	for _, e := range data {
+		n += e.Len
+	}
+	return n, err
 }
 
 // Extent is a byte range of a file.

@@ -326,13 +326,9 @@ func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
 		return fmt.Errorf("the memory of box %q: %w", c.box.Name, err)
 	}
 	defer f.Close()
-	data, _, err := overlay.DataExtents(f)
+	touched, err := overlay.DataBytes(f)
 	if err != nil {
 		return fmt.Errorf("the memory of box %q: %w", c.box.Name, err)
-	}
-	var touched int64
-	for _, e := range data {
-		touched += e.Len
 	}
 	// (A live copy killed half-way leaves zero pages in the page cache,
 	// which SEEK_DATA counts: the next live copy's drop-page-cache, or

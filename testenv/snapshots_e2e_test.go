@@ -150,13 +150,9 @@ func dataBytes(t testing.TB, path string) int64 {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	ext, _, err := overlay.DataExtents(f)
+	n, err := overlay.DataBytes(f)
 	if err != nil {
 		t.Fatal(err)
-	}
-	var n int64
-	for _, e := range ext {
-		n += e.Len
 	}
 	return n
 }

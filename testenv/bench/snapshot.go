@@ -297,11 +297,7 @@ type memUse struct{ cached, qemuFile, ramFile int64 }
 func hostMemory(e *env, box string) memUse {
 	var m memUse
 	if f, err := os.Open(filepath.Join(e.stateDir, "boxes", box, "memory")); err == nil {
-		if ext, _, err := overlay.DataExtents(f); err == nil {
-			for _, x := range ext {
-				m.ramFile += x.Len
-			}
-		}
+		m.ramFile, _ = overlay.DataBytes(f)
 		f.Close()
 	}
 	field := func(file, name string) int64 {
