@@ -92,7 +92,7 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Clien
 // boot_id; otherwise (a first contact, an agent older than that) a ping is
 // the answer. It gives up early when the domain stops running.
 func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, string, error) {
-	closeBoxDir(b.Dir) // QEMU has made its sockets and RAM file by now
+	closeBoxDir(b.Dir) // QEMU has made its sockets by now
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {

@@ -113,11 +113,8 @@ func (c *Creation) undoDefine() {
 	}
 }
 
-// start boots the box, its RAM file's blocks reserved first (ReserveRAM).
+// start boots the box.
 func (c *Creation) start(context.Context) error {
-	if err := c.Host.ReserveRAM(c.Box.Dir, c.Box.MemoryBytes); err != nil {
-		return fmt.Errorf("start box %q: %w", c.Name, err)
-	}
 	if err := c.Dom.Create(); err != nil {
 		return fmt.Errorf("start box %q: %s", c.Name, LibvirtMessage(err))
 	}

@@ -15,7 +15,7 @@ import (
 //
 // libvirt gives every q35 domain a RAM backend of its own ("pc.ram", the
 // first RAM block QEMU allocates, at ram_addr 0) that a box does not use:
-// kvbox's qemu:commandline backend (kvbox.ram, its RAM file) replaces it
+// kvbox's qemu:commandline backend (kvbox.ram) replaces it
 // and comes after it. Under TCG that order breaks live memory copies in
 // QEMU 10.0: after each dirty-bitmap sync QEMU re-arms the vCPUs' write
 // tracking for the block at ram_addr 0 instead of the block it synced (see

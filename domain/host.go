@@ -41,8 +41,8 @@ type Host struct {
 	facts         *hostFacts
 }
 
-// BoxesDir holds one folder per box: disk overlay, memory file, agent
-// sockets, console log.
+// BoxesDir holds one folder per box: disk overlay, agent sockets, console
+// log, a suspended box's saved state.
 func (h *Host) BoxesDir() string { return filepath.Join(h.StateDir, "boxes") }
 
 // FailedConsoleLog is where the console log of a box whose creation failed
@@ -76,7 +76,7 @@ func (h *Host) DomainType() (string, error) {
 }
 
 // ChownForQEMU gives a path to the user QEMU runs as, so QEMU can create its
-// memory file and agent sockets in a box's folder.
+// agent sockets and saved state in a box's folder.
 func (h *Host) ChownForQEMU(path string) error {
 	f, err := h.hostFacts()
 	if err != nil || f.uid < 0 {

@@ -41,8 +41,8 @@ type Suspended struct {
 	At time.Time `xml:"at" json:"at"`
 	// State is the migration stream's file in the box's folder: device
 	// state, and with MappedRAM the RAM too (at Offset), which the resumed
-	// box then maps privately. Without MappedRAM the RAM stays in the
-	// box's own memory file.
+	// box then maps privately. Without MappedRAM (a box an earlier kvbox
+	// suspended) the RAM stays in the box's own memory file.
 	State       string `xml:"state" json:"state"`
 	MappedRAM   bool   `xml:"mapped-ram" json:"mapped_ram"`
 	Offset      int64  `xml:"offset" json:"offset"`

@@ -167,7 +167,7 @@ func ownedByRoot(fi fs.FileInfo) bool {
 }
 
 // closeBoxDir takes the world bits off what QEMU and libvirt made in a box
-// folder (agent sockets 0775, the RAM file 0644: QEMU's umask). The folder
+// folder (agent sockets 0775, files from QEMU's umask). The folder
 // is QEMU's, so a link may be planted: each entry is opened O_PATH|O_NOFOLLOW
 // and changed through its descriptor, never by name.
 func closeBoxDir(dir string) {

@@ -80,7 +80,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 
 // checkRendered refuses a domain an operator's template rendered without
 // what kvbox needs from every box: its metadata (the box's only record),
-// the memory backend arguments (a snapshot copies the RAM file) and the
+// the memory backend arguments (clones map a snapshot's RAM under its id) and the
 // agent's channels (or vsock). Without them define would succeed and the
 // box fail later, or never be seen as a box at all.
 func checkRendered(out string, e TemplateData) error {

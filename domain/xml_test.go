@@ -17,7 +17,7 @@ func testData() TemplateData {
 		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
 		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
 		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Filter: "kvbox-box-v1", Tap: "kvb525400010203", ConsoleLog: "/b/x/console.log",
-		AgentPorts: AgentSockets("/b/x"), QemuArgs: SharedRAMArgs(256<<20, "/b/x/memory"),
+		AgentPorts: AgentSockets("/b/x"), QemuArgs: RAMArgs(256 << 20),
 	}
 }
 
@@ -41,7 +41,7 @@ func TestRenderRoundTrip(t *testing.T) {
 	for _, want := range []string{
 		"console=ttyS0 root=/dev/vda &amp; more", // escaped
 		"<target type='virtio' name='org.kvbox.agent.3'/>",
-		"mem-path=/b/x/memory,share=on",
+		"memory-backend-ram,id=kvbox.ram,size=268435456",
 		"<genid/>",
 	} {
 		if !strings.Contains(out, want) {
@@ -116,10 +116,18 @@ func TestMemoryUnits(t *testing.T) {
 	}
 }
 
-func TestSharedRAMArgsEscapeCommas(t *testing.T) {
-	got := SharedRAMArgs(1<<20, "/var/lib/a,b/memory")
+func TestRAMArgs(t *testing.T) {
+	got := RAMArgs(1 << 20)
+	if got[1] != "memory-backend-ram,id=kvbox.ram,size=1048576" || got[3] != "memory-backend=kvbox.ram" {
+		t.Errorf("RAMArgs = %q", got)
+	}
+	got = LegacyRAMArgs(1<<20, "/var/lib/a,b/memory")
 	if got[1] != "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=/var/lib/a,,b/memory,share=on" || got[3] != "memory-backend=kvbox.ram" {
-		t.Errorf("SharedRAMArgs = %q", got)
+		t.Errorf("LegacyRAMArgs = %q", got)
+	}
+	b := Box{MemoryBytes: 1 << 20, Meta: Meta{Dir: "/var/lib/a,b"}}
+	if !UsesRAMFile("<qemu:arg value='"+got[1]+"'/>", b) || UsesRAMFile("<qemu:arg value='"+RAMArgs(1 << 20)[1]+"'/>", b) {
+		t.Error("UsesRAMFile tells the two apart wrongly")
 	}
 }
 
@@ -142,7 +150,7 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`<target dev="kvb525400010203">`, `<port isolated="yes">`, "mem-path=/b/x/memory,share=on"} {
+	for _, want := range []string{`<target dev="kvb525400010203">`, `<port isolated="yes">`, "memory-backend-ram,id=kvbox.ram,size=268435456"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("an operator template without the tap name: rendered XML lacks %q\n%s", want, out)
 		}

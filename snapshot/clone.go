@@ -193,7 +193,7 @@ func (cl *cloning) resume(context.Context) error {
 func (cl *cloning) persist(context.Context) error {
 	c := cl.c
 	spec := cl.spec
-	spec.UUID, spec.BootRAM = c.Box.UUID, domain.MemoryFile(spec.Meta.Dir)
+	spec.UUID, spec.Boot = c.Box.UUID, true
 	boot, err := CloneXML(cl.srcXML, spec)
 	if err != nil {
 		return err

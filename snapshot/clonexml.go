@@ -36,15 +36,16 @@ type CloneXMLSpec struct {
 	// (domain.Host.DACLabel): the clone runs as that user and libvirt
 	// chowns nothing, neither the snapshot's files nor its base image.
 	DACLabel string
-	// BootRAM, when set, asks for the clone's definition for its next
-	// cold boot instead: RAM in this shared file of its own (as any
-	// box), no -incoming. Clone redefines the running clone with it, so
-	// `kvbox stop` + `kvbox start` boots instead of waiting for a
-	// migration stream that never comes.
-	BootRAM string
-	// Incoming, with BootRAM, also adds -incoming defer: a suspended box
-	// resumed with its RAM in its own shared file (kvbox resume).
-	Incoming bool
+	// Boot asks for the clone's definition for its next cold boot
+	// instead: anonymous RAM (domain.RAMArgs, as any box), no -incoming.
+	// Clone redefines the running clone with it, so `kvbox stop` +
+	// `kvbox start` boots instead of waiting for a migration stream that
+	// never comes.
+	Boot bool
+	// RAMFile, when set, is the box's own shared RAM file
+	// (domain.LegacyRAMArgs), with -incoming defer: a box that an earlier
+	// kvbox suspended with its device state alone, resumed (kvbox resume).
+	RAMFile string
 }
 
 // CloneXML derives a clone's domain XML from the source's saved domain XML
@@ -56,7 +57,7 @@ type CloneXMLSpec struct {
 // labels, device aliases libvirt assigned, the interface's tap name, pty
 // paths, the disk's backing chain. Disk, agent sockets and console log move
 // to the clone's folder, the MAC to the clone's, and the RAM backend maps
-// the snapshot's memory file privately and read-only, with -incoming defer
+// the snapshot's RAM privately and read-only, with -incoming defer
 // so QEMU waits for the state stream.
 func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	var d libvirtxml.Domain
@@ -371,12 +372,13 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 	if s.MemBytes > 0 && s.MemBytes != size {
 		return nil, fmt.Errorf("%w: the snapshot records %d bytes of RAM but its domain XML maps %d", domain.ErrInvalid, s.MemBytes, size)
 	}
-	if s.BootRAM != "" {
-		out = append(out, domain.SharedRAMArgs(size, s.BootRAM)...)
-		if s.Incoming {
-			out = append(out, "-incoming", "defer")
-		}
-	} else {
+	switch {
+	case s.Boot:
+		out = append(out, domain.RAMArgs(size)...)
+	case s.RAMFile != "":
+		out = append(out, domain.LegacyRAMArgs(size, s.RAMFile)...)
+		out = append(out, "-incoming", "defer")
+	default:
 		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, domain.QemuOptEscape(s.MemPath))
 		if s.MemOffset != 0 {
 			obj += fmt.Sprintf(",offset=%d", s.MemOffset)

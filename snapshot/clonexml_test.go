@@ -257,20 +257,41 @@ func TestWithoutCPUUnavailableFeaturesKeepsOthers(t *testing.T) {
 	}
 }
 
-// The definition for the clone's next cold boot: its own shared RAM file,
-// no -incoming, the UUID libvirt gave the clone.
+// The definition for the clone's next cold boot: anonymous RAM, no
+// -incoming, the UUID libvirt gave the clone.
 func TestCloneXMLBoot(t *testing.T) {
 	spec := testSpec("/b/one")
-	spec.UUID, spec.BootRAM = "6c3e1c1e-0000-4000-8000-000000000001", "/b/one/memory"
+	spec.UUID, spec.Boot = "6c3e1c1e-0000-4000-8000-000000000001", true
 	out, err := CloneXML(readTestdata(t, "domain-migratable.xml"), spec)
 	if err != nil {
 		t.Fatal(err)
 	}
 	d := parseDomain(t, out)
-	want := []string{"-object", "memory-backend-file,id=kvbox.ram,size=268435456,mem-path=/b/one/memory,share=on", "-machine", "memory-backend=kvbox.ram"}
+	want := []string{"-object", "memory-backend-ram,id=kvbox.ram,size=268435456", "-machine", "memory-backend=kvbox.ram"}
 	if got := qemuArgs(d); !reflect.DeepEqual(got, want) || d.UUID != spec.UUID {
 		t.Errorf("uuid %q, qemu args %q", d.UUID, got)
 	}
+}
+
+// A box an earlier kvbox suspended with its RAM in its own file resumes
+// from that file, waiting for its device state.
+func TestCloneXMLLegacyResume(t *testing.T) {
+	spec := testSpec("/b/one")
+	spec.RAMFile = "/b/one/memory"
+	d := parseDomain(t, mustCloneXML(t, spec))
+	want := []string{"-object", "memory-backend-file,id=kvbox.ram,size=268435456,mem-path=/b/one/memory,share=on", "-machine", "memory-backend=kvbox.ram", "-incoming", "defer"}
+	if got := qemuArgs(d); !reflect.DeepEqual(got, want) {
+		t.Errorf("qemu args %q", got)
+	}
+}
+
+func mustCloneXML(t *testing.T, spec CloneXMLSpec) string {
+	t.Helper()
+	out, err := CloneXML(readTestdata(t, "domain-migratable.xml"), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
 func TestCloneXMLKeepsForeignMetadataAndArgs(t *testing.T) {

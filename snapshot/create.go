@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -49,7 +50,8 @@ const partialFile = "partial.json"
 
 // liveCaps are the migration capabilities of a live memory copy: the RAM
 // goes into the state file at fixed offsets (mapped-ram; x-ignore-shared
-// off, so a shared RAM file is copied too), with no stop before the
+// off, so the RAM file of a box an earlier kvbox defined is copied too),
+// with no stop before the
 // switch-over (kvbox takes the disk's point in time once QEMU has stopped
 // the guest and completed).
 //
@@ -173,8 +175,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
-	shared := strings.Contains(c.liveXML, domain.SharedRAMArgs(box.MemoryBytes, domain.MemoryFile(box.Dir))[1])
-	if err := c.chooseMemoryCopy(ctx, shared); err != nil {
+	if c.copyPaused, err = copyPaused(ctx, c.q); err != nil {
 		return Result{}, err
 	}
 	steps, err := c.plan(ctx).Run(ctx)
@@ -207,10 +208,8 @@ type creation struct {
 	chain   []overlay.ImageInfo // the box disk's backing chain, top first
 	prev    *Snapshot           // what an incremental disk copy builds on
 	liveXML string              // the box's migratable domain XML
-	live    bool                // RAM copied live into the state file (mapped-ram), not copied from the box's RAM file while paused
-	shared  bool                // the box's RAM is its shared RAM file (a box booted from an image)
 	caps    map[string]bool     // migration capabilities the snapshot sets
-	params  map[string]any      // and parameters (a live copy)
+	params  map[string]any      // and parameters
 	p       partial             // what Recover needs, also on disk
 	backing string              // what the disk copy's target sits on
 	disk    string              // the disk copy's target
@@ -222,28 +221,20 @@ type creation struct {
 	copyPaused bool   // the box stays paused while its RAM is copied (see copyPaused)
 	bootID     string // the guest's boot_id, from its agent (best effort)
 	copied     int64  // bytes the disk copy wrote
-	dropped    int64  // bytes of page cache ranges given back after a live copy
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
 }
 
-// plan lists the steps of a snapshot. A box booted from an image with
-// little RAM touched shares its RAM file with QEMU: kvbox pauses it, saves
-// the device state (x-ignore-shared skips RAM) and copies the file. Any
-// other box (a clone maps a snapshot's file privately; a box with much RAM
-// touched would stand still while it is copied) has its RAM copied while it
-// runs into the state file in mapped-ram layout, and QEMU stops it for the
-// last pass, so that variant replaces the pause and the copy by a live
-// copy; for a box with a shared RAM file, drop-page-cache then gives back
-// what the copy's read of the file's holes cost.
+// plan lists the steps of a snapshot. The RAM is copied while the box runs
+// into the state file in mapped-ram layout, and QEMU stops the box for the
+// last pass and its device state; the disk's point-in-time is taken in
+// that stop, and the box runs on.
 func (c *creation) plan(ctx context.Context) step.Plan {
-	p := step.Plan{
+	return step.Plan{
 		{Name: "make-folder", Do: c.makeFolder, Undo: c.removeFolder},
 		{Name: "prepare", Do: c.prepare},
-		{Name: "pause", Do: c.suspend, Undo: c.resume},
-		{Name: "save-state", Do: c.saveState, Undo: c.restoreMigration},
-		{Name: "copy-memory", Do: c.copyMemory},
+		{Name: "copy-memory-live", Do: c.copyLive, Undo: c.undoLive},
 		{Name: "open-disk-copy", Do: c.openTarget, Undo: func() { c.q.BlockdevDel(context.WithoutCancel(ctx), targetNode) }},
 		{Name: "start-disk-copy", Do: c.startBackup, Undo: func() { c.cancelBackup(context.WithoutCancel(ctx)) }},
 		{Name: "resume", Do: c.resumeRunning},
@@ -252,15 +243,6 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 		{Name: "seal", Do: func(context.Context) error { return seal(c.h, c.tmp, c.snapshot()) }},
 		{Name: "publish", Do: func(context.Context) error { return os.Rename(c.tmp, filepath.Join(c.st.Dir, c.name)) }},
 	}
-	if c.live {
-		p = p.Replace("pause").
-			Replace("save-state", step.Step{Name: "copy-memory-live", Do: c.copyLive, Undo: c.undoLive}).
-			Replace("copy-memory")
-	}
-	if c.live && c.shared {
-		p = p.After("resume", step.Step{Name: "drop-page-cache", Do: c.dropPageCache})
-	}
-	return p
 }
 
 // copyPaused: on TCG (QEMU emulating the CPU, no KVM) with kvbox's RAM
@@ -291,58 +273,6 @@ func copyPaused(ctx context.Context, q *qmp.Client) (bool, error) {
 		return false, err
 	}
 	return !ok || off != 0, nil
-}
-
-// liveFrom is the touched RAM above which a box booted from an image is
-// snapshotted live too: below it, copying its RAM file in the pause (about
-// 0.6 GB/s here) is shorter than a live copy's switch-over (the last pass,
-// the block nodes made active again, the backup transaction: ~100-150 ms).
-const liveFrom = 128 << 20
-
-// chooseMemoryCopy decides how the RAM is saved. A clone's RAM is a private
-// mapping of its snapshot: always copied live (paused throughout where
-// copyPaused says so). A box booted from an image shares its RAM file
-// with QEMU: paused and copied when little of it is touched, live
-// otherwise (its pause would grow with the touched RAM: 2.2 s for 1.4 GB
-// on the Debian box here).
-// Where copyPaused holds, such a box is always paused and its file copied:
-// a paused migration would read every page of the RAM, the copy only its
-// data.
-func (c *creation) chooseMemoryCopy(ctx context.Context, shared bool) error {
-	var err error
-	if c.copyPaused, err = copyPaused(ctx, c.q); err != nil {
-		return err
-	}
-	c.shared = shared
-	if !shared {
-		c.live = true
-		return nil
-	}
-	if c.copyPaused {
-		return nil // paused either way: copying the file's data beats reading all its RAM
-	}
-	f, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
-	if err != nil {
-		return fmt.Errorf("the memory of box %q: %w", c.box.Name, err)
-	}
-	defer f.Close()
-	touched, err := overlay.DataBytes(f)
-	if err != nil {
-		return fmt.Errorf("the memory of box %q: %w", c.box.Name, err)
-	}
-	// (A live copy killed half-way leaves zero pages in the page cache,
-	// which SEEK_DATA counts: the next live copy's drop-page-cache, or
-	// Recover's, gives them back.)
-	c.live = touched > liveFrom
-	return nil
-}
-
-// dropPageCache gives back what the live copy's read of the box's RAM
-// file put in the page cache where the file holds nothing (see
-// domain.DropUntouchedRAM). Best effort: the snapshot is whole either way.
-func (c *creation) dropPageCache(context.Context) error {
-	c.dropped, _ = domain.DropUntouchedRAM(c.box.Name, c.box.Dir)
-	return nil
 }
 
 // removeFolder is the last undo. Once the steps' own undos have run, it
@@ -413,12 +343,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
 		return err
 	}
-	// A box's own RAM file is skipped by x-ignore-shared and copied by
-	// kvbox, or the RAM is copied live into the state file.
-	c.caps = map[string]bool{qmp.CapIgnoreShared: true, qmp.CapMappedRAM: false}
-	if c.live {
-		c.caps, c.params = liveCaps(), liveParams
-	}
+	c.caps, c.params = liveCaps(), liveParams
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err
@@ -428,19 +353,17 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	for k := range c.caps {
 		c.p.Caps[k] = saved[k]
 	}
-	if c.live {
-		cur, err := c.q.QueryMigrateParameters(ctx)
-		if err != nil {
-			return err
+	cur, err := c.q.QueryMigrateParameters(ctx)
+	if err != nil {
+		return err
+	}
+	c.p.Params = map[string]any{}
+	for k := range c.params {
+		v, ok := cur[k]
+		if !ok {
+			return fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
 		}
-		c.p.Params = map[string]any{}
-		for k := range c.params {
-			v, ok := cur[k]
-			if !ok {
-				return fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
-			}
-			c.p.Params[k] = v
-		}
+		c.p.Params[k] = v
 	}
 	if err := writeJSON(filepath.Join(c.tmp, partialFile), c.p); err != nil {
 		return err
@@ -547,54 +470,7 @@ func (c *creation) restoreMigration() {
 	c.q.MigrateSetCapabilities(bg, c.p.Caps)
 }
 
-// saveState writes the paused box's device state (its RAM skipped).
-func (c *creation) saveState(ctx context.Context) error {
-	err := c.q.MigrateSetCapabilities(ctx, c.caps)
-	if err == nil {
-		err = c.q.Migrate(ctx, "file:"+filepath.Join(c.tmp, StateFile))
-	}
-	if err == nil {
-		if err = c.q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
-			err = fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
-		}
-	}
-	if err != nil {
-		c.restoreMigration()
-	}
-	return err
-}
-
-// copyMemory copies the paused box's RAM file. Not synced here: seal syncs
-// every file once the box runs again.
-//
-// The box folder is QEMU's: its RAM file is opened without following a
-// link. The copy is a new file of the partial folder (createNew).
-func (c *creation) copyMemory(context.Context) error {
-	c.mem = Memory{File: MemoryFile}
-	in, err := domain.OpenNoFollow(domain.MemoryFile(c.box.Dir), os.O_RDONLY)
-	if err != nil {
-		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
-	}
-	defer in.Close()
-	// No read-ahead: pages read ahead past a data extent would sit in the
-	// page cache over the file's reserved blocks, where SEEK_DATA counts
-	// them as touched RAM (chooseMemoryCopy), for as long as the box runs.
-	unix.Fadvise(int(in.Fd()), 0, 0, unix.FADV_RANDOM)
-	out, err := createNew(filepath.Join(c.tmp, MemoryFile))
-	if err != nil {
-		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
-	}
-	_, err = overlay.CopyFileSparse(out, in)
-	if cerr := out.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("copy the memory of box %q: %w", c.box.Name, err)
-	}
-	return nil
-}
-
-// copyLive copies a clone's RAM while it runs: precopy into the mapped-ram
+// copyLive copies the box's RAM while it runs: precopy into the mapped-ram
 // file, QEMU's dirty tracking re-sending what the guest writes meanwhile.
 // QEMU stops the box itself for the last pass and the device state, and
 // leaves it stopped (postmigrate), so the disk's point-in-time is taken at
@@ -629,12 +505,22 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		}
 	})
 	if err != nil {
-		return fmt.Errorf("save the state of box %q: %w", c.box.Name, err)
+		return saveError(c.box.Name, c.st.Dir, err)
 	}
 	if !c.copyPaused {
 		c.paused = stopped
 	}
 	return nil
+}
+
+// saveError words a failed copy of a box's state into dir. QEMU reports a
+// full filesystem in its own words ("Unable to write to file: No space left
+// on device"): kvbox says which filesystem, and the error is ENOSPC.
+func saveError(box, dir string, err error) error {
+	if strings.Contains(err.Error(), "No space left on device") {
+		return fmt.Errorf("save the state of box %q under %s: %w", box, dir, syscall.ENOSPC)
+	}
+	return fmt.Errorf("save the state of box %q: %w", box, err)
 }
 
 // report tells the caller how far the live copy is, at most every 100 ms.
@@ -732,9 +618,7 @@ func (c *creation) merge(ctx context.Context) (err error) {
 			return fmt.Errorf("merge the snapshot disk: %w", err)
 		}
 	}
-	if c.live {
-		c.mem.Offset, err = prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
-	}
+	c.mem.Offset, err = prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
 	return err
 }
 

@@ -112,10 +112,6 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 			return err
 		}
 	}
-	// A live copy killed half-way read part of a shared RAM file's holes
-	// into the page cache: give that back (best effort; a clone has no
-	// such file).
-	domain.DropUntouchedRAM(p.Box, box.Dir)
 	return nil
 }
 

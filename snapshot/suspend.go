@@ -22,21 +22,17 @@ import (
 // Suspend and resume use the live-snapshot machinery on the box itself
 // instead of libvirt's managed save: managed save writes every page of the
 // guest's RAM into one stream and `virsh start` reads all of it back (a
-// 4 GiB box: 14.7 s and 6.8 s, DESIGN.md), where a box's RAM already is a
-// file. A box booted from an image keeps its RAM in its shared memory
-// file: only the device state (~300 KB, x-ignore-shared) is written, and
-// resume maps the same file again, so neither depends on the RAM's size.
-// A clone's RAM is a private mapping of its snapshot: it is copied live
-// into a mapped-ram file in the box's folder (QEMU stops the guest only for
-// the last pass), and resume copies its pages into the box's own shared
-// memory file (ramFromState), so a resumed clone is like a box booted from
-// an image from then on: its next suspend saves only device state.
-// (Mapping the mapped-ram file privately, as a clone maps a snapshot, gave
-// a state whose restore crashed the guest at the next suspend, QEMU 10.0,
-// before kvbox's RAM was QEMU's first RAM block on TCG: see copyPaused.)
+// 4 GiB box: 14.7 s and 6.8 s, DESIGN.md). kvbox copies the RAM live into
+// a mapped-ram state file in the box's folder (QEMU stops the guest only
+// for the last pass), and resume maps that file privately, as a clone maps
+// its snapshot: a page is read from it when the guest first touches it, so
+// neither the pause nor the resume grows with the RAM. The state file
+// stays while the resumed box runs (its QEMU maps it, and a `virsh
+// restore` of the box would map it again); the next suspend, or a cold
+// start, deletes it.
 //
-// While suspended, the box's persistent definition names a RAM file in a
-// folder that does not exist (SUSPENDED-run-kvbox-resume-NAME): an
+// While suspended, the box's persistent definition's RAM backend is a file
+// in a folder that does not exist (SUSPENDED-run-kvbox-resume-NAME): an
 // operator's `virsh start` fails at once with that path in the error and
 // changes nothing, instead of cold-booting over the saved memory or
 // restoring a stale state later. kvbox ls shows the box as suspended.
@@ -46,11 +42,8 @@ type SuspendResult struct {
 	Pause      time.Duration // the guest stopped until its state was saved
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
-	Live       bool          // RAM copied live (a clone)
-	Paused     bool          // and with the box paused throughout (see copyPaused)
-	// Steps are the plan's steps, then sync-memory: the box's memory file
-	// put on disk once QEMU is gone.
-	Steps step.Timings
+	Paused     bool          // the box was paused throughout its RAM's copy (see copyPaused)
+	Steps      step.Timings
 }
 
 // ResumeResult reports a resume.
@@ -91,19 +84,11 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	if err != nil {
 		return SuspendResult{Steps: ts}, err
 	}
-	// QEMU is gone: the box is suspended whatever happens now. The RAM of
-	// a box booted from an image is its memory file: on disk before kvbox
-	// says it is saved (a host crash keeps the box).
-	start := time.Now()
-	if !s.mapped {
-		if err := syncFile(domain.MemoryFile(box.Dir)); err != nil {
-			return SuspendResult{Steps: ts}, fmt.Errorf("box %q is suspended, but its memory file could not be synced: %w", name, err)
-		}
-	}
-	ts = append(ts, step.Timing{Name: "sync-memory", Duration: time.Since(start)})
+	// QEMU is gone: the box is suspended whatever happens now, and the
+	// state it mapped its RAM from, if it was resumed, is garbage.
 	removeOldStates(box.Dir, s.stateName)
 	size, _ := overlay.Du(s.statePath)
-	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Live: s.mapped, Paused: s.mapped && s.copyPaused, Steps: ts}, nil
+	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Paused: s.copyPaused, Steps: ts}, nil
 }
 
 // suspending is one suspend in progress: what its steps find out and hand
@@ -116,8 +101,7 @@ type suspending struct {
 
 	live, boot   string // the running box's migratable XML, its persistent definition
 	suspendedDef string // the definition that makes virsh start fail
-	mapped       bool   // its RAM is a private mapping (a clone): copied live
-	copyPaused   bool   // and with the box paused throughout (see copyPaused)
+	copyPaused   bool   // the box paused throughout its RAM's copy (see copyPaused)
 
 	stateName, statePath string
 	restore              func(context.Context) error // migration settings back as they were
@@ -126,39 +110,27 @@ type suspending struct {
 	pause                time.Duration
 }
 
-// plan lists a suspend's steps. A box booted from an image keeps its RAM in
-// its shared memory file: it is paused and only its device state is saved
-// (x-ignore-shared). A clone's RAM is copied live into a mapped-ram state
-// file and QEMU stops it for the last pass, so that variant replaces the
-// pause and the save by save-live. From define-suspended on, an operator's
-// virsh start fails; end-qemu is the point of no return.
+// plan lists a suspend's steps: the RAM is copied live into a mapped-ram
+// state file and QEMU stops the guest for the last pass and the device
+// state. From define-suspended on, an operator's virsh start fails;
+// end-qemu is the point of no return.
 func (s *suspending) plan() step.Plan {
-	caps := map[string]bool{qmp.CapIgnoreShared: true}
-	var params map[string]any
-	if s.mapped {
-		caps, params = liveCaps(), liveParams
-	}
-	p := step.Plan{
+	return step.Plan{
 		{Name: "keep-definitions", Do: s.keepDefinitions, Undo: func() { s.h.RemoveSuspendFiles(s.box.Name) }},
 		// Settings first: they do not touch the running guest, and every
 		// QMP round trip inside the pause lengthens it.
 		{Name: "set-migration", Do: func(ctx context.Context) (err error) {
-			s.restore, err = s.q.ApplyMigrationSettings(ctx, caps, params)
+			s.restore, err = s.q.ApplyMigrationSettings(ctx, liveCaps(), liveParams)
 			return err
 		}, Undo: func() { s.restore(context.Background()) }},
-		{Name: "pause", Do: s.suspend, Undo: s.resume},
-		{Name: "save", Do: s.save, Undo: s.cancelSave},
+		{Name: "save-live", Do: s.saveLive, Undo: func() {
+			s.cancelSave()
+			s.resume() // QEMU stopped the guest for the last pass
+		}},
 		{Name: "sync-state", Do: func(context.Context) error { return syncFile(s.statePath) }},
 		{Name: "define-suspended", Do: s.defineSuspended, Undo: s.defineBoot},
 		{Name: "end-qemu", Do: func(context.Context) error { return domain.PullPlug(s.dom, s.box.Name) }},
 	}
-	if s.mapped {
-		p = p.Replace("pause").Replace("save", step.Step{Name: "save-live", Do: s.saveLive, Undo: func() {
-			s.cancelSave()
-			s.resume() // QEMU stopped the guest for the last pass
-		}})
-	}
-	return p
 }
 
 // readDefinitions reads what a suspend keeps and what it defines instead.
@@ -169,8 +141,6 @@ func (s *suspending) readDefinitions() (err error) {
 	if s.boot, err = s.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
 		return fmt.Errorf("read the domain XML of %q: %s", s.box.Name, domain.LibvirtMessage(err))
 	}
-	shared := domain.SharedRAMArgs(s.box.MemoryBytes, domain.MemoryFile(s.box.Dir))[1]
-	s.mapped = !strings.Contains(s.live, html.EscapeString(shared)) && !strings.Contains(s.live, shared)
 	s.suspendedDef, err = suspendedXML(s.boot, s.box)
 	return err
 }
@@ -207,19 +177,7 @@ func (s *suspending) resume() {
 	s.running = true
 }
 
-// save writes the paused guest's device state.
-func (s *suspending) save(ctx context.Context) error {
-	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
-		return err
-	}
-	if err := s.q.WaitMigration(ctx, 2*time.Millisecond); err != nil {
-		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
-	}
-	s.pause = time.Since(s.stopped)
-	return nil
-}
-
-// saveLive copies a clone's RAM while it runs; QEMU stops the guest for
+// saveLive copies the box's RAM while it runs; QEMU stops the guest for
 // the last pass and the device state. Where copyPaused holds, the guest is
 // paused throughout (QEMU's TCG would lose writes in a live copy).
 func (s *suspending) saveLive(ctx context.Context) (err error) {
@@ -242,7 +200,7 @@ func (s *suspending) saveLive(ctx context.Context) (err error) {
 	}
 	stopped, err := waitLiveCopy(ctx, s.q, s.statePath, nil)
 	if err != nil {
-		return fmt.Errorf("save the state of box %q: %w", s.box.Name, err)
+		return saveError(s.box.Name, s.box.Dir, err)
 	}
 	if s.copyPaused {
 		stopped = s.stopped
@@ -268,7 +226,7 @@ func (s *suspending) defineSuspended(context.Context) error {
 	}
 	d.Free()
 	meta := s.box.Meta
-	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: s.mapped, PauseMillis: s.pause.Milliseconds()}
+	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: true, PauseMillis: s.pause.Milliseconds()}
 	if err := domain.WriteMeta(s.dom, meta, false); err != nil {
 		s.defineBoot()
 		return fmt.Errorf("mark box %q suspended: %w", s.box.Name, err)
@@ -285,16 +243,19 @@ func (s *suspending) defineBoot() {
 }
 
 // suspendedXML is the box's persistent definition while it is suspended:
-// its own, with the RAM backend's file in a folder that does not exist.
+// its own, with its RAM backend (anonymous, or the RAM file of a box an
+// earlier kvbox defined) a file in a folder that does not exist.
 func suspendedXML(boot string, b domain.Box) (string, error) {
-	old := domain.SharedRAMArgs(b.MemoryBytes, domain.MemoryFile(b.Dir))[1]
-	repl := domain.SharedRAMArgs(b.MemoryBytes, filepath.Join(suspendedRAMDir(b), "memory"))[1]
-	for _, o := range []string{html.EscapeString(old), old} {
-		if strings.Count(boot, o) == 1 {
-			return strings.Replace(boot, o, html.EscapeString(repl), 1), nil
+	repl := domain.LegacyRAMArgs(b.MemoryBytes, filepath.Join(suspendedRAMDir(b), "memory"))[1]
+	ram := domain.RAMArgs(b.MemoryBytes)[1]
+	for _, o := range []string{ram, domain.LegacyRAMArgs(b.MemoryBytes, domain.MemoryFile(b.Dir))[1]} {
+		for _, o := range []string{html.EscapeString(o), o} {
+			if strings.Count(boot, o) == 1 {
+				return strings.Replace(boot, o, html.EscapeString(repl), 1), nil
+			}
 		}
 	}
-	return "", fmt.Errorf("the definition of box %q lacks kvbox's RAM backend (%s); it cannot be suspended", b.Name, old)
+	return "", fmt.Errorf("the definition of box %q lacks kvbox's RAM backend (%s); it cannot be suspended", b.Name, ram)
 }
 
 // Resume starts a suspended box from its saved state, with its own name,
@@ -336,7 +297,9 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	more, err := settle.Run(ctx)
 	ts = append(ts, more...)
-	os.Remove(r.statePath)
+	if !r.saved.MappedRAM {
+		os.Remove(r.statePath) // loaded: the RAM is the box's memory file
+	}
 	if err != nil {
 		return ResumeResult{Steps: ts}, fmt.Errorf("box %q runs again from its suspend, but: %w", name, err)
 	}
@@ -376,16 +339,30 @@ func (r *resuming) readSaved() (err error) {
 	if r.suspendedDef, err = r.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
 		return fmt.Errorf("read box %q: %s", name, domain.LibvirtMessage(err))
 	}
-	// The resume definition keeps the suspended mark until the end: a
-	// kvbox killed half-way leaves a box kvbox still knows to be suspended
-	// (never one that kvbox start would boot afresh over its saved
-	// memory). Either way the resumed box's RAM is its own shared memory
-	// file, as for a box booted from an image: the next suspend (and a
-	// snapshot) saves only its device state.
-	spec := CloneXMLSpec{Name: name, Meta: r.box.Meta, Disk: filepath.Join(r.box.Dir, CloneDisk), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
-		MemPath: r.statePath, BootRAM: domain.MemoryFile(r.box.Dir), Incoming: true}
-	r.wakeDef, err = CloneXML(string(r.live), spec)
-	return err
+	return nil
+}
+
+// wakeXML is the definition QEMU starts from. It keeps the suspended mark
+// until the end: a kvbox killed half-way leaves a box kvbox still knows to
+// be suspended (never one that kvbox start would boot afresh over its
+// saved memory). The box maps its RAM privately from the state file, at
+// the offset of its pages, whose bitmap is zeroed so that QEMU loads only
+// the device state (both idempotent: a resume that failed can be tried
+// again). A box an earlier kvbox suspended saved only its device state;
+// its RAM is its memory file.
+func (r *resuming) wakeXML() (string, error) {
+	spec := CloneXMLSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: filepath.Join(r.box.Dir, CloneDisk), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
+		MemPath: r.statePath}
+	if !r.saved.MappedRAM {
+		spec.RAMFile = domain.MemoryFile(r.box.Dir)
+		return CloneXML(string(r.live), spec)
+	}
+	off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)
+	if err != nil {
+		return "", fmt.Errorf("its saved state: %w", err)
+	}
+	spec.MemOffset = off
+	return CloneXML(string(r.live), spec)
 }
 
 // wake lists the steps that start the box from its saved state, up to the
@@ -394,21 +371,9 @@ func (r *resuming) wake() step.Plan {
 	name := r.box.Name
 	return step.Plan{
 		{Name: "define-resume", Do: func(context.Context) error {
-			if r.saved.MappedRAM {
-				// The stream holds the RAM: its pages go into a fresh
-				// (sparse, all zero) memory file, the pages it lacks being
-				// zero.
-				if err := domain.EmptyMemory(r.box.Dir); err != nil {
-					return err
-				}
-			}
-			if err := r.h.ReserveRAM(r.box.Dir, r.box.MemoryBytes); err != nil {
+			var err error
+			if r.wakeDef, err = r.wakeXML(); err != nil {
 				return fmt.Errorf("resume box %q: %w", name, err)
-			}
-			if r.saved.MappedRAM {
-				if err := r.ramFromState(); err != nil {
-					return fmt.Errorf("resume box %q: %w", name, err)
-				}
 			}
 			if err := r.h.EnsureEmulator(r.wakeDef); err != nil {
 				return err
@@ -443,33 +408,6 @@ func (r *resuming) wake() step.Plan {
 			return nil
 		}},
 	}
-}
-
-// ramFromState copies the RAM a mapped-ram state file holds into the box's
-// memory file, only the pages with data in them (copy_file_range where the
-// filesystem has it), and zeroes the state's page bitmap, so that QEMU
-// loads only the device state from it. QEMU reading the pages itself took
-// the first resume of a suspended tiny clone to 1.37 s (later ones, which
-// load only device state, 0.61 s).
-func (r *resuming) ramFromState() error {
-	off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)
-	if err != nil {
-		return err
-	}
-	in, err := domain.OpenNoFollow(r.statePath, os.O_RDONLY)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := domain.OpenNoFollow(domain.MemoryFile(r.box.Dir), os.O_WRONLY)
-	if err != nil {
-		return err
-	}
-	defer out.Close()
-	if _, err := overlay.CopyRangeSparse(out, in, off, r.box.MemoryBytes); err != nil {
-		return fmt.Errorf("copy its RAM out of its saved state: %w", err)
-	}
-	return nil
 }
 
 // defineBoot gives the running box its own definition back, for its next
@@ -514,6 +452,23 @@ func removeOldStates(dir, keep string) {
 	for _, e := range ents {
 		if n := e.Name(); n != keep && strings.HasPrefix(n, "suspend-") && strings.HasSuffix(n, ".state") {
 			os.Remove(filepath.Join(dir, n))
+		}
+	}
+}
+
+// removeUnmappedStates deletes the suspend state files in a running box's
+// folder but the one its QEMU maps its RAM from (a resumed box), which its
+// domain XML names; nothing when the XML cannot be read.
+func removeUnmappedStates(dom *libvirt.Domain, box domain.Box) {
+	x, err := dom.GetXMLDesc(0)
+	if err != nil {
+		return
+	}
+	ents, _ := os.ReadDir(box.Dir)
+	for _, e := range ents {
+		n := e.Name()
+		if p := filepath.Join(box.Dir, n); strings.HasPrefix(n, "suspend-") && strings.HasSuffix(n, ".state") && !strings.Contains(x, domain.QemuOptEscape(p)) {
+			os.Remove(p)
 		}
 	}
 }
@@ -614,7 +569,7 @@ func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Dom
 		}
 	}
 	h.RemoveSuspendFiles(box.Name)
-	removeOldStates(box.Dir, "")
+	removeUnmappedStates(dom, box)
 	return nil
 }
 
@@ -651,8 +606,8 @@ func settleResumed(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot str
 		return err
 	}
 	h.RemoveSuspendFiles(box.Name)
-	if state != "" && !strings.ContainsAny(state, "/") {
-		os.Remove(filepath.Join(box.Dir, state))
+	if state != "" && !strings.ContainsAny(state, "/") && !box.Suspended.MappedRAM {
+		os.Remove(filepath.Join(box.Dir, state)) // loaded: not mapped
 	}
 	return nil
 }

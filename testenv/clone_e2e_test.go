@@ -298,7 +298,7 @@ func TestTenClonesInParallel(t *testing.T) {
 	// PSS: the snapshot's memory file is mapped by every clone and its
 	// pages are shared: the clones' PSS of that mapping adds up to about
 	// one copy, not ten.
-	memFile := filepath.Join(stateDir, "snapshots", snap, "memory")
+	memFile := filepath.Join(stateDir, "snapshots", snap, "state")
 	var rss, pss, total int64
 	for _, nm := range names {
 		pid := strings.TrimSpace(readFile(t, "/run/libvirt/qemu/"+nm+".pid"))

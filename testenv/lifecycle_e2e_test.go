@@ -475,9 +475,9 @@ func TestSuspendResume(t *testing.T) {
 		t.Logf("clone round %d: %s", round, strings.TrimSpace(out))
 		suspendChecks(t, cl)
 		if round == 1 {
-			// A resume killed once the RAM is in the box's memory file
-			// (its saved state readied): the box is suspended again, and
-			// the next resume starts from the same state.
+			// A resume killed once its saved state is readied (the page
+			// bitmap zeroed, QEMU defined to map it): the box is suspended
+			// again, and the next resume starts from the same state.
 			cmd := exec.Command(kvboxBin, "resume", cl)
 			cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT=start-paused")
 			if out, err := cmd.CombinedOutput(); err == nil {
@@ -510,9 +510,18 @@ func TestSuspendResume(t *testing.T) {
 		if body, err := httpGet("http://" + b.IP + ":8080/"); err != nil || strings.TrimSpace(body) != "s-"+src {
 			t.Errorf("server of the resumed clone: %q %v", body, err)
 		}
-		if states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state")); len(states) != 0 {
-			t.Errorf("clone folder holds saved states %v after resume", states)
+		// The resumed clone maps its RAM from the state it was saved in:
+		// that one stays while it runs, none other.
+		live, _ := virsh("dumpxml", cl)
+		if states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state")); len(states) != 1 || !strings.Contains(live, states[0]+",") {
+			t.Errorf("clone folder holds saved states %v after resume; want the one its QEMU maps", states)
 		}
+	}
+	// A cold boot needs no saved state: kvbox start deletes it.
+	mustKvbox(t, "stop", "--force", cl)
+	mustKvbox(t, "start", cl)
+	if states, _ := filepath.Glob(filepath.Join(bc.Dir, "suspend-*.state")); len(states) != 0 {
+		t.Errorf("clone folder holds saved states %v after a cold boot", states)
 	}
 
 	// rm of suspended boxes: a clone, then the source (no --force needed).
@@ -607,8 +616,8 @@ func TestSuspendKilled(t *testing.T) {
 	}
 
 	// The points are the plans' step names (snapshot/suspend.go).
-	killAt("save", "suspend", n)
-	running("save")
+	killAt("save-live", "suspend", n)
+	running("save-live")
 
 	c0 := counter(t, n)
 	killAt("define-suspended", "suspend", n)
@@ -627,4 +636,81 @@ func TestSuspendKilled(t *testing.T) {
 	suspendChecks(t, n)
 	mustKvbox(t, "resume", n)
 	running("the end")
+	// A resumed box maps its RAM from its saved state: a suspend killed
+	// while it saves again leaves that state, and only that one.
+	killAt("save-live", "suspend", n)
+	running("save-live of a resumed box")
+	live, _ := virsh("dumpxml", n)
+	if states, _ := filepath.Glob(filepath.Join(b0.Dir, "suspend-*.state")); len(states) != 1 || !strings.Contains(live, states[0]+",") {
+		t.Errorf("after a kill at save-live of a resumed box: saved states %v; want the one its QEMU maps", states)
+	}
+}
+
+// TestLegacyRAMFileBox: a box an earlier kvbox defined keeps its RAM in a
+// file of its folder, shared with QEMU. Started by an operator's virsh, it
+// is snapshotted (its clone works), suspended and resumed like any box,
+// and kvbox's next cold start gives it anonymous RAM and deletes the file.
+func TestLegacyRAMFileBox(t *testing.T) {
+	n, snap, cl := name(t, "legacy"), name(t, "legsnap"), name(t, "legcl")
+	b := newBox(t, n)
+	mustKvbox(t, "stop", "--force", n)
+	x, err := virsh("dumpxml", "--inactive", n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	anon := fmt.Sprintf("memory-backend-ram,id=kvbox.ram,size=%d", b.MemoryBytes)
+	file := filepath.Join(b.Dir, "memory")
+	legacy := fmt.Sprintf("memory-backend-file,id=kvbox.ram,size=%d,mem-path=%s,share=on", b.MemoryBytes, file)
+	if strings.Count(x, anon) != 1 {
+		t.Fatalf("the box's definition has no anonymous RAM backend %q:\n%s", anon, x)
+	}
+	def := filepath.Join(t.TempDir(), "legacy.xml")
+	os.WriteFile(def, []byte(strings.Replace(x, anon, legacy, 1)), 0o644)
+	if out, err := virsh("define", def); err != nil {
+		t.Fatalf("virsh define: %v %s", err, out)
+	}
+	if out, err := virsh("start", n); err != nil {
+		t.Fatalf("virsh start of the legacy box: %v %s", err, out)
+	}
+	eventually(t, 60*time.Second, func() error {
+		if r := kvbox(t, "exec", n, "--", "true"); r.code != 0 {
+			return fmt.Errorf("%s", r)
+		}
+		return nil
+	})
+	if fi, err := os.Stat(file); err != nil || fi.Size() != b.MemoryBytes {
+		t.Fatalf("the legacy box's RAM file: %v %v", fi, err)
+	}
+	startCounter(t, n)
+	sum := inBox(t, n, "head -c 20000000 /dev/urandom > /dev/shm/f && md5sum /dev/shm/f")
+
+	t.Cleanup(func() { kvbox(t, "rm", "--force", cl); kvbox(t, "snapshots", "rm", snap) })
+	mustKvbox(t, "snapshots", "new", n, snap)
+	assertCounting(t, n)
+	if r := newClone(t, snap, cl); r.code != 0 {
+		t.Fatalf("clone of the legacy box's snapshot: %s", r)
+	}
+	if got := inBox(t, cl, "md5sum /dev/shm/f"); got != sum {
+		t.Errorf("the clone's /dev/shm/f is %q, the box wrote %q", got, sum)
+	}
+
+	mustKvbox(t, "suspend", n)
+	suspendChecks(t, n)
+	mustKvbox(t, "resume", n)
+	assertCounting(t, n)
+	if got := inBox(t, n, "md5sum /dev/shm/f"); got != sum {
+		t.Errorf("after suspend and resume /dev/shm/f is %q, was %q", got, sum)
+	}
+
+	mustKvbox(t, "stop", "--force", n)
+	mustKvbox(t, "start", n)
+	if x, _ := virsh("dumpxml", "--inactive", n); strings.Count(x, anon) != 1 || strings.Contains(x, "mem-path=") {
+		t.Errorf("after kvbox start the definition is not anonymous RAM:\n%s", x)
+	}
+	if _, err := os.Stat(file); !os.IsNotExist(err) {
+		t.Errorf("the legacy RAM file is still there after kvbox start: %v", err)
+	}
+	if r := kvbox(t, "exec", n, "--", "true"); r.code != 0 {
+		t.Errorf("exec after the upgrade: %s", r)
+	}
 }

@@ -353,8 +353,8 @@ func (a *app) newCmdRm() *cobra.Command {
 	c := &cobra.Command{
 		Use:     "rm NAME...",
 		Aliases: []string{"remove"},
-		Short:   "Delete boxes: domain, disk, memory file and address",
-		Long: `Delete boxes: domain, disk, memory file and address. Several boxes are removed
+		Short:   "Delete boxes: domain, folder (disk, saved state) and address",
+		Long: `Delete boxes: domain, folder (disk, saved state) and address. Several boxes are removed
 in parallel; every name is handled and each failure reported, and kvbox exits
 non-zero only if one failed. With --force running boxes are powered off first,
 and a name that is no box is skipped quietly (as rm -f does).`,

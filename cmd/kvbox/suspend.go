@@ -17,8 +17,7 @@ func (a *app) newCmdSuspend() *cobra.Command {
 		Short: "Put boxes to sleep: memory and device state to disk, QEMU gone, RAM and CPU given back",
 		Long: `Put boxes to sleep: their memory and device state are saved to disk and their
 QEMU exits, so they hold no RAM and no CPU. The guest stands still only while
-its state is saved (a box booted from an image: its device state, its RAM
-already being a file; a clone: the last pass of a live copy of its RAM).
+the last pass of a live copy of its RAM and its device state are saved.
 
 kvbox resume (or kvbox start) wakes a box warm with its own name, MAC and
 address: every process runs on where it stopped, connections to it are made
@@ -39,10 +38,7 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 				if err != nil {
 					return err
 				}
-				how := "device state"
-				if res.Live {
-					how = "RAM copied live"
-				}
+				how := "RAM copied live"
 				if res.Paused {
 					how = "RAM copied while paused (TCG)"
 				}

@@ -58,7 +58,7 @@ func benchLifecycle(ctx context.Context, e *env) error {
 		fmt.Printf("  %-44s pause %7.0f ms  command %7.0f ms  resume %7.0f ms\n", what, ms(pause), ms(total), ms(resume))
 	}
 	row("kvbox suspend/resume, box from an image", median(a.pause), median(a.suspend), median(a.resume))
-	row("kvbox suspend/resume, clone (1st: live RAM)", b.pause[0], b.suspend[0], b.resume[0])
+	row("kvbox suspend/resume, clone (1st round)", b.pause[0], b.suspend[0], b.resume[0])
 	if len(b.pause) > 1 {
 		row("kvbox suspend/resume, resumed clone (2nd on)", median(b.pause[1:]), median(b.suspend[1:]), median(b.resume[1:]))
 	}

@@ -15,7 +15,6 @@ import (
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -99,17 +98,16 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var a kvSnaps
-	memBefore := hostMemory(e, src)
+	memBefore := hostMemory(src)
 	for i := range snapRuns {
 		if err := a.take(ctx, e, st, src, srcBox.IP, fmt.Sprintf("%s-s%d", sc.prefix, i)); err != nil {
 			return err
 		}
 		if i == 0 {
-			m := hostMemory(e, src)
-			a.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), the box's RAM file cached or written %s -> %s, QEMU's file mappings (RssFile) %s -> %s",
+			m := hostMemory(src)
+			a.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), QEMU resident (VmRSS: the RAM its guest touched, and its own) %s -> %s",
 				domain.FormatSize(memBefore.cached), domain.FormatSize(m.cached), domain.FormatSize(a.size),
-				domain.FormatSize(memBefore.ramFile), domain.FormatSize(m.ramFile),
-				domain.FormatSize(memBefore.qemuFile), domain.FormatSize(m.qemuFile))
+				domain.FormatSize(memBefore.qemu), domain.FormatSize(m.qemu))
 		}
 	}
 
@@ -287,19 +285,12 @@ type kvSnaps struct {
 	memory            string // what the host's memory did
 }
 
-// memUse is the host's page cache and what a box's QEMU maps of files
-// (for a box booted from an image, mostly its RAM file).
-type memUse struct{ cached, qemuFile, ramFile int64 }
+// memUse is the host's page cache and what a box's QEMU holds resident.
+type memUse struct{ cached, qemu int64 }
 
-// hostMemory measures memUse, and for a box booted from an image what of
-// its RAM file is data (SEEK_DATA: written, or in the page cache over its
-// preallocated blocks).
-func hostMemory(e *env, box string) memUse {
+// hostMemory measures memUse.
+func hostMemory(box string) memUse {
 	var m memUse
-	if f, err := os.Open(filepath.Join(e.stateDir, "boxes", box, "memory")); err == nil {
-		m.ramFile, _ = overlay.DataBytes(f)
-		f.Close()
-	}
 	field := func(file, name string) int64 {
 		b, _ := os.ReadFile(file)
 		for _, l := range strings.Split(string(b), "\n") {
@@ -312,7 +303,7 @@ func hostMemory(e *env, box string) memUse {
 	}
 	m.cached = field("/proc/meminfo", "Cached:")
 	if pid, err := os.ReadFile("/run/libvirt/qemu/" + box + ".pid"); err == nil {
-		m.qemuFile = field("/proc/"+strings.TrimSpace(string(pid))+"/status", "RssFile:")
+		m.qemu = field("/proc/"+strings.TrimSpace(string(pid))+"/status", "VmRSS:")
 	}
 	return m
 }
@@ -346,7 +337,7 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 		}
 		k.steps[s.Name] = append(k.steps[s.Name], s.Duration)
 		switch s.Name {
-		case "save-state", "copy-memory", "open-disk-copy", "start-disk-copy", "resume":
+		case "open-disk-copy", "start-disk-copy", "resume":
 			after += s.Duration
 		}
 	}
