@@ -3,6 +3,8 @@ package qmp
 import (
 	"fmt"
 	"os"
+	"regexp"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -10,8 +12,10 @@ import (
 
 // Transcript records every command a Client sends and QEMU's reply, a line
 // each, so a failed snapshot or clone leaves more than an error string. A
-// poll (query-migrate, query-jobs, ...) is recorded only when its reply
-// differs from the last one: its transitions, not its thousands of repeats.
+// poll (query-migrate, query-jobs, ...) is recorded when the statuses in
+// its reply differ from the last recorded one's, or a second after that
+// one: its transitions and a trace of its progress (a live copy's counters
+// change at every poll), not its thousands of repeats.
 // The file is appended to and, past MaxBytes, renamed to Path+".1" (one old
 // file kept). It is opened per entry, never following a link.
 type Transcript struct {
@@ -19,7 +23,24 @@ type Transcript struct {
 	MaxBytes int64 // 0: 1 MiB
 
 	mu   sync.Mutex
-	last map[string]string // poll command -> its last reply
+	last map[string]polled // poll command -> its last recorded reply
+}
+
+type polled struct {
+	statuses string
+	at       time.Time
+}
+
+// statusRE finds the statuses in a poll's reply.
+var statusRE = regexp.MustCompile(`"status": ?"[^"]*"`)
+
+// statuses is what tells a poll's replies apart: the statuses in it (all of
+// it when it has none, an error).
+func statuses(answer string) string {
+	if m := statusRE.FindAllString(answer, -1); m != nil {
+		return strings.Join(m, ",")
+	}
+	return answer
 }
 
 // polls are the commands kvbox repeats while it waits.
@@ -36,12 +57,13 @@ func (t *Transcript) record(command string, req, rep []byte, err error, took tim
 	}
 	if polls[command] {
 		if t.last == nil {
-			t.last = map[string]string{}
+			t.last = map[string]polled{}
 		}
-		if t.last[command] == answer {
+		p := polled{statuses(answer), time.Now()}
+		if l, ok := t.last[command]; ok && l.statuses == p.statuses && p.at.Sub(l.at) < time.Second {
 			return
 		}
-		t.last[command] = answer
+		t.last[command] = p
 	}
 	max := t.MaxBytes
 	if max <= 0 {

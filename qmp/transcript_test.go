@@ -2,6 +2,7 @@ package qmp
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,10 +10,11 @@ import (
 )
 
 func TestTranscriptRecordsCommandsAndPollTransitions(t *testing.T) {
-	status := "active"
+	status, polls := "active", 0
 	c := New(runFunc(func(b []byte) ([]byte, error) {
 		if strings.Contains(string(b), "query-migrate") {
-			return []byte(`{"return":{"status":"` + status + `"}}`), nil
+			polls++ // a live copy's counters change at every poll
+			return []byte(fmt.Sprintf(`{"return":{"status":"%s","ram":{"transferred":%d}}}`, status, polls)), nil
 		}
 		return []byte(`{"error":{"class":"GenericError","desc":"no"}}`), nil
 	}))

@@ -144,10 +144,7 @@ func TestIsolationModesAtRest(t *testing.T) {
 	}
 
 	// A user who is neither root nor in QEMU's group cannot read the memory.
-	mem := filepath.Join(snapDir, "memory")
-	if _, err := os.Stat(mem); err != nil {
-		mem = filepath.Join(snapDir, "state")
-	}
+	mem := filepath.Join(snapDir, "state")
 	out, err := exec.Command("setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "head", "-c", "16", mem).CombinedOutput()
 	if err == nil {
 		t.Errorf("user nobody read %s: %q", mem, out)

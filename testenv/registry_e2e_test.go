@@ -119,7 +119,7 @@ func TestRegistryPushPull(t *testing.T) {
 	// On a terminal (script(1) gives kvbox one), a push to another
 	// repository (nothing there yet) draws each part's progress.
 	tty := exec.Command("script", "-qec", kvboxBin+" snapshots push --insecure "+snapName+" "+testRegistry+"/kvbox-e2e/"+runID+"-tty:v1", "/dev/null")
-	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "snapshot/memory ") || !strings.Contains(string(out), "% of ") || !strings.Contains(string(out), "✓ pushed") {
+	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "snapshot/state ") || !strings.Contains(string(out), "% of ") || !strings.Contains(string(out), "✓ pushed") {
 		t.Errorf("push on a terminal shows no progress per part: %v\n%q", err, out)
 	}
 	// A newer snapshot of the same box: only the parts that changed travel.
