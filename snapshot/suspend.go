@@ -291,9 +291,15 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	if agentTimeout <= 0 {
 		agentTimeout = 60 * time.Second
 	}
+	// The box's own definition goes back while its agent wakes: neither
+	// waits for the other.
 	settle := step.Plan{
-		{Name: "define-boot", Do: r.defineBoot},
-		{Name: "agent", Do: func(ctx context.Context) error { return r.setClock(ctx, agentTimeout) }},
+		{Name: "define-boot+agent", Do: func(ctx context.Context) error {
+			defined := make(chan error, 1)
+			go func() { defined <- r.defineBoot(ctx) }()
+			err := r.setClock(ctx, agentTimeout)
+			return errors.Join(<-defined, err)
+		}},
 	}
 	more, err := settle.Run(ctx)
 	ts = append(ts, more...)

@@ -171,8 +171,8 @@ func writeTime(dir string, n int64) (time.Duration, error) {
 func printSnapshotTable(base, write time.Duration, a, b kvSnaps, pr peerSnaps) {
 	fmt.Printf("ping gap with no snapshot (1 s, box idle)   %8.0f ms\n", ms(base))
 	a.print("kvbox snapshot of a source box")
-	fmt.Printf("  writing %s (the first's size) to this disk and syncing: %.0f ms; first snapshot's total / that: %.1f (target <= 2)\n",
-		domain.FormatSize(a.size), ms(write), float64(a.total[0])/float64(write))
+	fmt.Printf("  writing %s (the first's size) to this disk and syncing: %.0f ms; first snapshot's total / that: %.1f, later ones' (median): %.1f (target <= 2)\n",
+		domain.FormatSize(a.size), ms(write), float64(a.total[0])/float64(write), float64(median(a.total[1:]))/float64(write))
 	b.print("kvbox snapshot of a clone")
 	fmt.Printf("peer virsh save (box down throughout)       %8.0f ms   (file %s)\n", ms(median(pr.save)), domain.FormatSize(pr.saveSize))
 	if pr.liveNote != "" {
@@ -359,7 +359,7 @@ func (k *kvSnaps) print(what string) {
 		}
 		return strings.Join(s, "/")
 	}
-	fmt.Printf("  runs: pause %s ms, ping gap %s ms\n", runs(k.pause), runs(k.gap))
+	fmt.Printf("  runs: pause %s ms, ping gap %s ms, total %s ms\n", runs(k.pause), runs(k.gap), runs(k.total))
 	if k.memory != "" {
 		fmt.Printf("  %s\n", k.memory)
 	}
