@@ -102,11 +102,16 @@ func LegacyRAMArgs(size int64, file string) []string {
 	}
 }
 
-// UsesRAMFile says whether a domain XML of box b keeps its RAM in its
-// memory file (LegacyRAMArgs).
-func UsesRAMFile(xml string, b Box) bool {
-	arg := LegacyRAMArgs(b.MemoryBytes, MemoryFile(b.Dir))[1]
-	return strings.Contains(xml, arg) || strings.Contains(xml, html.EscapeString(arg))
+// ReplaceQemuArg replaces the qemu:arg value old, found exactly once in a
+// domain XML (HTML-escaped as libvirt writes it, or raw), by repl; false
+// when it is not there once.
+func ReplaceQemuArg(xml, old, repl string) (string, bool) {
+	for _, o := range []string{html.EscapeString(old), old} {
+		if strings.Count(xml, o) == 1 {
+			return strings.Replace(xml, o, html.EscapeString(repl), 1), true
+		}
+	}
+	return xml, false
 }
 
 // QemuOptEscape doubles commas, QEMU's escape inside an option value.
@@ -462,10 +467,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	}
 	// A box resumed from a suspend mapped its RAM from the saved state; a
 	// cold boot needs none of it.
-	states, _ := filepath.Glob(filepath.Join(b.Dir, "suspend-*.state"))
-	for _, f := range states {
-		os.Remove(f)
-	}
+	RemoveSuspendStates(b.Dir, nil)
 	// The box plan without define. A box whose agent does not answer is
 	// left running, for its console to tell why.
 	c := &Creation{Host: h, Name: name, AgentTimeout: timeout, Dom: dom, Box: b, borrowed: true}
@@ -584,10 +586,7 @@ func (h *Host) UpgradeRAM(dom *libvirt.Domain, b Box) error {
 	if err != nil {
 		return fmt.Errorf("read box %q: %s", b.Name, LibvirtMessage(err))
 	}
-	if UsesRAMFile(x, b) {
-		old := LegacyRAMArgs(b.MemoryBytes, MemoryFile(b.Dir))[1]
-		repl := RAMArgs(b.MemoryBytes)[1]
-		x = strings.Replace(strings.Replace(x, html.EscapeString(old), repl, 1), old, repl, 1)
+	if x, ok := ReplaceQemuArg(x, LegacyRAMArgs(b.MemoryBytes, MemoryFile(b.Dir))[1], RAMArgs(b.MemoryBytes)[1]); ok {
 		d, err := h.Conn.DomainDefineXML(x)
 		if err != nil {
 			return fmt.Errorf("give box %q anonymous RAM: %s", b.Name, LibvirtMessage(err))
@@ -598,6 +597,19 @@ func (h *Host) UpgradeRAM(dom *libvirt.Domain, b Box) error {
 		return err
 	}
 	return nil
+}
+
+// RemoveSuspendStates deletes the saved states of suspends
+// (suspend-*.state) in a box folder, but those keep says to keep (nil:
+// none).
+func RemoveSuspendStates(dir string, keep func(path string) bool) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		n := e.Name()
+		if p := filepath.Join(dir, n); strings.HasPrefix(n, "suspend-") && strings.HasSuffix(n, ".state") && (keep == nil || !keep(p)) {
+			os.Remove(p)
+		}
+	}
 }
 
 // EmptyMemory truncates the RAM file of a box an earlier kvbox defined to

@@ -3,6 +3,7 @@ package domain
 import (
 	"encoding/xml"
 	"errors"
+	"html"
 	"strings"
 	"testing"
 	"time"
@@ -125,9 +126,25 @@ func TestRAMArgs(t *testing.T) {
 	if got[1] != "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=/var/lib/a,,b/memory,share=on" || got[3] != "memory-backend=kvbox.ram" {
 		t.Errorf("LegacyRAMArgs = %q", got)
 	}
-	b := Box{MemoryBytes: 1 << 20, Meta: Meta{Dir: "/var/lib/a,b"}}
-	if !UsesRAMFile("<qemu:arg value='"+got[1]+"'/>", b) || UsesRAMFile("<qemu:arg value='"+RAMArgs(1 << 20)[1]+"'/>", b) {
-		t.Error("UsesRAMFile tells the two apart wrongly")
+}
+
+// ReplaceQemuArg finds a legacy box's RAM file argument raw or as libvirt
+// escapes it, and gives it anonymous RAM; an anonymous definition has no
+// RAM file to replace.
+func TestReplaceQemuArg(t *testing.T) {
+	anon := RAMArgs(1 << 20)[1]
+	for _, dir := range []string{"/var/lib/a,b", "/var/lib/a&b"} {
+		legacy := LegacyRAMArgs(1<<20, MemoryFile(dir))[1]
+		for _, x := range []string{"<qemu:arg value='" + legacy + "'/>", "<qemu:arg value='" + html.EscapeString(legacy) + "'/>"} {
+			out, ok := ReplaceQemuArg(x, legacy, anon)
+			if !ok || out != "<qemu:arg value='"+anon+"'/>" {
+				t.Errorf("ReplaceQemuArg(%q) = %q, %v", x, out, ok)
+			}
+		}
+	}
+	x := "<qemu:arg value='" + anon + "'/>"
+	if out, ok := ReplaceQemuArg(x, LegacyRAMArgs(1<<20, "/b/memory")[1], anon); ok || out != x {
+		t.Errorf("ReplaceQemuArg replaced a RAM file in %q: %q", x, out)
 	}
 }
 

@@ -208,8 +208,6 @@ type creation struct {
 	chain   []overlay.ImageInfo // the box disk's backing chain, top first
 	prev    *Snapshot           // what an incremental disk copy builds on
 	liveXML string              // the box's migratable domain XML
-	caps    map[string]bool     // migration capabilities the snapshot sets
-	params  map[string]any      // and parameters
 	p       partial             // what Recover needs, also on disk
 	backing string              // what the disk copy's target sits on
 	disk    string              // the disk copy's target
@@ -343,14 +341,13 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
 		return err
 	}
-	c.caps, c.params = liveCaps(), liveParams
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err
 	}
 	c.p = partial{Name: c.name, Box: c.box.Name, BoxUUID: c.box.UUID, PID: os.Getpid(), Caps: map[string]bool{},
 		Bitmap: bitmapPrefix + c.name, Paused: true}
-	for k := range c.caps {
+	for k := range liveCaps() {
 		c.p.Caps[k] = saved[k]
 	}
 	cur, err := c.q.QueryMigrateParameters(ctx)
@@ -358,7 +355,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 		return err
 	}
 	c.p.Params = map[string]any{}
-	for k := range c.params {
+	for k := range liveParams {
 		v, ok := cur[k]
 		if !ok {
 			return fmt.Errorf("QEMU does not report migration parameter %q; kvbox could not set it back", k)
@@ -482,10 +479,10 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		}
 	}()
 	c.mem = Memory{File: StateFile, MappedRAM: true}
-	if err := c.q.MigrateSetCapabilities(ctx, c.caps); err != nil {
+	if err := c.q.MigrateSetCapabilities(ctx, liveCaps()); err != nil {
 		return err
 	}
-	if err := c.q.MigrateSetParameters(ctx, c.params); err != nil {
+	if err := c.q.MigrateSetParameters(ctx, liveParams); err != nil {
 		return err
 	}
 	if c.copyPaused {

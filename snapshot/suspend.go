@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"html"
 	"os"
 	"path/filepath"
 	"strings"
@@ -86,7 +85,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	}
 	// QEMU is gone: the box is suspended whatever happens now, and the
 	// state it mapped its RAM from, if it was resumed, is garbage.
-	removeOldStates(box.Dir, s.stateName)
+	domain.RemoveSuspendStates(box.Dir, func(p string) bool { return p == s.statePath })
 	size, _ := overlay.Du(s.statePath)
 	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Paused: s.copyPaused, Steps: ts}, nil
 }
@@ -249,10 +248,8 @@ func suspendedXML(boot string, b domain.Box) (string, error) {
 	repl := domain.LegacyRAMArgs(b.MemoryBytes, filepath.Join(suspendedRAMDir(b), "memory"))[1]
 	ram := domain.RAMArgs(b.MemoryBytes)[1]
 	for _, o := range []string{ram, domain.LegacyRAMArgs(b.MemoryBytes, domain.MemoryFile(b.Dir))[1]} {
-		for _, o := range []string{html.EscapeString(o), o} {
-			if strings.Count(boot, o) == 1 {
-				return strings.Replace(boot, o, html.EscapeString(repl), 1), nil
-			}
+		if x, ok := domain.ReplaceQemuArg(boot, o, repl); ok {
+			return x, nil
 		}
 	}
 	return "", fmt.Errorf("the definition of box %q lacks kvbox's RAM backend (%s); it cannot be suspended", b.Name, ram)
@@ -359,15 +356,15 @@ func (r *resuming) readSaved() (err error) {
 func (r *resuming) wakeXML() (string, error) {
 	spec := CloneXMLSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: filepath.Join(r.box.Dir, CloneDisk), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
 		MemPath: r.statePath}
-	if !r.saved.MappedRAM {
+	if r.saved.MappedRAM {
+		off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)
+		if err != nil {
+			return "", fmt.Errorf("its saved state: %w", err)
+		}
+		spec.MemOffset = off
+	} else {
 		spec.RAMFile = domain.MemoryFile(r.box.Dir)
-		return CloneXML(string(r.live), spec)
 	}
-	off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)
-	if err != nil {
-		return "", fmt.Errorf("its saved state: %w", err)
-	}
-	spec.MemOffset = off
 	return CloneXML(string(r.live), spec)
 }
 
@@ -449,34 +446,6 @@ func (r *resuming) setClock(ctx context.Context, timeout time.Duration) error {
 		return fmt.Errorf("set the clock of box %q: %w", r.box.Name, err)
 	}
 	return nil
-}
-
-// removeOldStates deletes a box's saved states but keep (debris of an
-// interrupted suspend).
-func removeOldStates(dir, keep string) {
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		if n := e.Name(); n != keep && strings.HasPrefix(n, "suspend-") && strings.HasSuffix(n, ".state") {
-			os.Remove(filepath.Join(dir, n))
-		}
-	}
-}
-
-// removeUnmappedStates deletes the suspend state files in a running box's
-// folder but the one its QEMU maps its RAM from (a resumed box), which its
-// domain XML names; nothing when the XML cannot be read.
-func removeUnmappedStates(dom *libvirt.Domain, box domain.Box) {
-	x, err := dom.GetXMLDesc(0)
-	if err != nil {
-		return
-	}
-	ents, _ := os.ReadDir(box.Dir)
-	for _, e := range ents {
-		n := e.Name()
-		if p := filepath.Join(box.Dir, n); strings.HasPrefix(n, "suspend-") && strings.HasSuffix(n, ".state") && !strings.Contains(x, domain.QemuOptEscape(p)) {
-			os.Remove(p)
-		}
-	}
 }
 
 func syncFile(path string) error {
@@ -575,7 +544,11 @@ func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Dom
 		}
 	}
 	h.RemoveSuspendFiles(box.Name)
-	removeUnmappedStates(dom, box)
+	// The state a resumed box maps its RAM from, which its domain XML
+	// names, stays (nothing goes when the XML cannot be read).
+	if x, err := dom.GetXMLDesc(0); err == nil {
+		domain.RemoveSuspendStates(box.Dir, func(p string) bool { return strings.Contains(x, domain.QemuOptEscape(p)) })
+	}
 	return nil
 }
 
