@@ -27,10 +27,11 @@ TINY_DIR=$TESTENV_DIR/tiny
 OUTDIR=$1
 require_root   # root-owned files in the ext4 image, apt-get download into the cache
 
-CMDLINE="console=ttyS0 root=/dev/vda rw quiet panic=-1"
+# init_on_alloc=0: as in the Debian image (image/debian.go), so free page hints write nothing
+CMDLINE="console=ttyS0 root=/dev/vda rw quiet panic=-1 init_on_alloc=0"
 DISK_SIZE=512M
 INITRD_MODS="virtio_pci virtio_blk ext4"
-ROOT_MODS="virtio_pci virtio_blk ext4 virtio_net vsock vmw_vsock_virtio_transport virtio_console virtio-rng button evdev"
+ROOT_MODS="virtio_pci virtio_blk ext4 virtio_net vsock vmw_vsock_virtio_transport virtio_console virtio-rng virtio_balloon button evdev"
 
 for t in busybox cpio gzip xz mkfs.ext4 qemu-img depmod modprobe dpkg-deb apt-get sha256sum readelf; do
 	command -v "$t" >/dev/null || die "missing tool: $t (run testenv/setup.sh, or apt-get install busybox-static cpio e2fsprogs qemu-utils kmod binutils)"
