@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -22,11 +23,12 @@ const (
 	ParamMultifdChannels = "multifd-channels"
 	ParamMaxBandwidth    = "max-bandwidth"
 	ParamDowntimeLimit   = "downtime-limit"
+	ParamZeroPageDetect  = "zero-page-detection"
 )
 
 // DefaultLiveParams are QEMU's defaults (10.0) of the parameters a live
 // copy changes: what recovery sets back where no record says otherwise.
-var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamDowntimeLimit: int64(300)}
+var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamDowntimeLimit: int64(300), ParamZeroPageDetect: "multifd"}
 
 type capabilityState struct {
 	Capability string `json:"capability"`
@@ -318,4 +320,39 @@ func (c *Client) WaitMigrationStop(ctx context.Context, poll time.Duration, prog
 		case <-time.After(poll):
 		}
 	}
+}
+
+// FreePageHints says whether the guest takes free page hinting from the
+// box's virtio-balloon device: the guest's driver accepted
+// VIRTIO_BALLOON_F_FREE_PAGE_HINT, so while a migration runs it names the
+// pages it has free and QEMU skips them. It asks x-query-virtio-status,
+// an unstable command (QEMU 7.2 and later): false, with no error, where
+// QEMU lacks it or the box has no balloon.
+func (c *Client) FreePageHints(ctx context.Context) (bool, error) {
+	var devs []struct{ Name, Path string }
+	if err := c.Execute(ctx, "x-query-virtio", nil, &devs); err != nil {
+		if errors.Is(err, ErrCommandNotFound) {
+			return false, nil
+		}
+		return false, err
+	}
+	for _, d := range devs {
+		if d.Name != "virtio-balloon" {
+			continue
+		}
+		var st struct {
+			GuestFeatures struct {
+				DevFeatures []string `json:"dev-features"`
+			} `json:"guest-features"`
+		}
+		if err := c.Execute(ctx, "x-query-virtio-status", map[string]any{"path": d.Path}, &st); err != nil {
+			return false, err
+		}
+		for _, f := range st.GuestFeatures.DevFeatures {
+			if strings.HasPrefix(f, "VIRTIO_BALLOON_F_FREE_PAGE_HINT:") {
+				return true, nil
+			}
+		}
+	}
+	return false, nil
 }

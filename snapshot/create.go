@@ -74,7 +74,21 @@ func liveCaps() map[string]bool {
 // its default, 300 ms, gave a 256 ms downtime (43 MB) on the Debian box;
 // kvbox asks for 50 ms, and gives a guest that keeps dirtying faster more
 // (liveWatch).
-var liveParams = map[string]any{qmp.ParamMaxBandwidth: int64(10 << 30), qmp.ParamDowntimeLimit: int64(liveDowntimes[0])}
+// Zero pages are checked for, and left out of the state file ("legacy":
+// QEMU's own check, which its default "multifd" means without multifd);
+// the hint gate turns that off while it holds the copy (gateParams).
+var liveParams = map[string]any{qmp.ParamMaxBandwidth: int64(10 << 30), qmp.ParamDowntimeLimit: int64(liveDowntimes[0]), qmp.ParamZeroPageDetect: "legacy"}
+
+// gateCopy says whether a live copy starts held at the hint gate (see
+// gateParams): the guest takes free page hints, and runs while it is
+// copied. Best effort: a QEMU that cannot say gets no gate.
+func gateCopy(ctx context.Context, q *qmp.Client, copyPaused bool) bool {
+	if copyPaused {
+		return false
+	}
+	ok, _ := q.FreePageHints(ctx)
+	return ok
+}
 
 // partialDir is where a snapshot is built before it is renamed into place.
 func (st Store) partialDir(name string) string { return filepath.Join(st.Dir, "."+name+".partial") }
@@ -178,6 +192,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	if c.copyPaused, err = copyPaused(ctx, c.q); err != nil {
 		return Result{}, err
 	}
+	c.gated = gateCopy(ctx, c.q, c.copyPaused)
 	steps, err := c.plan(ctx).Run(ctx)
 	if err != nil {
 		return Result{Steps: steps}, err
@@ -217,6 +232,7 @@ type creation struct {
 	running    bool      // resumed (by the plan or an undo)
 	pause      time.Duration
 	copyPaused bool   // the box stays paused while its RAM is copied (see copyPaused)
+	gated      bool   // the copy starts held while the guest names its free pages (gateParams)
 	bootID     string // the guest's boot_id, from its agent (best effort)
 	copied     int64  // bytes the disk copy wrote
 
@@ -482,7 +498,7 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 	if err := c.q.MigrateSetCapabilities(ctx, liveCaps()); err != nil {
 		return err
 	}
-	if err := c.q.MigrateSetParameters(ctx, liveParams); err != nil {
+	if err := c.q.MigrateSetParameters(ctx, startParams(c.gated)); err != nil {
 		return err
 	}
 	if c.copyPaused {
@@ -495,7 +511,7 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		return err
 	}
 	step.KillPoint("live-started")
-	stopped, err := waitLiveCopy(ctx, c.q, filepath.Join(c.tmp, StateFile), func(s qmp.MigrateStatus) {
+	stopped, err := waitLiveCopy(ctx, c.q, filepath.Join(c.tmp, StateFile), c.gated, func(s qmp.MigrateStatus) {
 		if s.RAM != nil {
 			step.KillPoint("live-copying")
 			c.report(*s.RAM)

@@ -3,9 +3,14 @@ package snapshot
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
+	"time"
+
+	"kvbox.dev/kvbox/qmp"
 )
 
 // fakeStream builds the head of a mapped-ram migration stream as QEMU
@@ -125,5 +130,52 @@ func TestPrepareMappedRAMZeroesUnsentPages(t *testing.T) {
 	}
 	if !bytes.Equal(got[:bitmapOff], file[:bitmapOff]) {
 		t.Error("the stream head changed")
+	}
+}
+
+// TestHintGate: the held copy runs once the hints have stopped coming for
+// hintSettle, once none came by hintFirst, or at hintMax; the held copy's
+// own pages are not hints.
+func TestHintGate(t *testing.T) {
+	const total = 512 << 20
+	ram := func(left int64) qmp.MigrateRAM {
+		return qmp.MigrateRAM{Total: json.Number(strconv.Itoa(total)), Remaining: json.Number(strconv.FormatInt(left, 10))}
+	}
+	t0 := time.Unix(1000, 0)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+
+	g := &hintGate{start: t0}
+	for _, p := range []struct {
+		ms   int
+		left int64
+		hold bool
+	}{
+		{2, total - 4096, true},             // one page of its own: no hint
+		{40, total - 8192, true},            // still none
+		{60, total - 100<<20, true},         // 100 MB hinted
+		{100, total - 200<<20, true},        // more
+		{140, total - 200<<20 - 4096, true}, // its own page, 40 ms after the last hint
+		{151, total - 200<<20 - 4096, false},
+	} {
+		if got := g.hold(at(p.ms), ram(p.left)); got != p.hold {
+			t.Fatalf("at %d ms with %d left: hold %v, want %v", p.ms, p.left, got, p.hold)
+		}
+	}
+
+	g = &hintGate{start: t0}
+	if !g.hold(at(499), ram(total-8192)) || g.hold(at(500), ram(total-8192)) {
+		t.Errorf("a guest that names nothing is waited for until hintFirst, and no longer")
+	}
+
+	g = &hintGate{start: t0}
+	left := int64(total)
+	for ms := 10; ms < 2000; ms += 10 {
+		left -= 2 << 20
+		if !g.hold(at(ms), ram(left)) {
+			t.Fatalf("a guest still naming pages was let go at %d ms", ms)
+		}
+	}
+	if g.hold(at(2000), ram(left-2<<20)) {
+		t.Errorf("held past hintMax")
 	}
 }

@@ -101,6 +101,7 @@ type suspending struct {
 	live, boot   string // the running box's migratable XML, its persistent definition
 	suspendedDef string // the definition that makes virsh start fail
 	copyPaused   bool   // the box paused throughout its RAM's copy (see copyPaused)
+	gated        bool   // the copy starts held while the guest names its free pages (gateParams)
 
 	stateName, statePath string
 	restore              func(context.Context) error // migration settings back as they were
@@ -119,7 +120,11 @@ func (s *suspending) plan() step.Plan {
 		// Settings first: they do not touch the running guest, and every
 		// QMP round trip inside the pause lengthens it.
 		{Name: "set-migration", Do: func(ctx context.Context) (err error) {
-			s.restore, err = s.q.ApplyMigrationSettings(ctx, liveCaps(), liveParams)
+			if s.copyPaused, err = copyPaused(ctx, s.q); err != nil {
+				return err
+			}
+			s.gated = gateCopy(ctx, s.q, s.copyPaused)
+			s.restore, err = s.q.ApplyMigrationSettings(ctx, liveCaps(), startParams(s.gated))
 			return err
 		}, Undo: func() { s.restore(context.Background()) }},
 		{Name: "save-live", Do: s.saveLive, Undo: func() {
@@ -180,9 +185,6 @@ func (s *suspending) resume() {
 // the last pass and the device state. Where copyPaused holds, the guest is
 // paused throughout (QEMU's TCG would lose writes in a live copy).
 func (s *suspending) saveLive(ctx context.Context) (err error) {
-	if s.copyPaused, err = copyPaused(ctx, s.q); err != nil {
-		return err
-	}
 	if s.copyPaused {
 		if err := s.suspend(ctx); err != nil {
 			return err
@@ -197,7 +199,7 @@ func (s *suspending) saveLive(ctx context.Context) (err error) {
 	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
 		return err
 	}
-	stopped, err := waitLiveCopy(ctx, s.q, s.statePath, nil)
+	stopped, err := waitLiveCopy(ctx, s.q, s.statePath, s.gated, nil)
 	if err != nil {
 		return saveError(s.box.Name, s.box.Dir, err)
 	}

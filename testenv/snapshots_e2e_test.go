@@ -194,15 +194,16 @@ func assertDomainClean(t testing.TB, n string) {
 	}
 	var params struct {
 		Return struct {
-			MaxBandwidth    int64 `json:"max-bandwidth"`
-			DowntimeLimit   int64 `json:"downtime-limit"`
-			MultifdChannels int64 `json:"multifd-channels"`
-			DirectIO        bool  `json:"direct-io"`
+			MaxBandwidth    int64  `json:"max-bandwidth"`
+			DowntimeLimit   int64  `json:"downtime-limit"`
+			MultifdChannels int64  `json:"multifd-channels"`
+			DirectIO        bool   `json:"direct-io"`
+			ZeroPages       string `json:"zero-page-detection"`
 		} `json:"return"`
 	}
 	qmpJSON(t, n, `{"execute":"query-migrate-parameters"}`, &params)
 	// QEMU's defaults (migration/options.c): kvbox sets nothing for good.
-	if p := params.Return; p.MaxBandwidth != 128<<20 || p.DowntimeLimit != 300 || p.MultifdChannels != 2 || p.DirectIO {
+	if p := params.Return; p.MaxBandwidth != 128<<20 || p.DowntimeLimit != 300 || p.MultifdChannels != 2 || p.DirectIO || p.ZeroPages != "multifd" {
 		t.Errorf("migration parameters left changed: %+v", p)
 	}
 	var mig struct {
@@ -232,7 +233,7 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 		t.Fatalf("clone %s: %s", c, r)
 	}
 	startCounter(t, c)
-	killedSnapshots(t, c, "make-folder", "prepare", "live-started", "live-copying", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge")
+	killedSnapshots(t, c, "make-folder", "prepare", "live-started", "live-copying", "live-opened", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge")
 	// Data written just before the snapshot is in it.
 	sum := inBox(t, c, "head -c 4000000 /dev/urandom > /www/big && sync && md5sum /www/big | cut -c1-32")
 	snap2 := name(t, "lv2")
@@ -360,12 +361,20 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	// is copied.
 	paused := copiedPaused(t, src)
 	rssBefore := qemuRss(t, src)
-	killedSnapshots(t, src, "live-started", "live-copying", "copy-memory-live")
+	killedSnapshots(t, src, "live-started", "live-copying", "live-opened", "copy-memory-live")
+	if !freePageHints(t, src) {
+		t.Errorf("the guest of %s takes no free page hints from its balloon (templates/box.xml, virtio_balloon in the tiny image)", src)
+	}
 	prev := src
+	var cloneFresh, guestFree int64 // the level 1 clone's QEMU when it started, the guest's free memory
 	for level := 1; level <= 3; level++ {
 		sums += inBox(t, prev, fmt.Sprintf("cd /mem && head -c 4000000 /dev/urandom > level%d && md5sum level%d", level, level))
 		sn, c := name(t, fmt.Sprintf("bs%d", level)), name(t, fmt.Sprintf("bc%d", level))
 		t.Cleanup(func() { kvbox(t, "snapshots", "rm", sn) })
+		if level == 2 {
+			kb, _ := strconv.ParseInt(strings.Fields(inBox(t, prev, "grep MemFree: /proc/meminfo"))[1], 10, 64)
+			guestFree = kb << 10
+		}
 		var r result
 		if level != 2 {
 			r = kvbox(t, "snapshots", "new", "-v", prev, sn)
@@ -383,7 +392,8 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 		if r.code != 0 {
 			t.Fatalf("level %d: snapshots new: %s", level, r)
 		}
-		t.Logf("level %d: %s", level, strings.TrimSpace(r.stdout[strings.LastIndex(r.stdout, "\r")+1:]))
+		out := strings.TrimSpace(r.stdout) // a terminal's ends in "\r\n"
+		t.Logf("level %d: %s", level, out[strings.LastIndex(out, "\r")+1:])
 		if level == 1 {
 			if !strings.Contains(r.stderr, "copy-memory-live") || strings.Contains(r.stdout, "while paused") != paused {
 				t.Errorf("the RAM was not copied as it should (paused throughout: %v): %s", paused, r)
@@ -400,10 +410,25 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 				t.Errorf("QEMU holds %d MB after the snapshots, %d MB before", after>>20, rssBefore>>20)
 			}
 		}
+		if level == 2 {
+			// The clone's RAM is the level 1 snapshot's state mapped
+			// privately: the copy reads the pages it copies from there, but
+			// not the guest's free memory (free page hints; holes of the
+			// state, which a read fills with page cache).
+			after := qemuRss(t, prev)
+			used := int64(512<<20) - guestFree
+			t.Logf("level 2: the clone's QEMU holds %d MB after its snapshot, %d MB when it started; its guest uses %d MB of 512", after>>20, cloneFresh>>20, used>>20)
+			if after > cloneFresh+used+48<<20 {
+				t.Errorf("the snapshot of a clone read its guest's free memory: its QEMU holds %d MB, %d MB when it started, the guest uses %d MB", after>>20, cloneFresh>>20, used>>20)
+			}
+		}
 		assertDomainClean(t, prev)
 		assertCounting(t, prev)
 		if r := newClone(t, sn, c); r.code != 0 {
 			t.Fatalf("clone %s of %s: %s", c, sn, r)
+		}
+		if level == 1 {
+			cloneFresh = qemuRss(t, c)
 		}
 		if got := inBox(t, c, "cd /mem && md5sum fill level*"); got != sums {
 			t.Errorf("level %d clone: the files of the levels above are %q, want %q", level, got, sums)
@@ -415,7 +440,25 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	}
 }
 
-// onTCG reports whether QEMU emulates the box's CPU (no KVM).
+// freePageHints says whether the guest of a box takes free page hints
+// from its balloon (see snapshot.gateCopy).
+func freePageHints(t testing.TB, box string) bool {
+	var st struct {
+		Return struct {
+			GuestFeatures struct {
+				DevFeatures []string `json:"dev-features"`
+			} `json:"guest-features"`
+		} `json:"return"`
+	}
+	qmpJSON(t, box, `{"execute":"x-query-virtio-status","arguments":{"path":"/machine/peripheral/balloon0/virtio-backend"}}`, &st)
+	for _, f := range st.Return.GuestFeatures.DevFeatures {
+		if strings.HasPrefix(f, "VIRTIO_BALLOON_F_FREE_PAGE_HINT:") {
+			return true
+		}
+	}
+	return false
+}
+
 // copiedPaused says whether kvbox copies the box's RAM while it is paused
 // (snapshot.copyPaused): on TCG with kvbox.ram not QEMU's first RAM block.
 func copiedPaused(t testing.TB, box string) bool {

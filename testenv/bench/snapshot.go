@@ -98,17 +98,8 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var a kvSnaps
-	memBefore := hostMemory(src)
-	for i := range snapRuns {
-		if err := a.take(ctx, e, st, src, srcBox.IP, fmt.Sprintf("%s-s%d", sc.prefix, i)); err != nil {
-			return err
-		}
-		if i == 0 {
-			m := hostMemory(src)
-			a.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), QEMU resident (VmRSS: the RAM its guest touched, and its own) %s -> %s",
-				domain.FormatSize(memBefore.cached), domain.FormatSize(m.cached), domain.FormatSize(a.size),
-				domain.FormatSize(memBefore.qemu), domain.FormatSize(m.qemu))
-		}
+	if err := a.takeAll(ctx, e, st, src, srcBox.IP, sc.prefix+"-s", "the RAM its guest touched, and its own"); err != nil {
+		return err
 	}
 
 	write, err := writeTime(e.stateDir, a.size)
@@ -131,10 +122,8 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var b kvSnaps
-	for i := range snapRuns {
-		if err := b.take(ctx, e, st, cl, clBox.IP, fmt.Sprintf("%s-c%d", sc.prefix, i)); err != nil {
-			return err
-		}
+	if err := b.takeAll(ctx, e, st, cl, clBox.IP, sc.prefix+"-c", "the snapshot's pages its guest read or wrote, and its own"); err != nil {
+		return err
 	}
 
 	// (c), (d): peers on a box kvbox made, driven by virsh.
@@ -174,6 +163,8 @@ func printSnapshotTable(base, write time.Duration, a, b kvSnaps, pr peerSnaps) {
 	fmt.Printf("  writing %s (the first's size) to this disk and syncing: %.0f ms; first snapshot's total / that: %.1f, later ones' (median): %.1f (target <= 2)\n",
 		domain.FormatSize(a.size), ms(write), float64(a.total[0])/float64(write), float64(median(a.total[1:]))/float64(write))
 	b.print("kvbox snapshot of a clone")
+	fmt.Printf("  first snapshot's total / the write time above: %.1f, later ones' (median): %.1f (size %s)\n",
+		float64(b.total[0])/float64(write), float64(median(b.total[1:]))/float64(write), domain.FormatSize(b.size))
 	fmt.Printf("peer virsh save (box down throughout)       %8.0f ms   (file %s)\n", ms(median(pr.save)), domain.FormatSize(pr.saveSize))
 	if pr.liveNote != "" {
 		fmt.Printf("peer virsh snapshot-create-as --live        %s\n", pr.liveNote)
@@ -283,6 +274,25 @@ type kvSnaps struct {
 	switchover        []time.Duration // pause before the steps after the stop: QEMU's last pass + device state
 	size              int64
 	memory            string // what the host's memory did
+}
+
+// takeAll takes snapRuns snapshots of box, named prefix0, prefix1, ...,
+// and notes the host's memory around the first (resident says what the
+// box's QEMU holds resident before it).
+func (k *kvSnaps) takeAll(ctx context.Context, e *env, st snapshot.Store, box, ip, prefix, resident string) error {
+	before := hostMemory(box)
+	for i := range snapRuns {
+		if err := k.take(ctx, e, st, box, ip, fmt.Sprintf("%s%d", prefix, i)); err != nil {
+			return err
+		}
+		if i == 0 {
+			m := hostMemory(box)
+			k.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), QEMU resident (VmRSS: %s) %s -> %s",
+				domain.FormatSize(before.cached), domain.FormatSize(m.cached), domain.FormatSize(k.size),
+				resident, domain.FormatSize(before.qemu), domain.FormatSize(m.qemu))
+		}
+	}
+	return nil
 }
 
 // memUse is the host's page cache and what a box's QEMU holds resident.
