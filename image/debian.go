@@ -269,13 +269,16 @@ WantedBy=sysinit.target
 `
 
 // Modules the agent needs that udev would not load by itself, or not
-// early: virtio-serial ports, vsock, the NIC and the host's RNG.
+// early: virtio-serial ports, vsock, the NIC and the host's RNG; and the
+// balloon, whose free page hints a snapshot taken as soon as the agent
+// answers needs as much as a later one.
 const agentModules = `# Loaded early for kvbox-agent (kvbox images build).
 virtio_console
 vsock
 vmw_vsock_virtio_transport
 virtio_net
 virtio_rng
+virtio_balloon
 `
 
 // Units that would configure the network behind the agent's back.
