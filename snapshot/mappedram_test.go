@@ -144,18 +144,19 @@ func TestHintGate(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
 
+	settle, first := int(hintSettle/time.Millisecond), int(hintFirst/time.Millisecond)
 	g := &hintGate{start: t0}
 	for _, p := range []struct {
 		ms   int
 		left int64
 		hold bool
 	}{
-		{2, total - 4096, true},             // one page of its own: no hint
-		{40, total - 8192, true},            // still none
-		{60, total - 100<<20, true},         // 100 MB hinted
-		{100, total - 200<<20, true},        // more
-		{140, total - 200<<20 - 4096, true}, // its own page, 40 ms after the last hint
-		{151, total - 200<<20 - 4096, false},
+		{2, total - 4096, true},                                 // one page of its own: no hint
+		{first - 10, total - 8192, true},                        // still none
+		{first - 5, total - 100<<20, true},                      // 100 MB hinted
+		{first + 10, total - 200<<20, true},                     // more
+		{first + 10 + settle - 1, total - 200<<20 - 4096, true}, // its own page
+		{first + 10 + settle, total - 200<<20 - 4096, false},
 	} {
 		if got := g.hold(at(p.ms), ram(p.left)); got != p.hold {
 			t.Fatalf("at %d ms with %d left: hold %v, want %v", p.ms, p.left, got, p.hold)
@@ -163,13 +164,13 @@ func TestHintGate(t *testing.T) {
 	}
 
 	g = &hintGate{start: t0}
-	if !g.hold(at(499), ram(total-8192)) || g.hold(at(500), ram(total-8192)) {
+	if !g.hold(at(first-1), ram(total-8192)) || g.hold(at(first), ram(total-8192)) {
 		t.Errorf("a guest that names nothing is waited for until hintFirst, and no longer")
 	}
 
 	g = &hintGate{start: t0}
 	left := int64(total)
-	for ms := 10; ms < 2000; ms += 10 {
+	for ms := 10; ms < 2000; ms += settle / 2 {
 		left -= 2 << 20
 		if !g.hold(at(ms), ram(left)) {
 			t.Fatalf("a guest still naming pages was let go at %d ms", ms)
