@@ -79,15 +79,16 @@ func liveCaps() map[string]bool {
 // the hint gate turns that off while it holds the copy (gateParams).
 var liveParams = map[string]any{qmp.ParamMaxBandwidth: int64(10 << 30), qmp.ParamDowntimeLimit: int64(liveDowntimes[0]), qmp.ParamZeroPageDetect: "legacy"}
 
-// gateCopy says whether a live copy starts held at the hint gate (see
-// gateParams): the guest takes free page hints, and runs while it is
-// copied. Best effort: a QEMU that cannot say gets no gate.
-func gateCopy(ctx context.Context, q *qmp.Client, copyPaused bool) bool {
-	if copyPaused {
-		return false
+// copyMode says how a box's RAM is copied: paused throughout (see
+// copyPaused), or live and gated, starting held at the hint gate (see
+// gateParams) because the guest takes free page hints and runs while it
+// is copied. The gate is best effort: a QEMU that cannot say gets none.
+func copyMode(ctx context.Context, q *qmp.Client) (paused, gated bool, err error) {
+	if paused, err = copyPaused(ctx, q); err != nil || paused {
+		return paused, false, err
 	}
-	ok, _ := q.FreePageHints(ctx)
-	return ok
+	gated, _ = q.FreePageHints(ctx)
+	return false, gated, nil
 }
 
 // partialDir is where a snapshot is built before it is renamed into place.
@@ -189,10 +190,9 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
-	if c.copyPaused, err = copyPaused(ctx, c.q); err != nil {
+	if c.copyPaused, c.gated, err = copyMode(ctx, c.q); err != nil {
 		return Result{}, err
 	}
-	c.gated = gateCopy(ctx, c.q, c.copyPaused)
 	steps, err := c.plan(ctx).Run(ctx)
 	if err != nil {
 		return Result{Steps: steps}, err

@@ -441,7 +441,7 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 }
 
 // freePageHints says whether the guest of a box takes free page hints
-// from its balloon (see snapshot.gateCopy).
+// from its balloon (see snapshot.copyMode).
 func freePageHints(t testing.TB, box string) bool {
 	var st struct {
 		Return struct {
