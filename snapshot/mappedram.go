@@ -197,6 +197,13 @@ func (w *writeback) kick() {
 			return // not made yet
 		}
 		w.f = f
+		// QEMU opened the file with O_TRUNC, and ext4 (auto_da_alloc)
+		// then flushes it at the next close of any of its open files:
+		// made here, while little is written, instead of by kvbox's or
+		// QEMU's close in the pause (38 ms for the 75 MB of a tiny box).
+		if g, err := os.Open(w.path); err == nil {
+			g.Close()
+		}
 	}
 	unix.SyncFileRange(int(w.f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
 }
