@@ -15,6 +15,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/domain"
+	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/step"
@@ -345,6 +346,20 @@ func createNew(path string) (*os.File, error) {
 // prepare finds what the snapshot builds on and records what Recover needs
 // before anything in QEMU changes.
 func (c *creation) prepare(ctx context.Context) (err error) {
+	// The agent's answer and the host's versions are asked for meanwhile:
+	// each is a round trip of its own (a guest's, libvirtd's), and the
+	// disk work below needs neither.
+	guest := make(chan agent.Info, 1)
+	go func() { guest <- guestInfo(ctx, c.h, c.box) }()
+	type compatResult struct {
+		c   Compat
+		err error
+	}
+	compat := make(chan compatResult, 1)
+	go func() {
+		cp, err := CompatOf(c.h.Conn, c.liveXML)
+		compat <- compatResult{cp, err}
+	}()
 	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
 		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
 	}
@@ -403,52 +418,45 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
 		return err
 	}
-	c.bootID = guestBootID(ctx, c.h, c.box)
-	return c.recordCompat(ctx)
+	cr := <-compat
+	if cr.err != nil {
+		return cr.err
+	}
+	info := <-guest
+	c.bootID = info.BootID
+	cr.c.Agent = info.Version
+	return writeCompat(c.tmp, cr.c)
 }
 
-// guestBootID asks the box's agent for the guest's boot_id, which a clone's
-// agent must answer with too; "" when the agent does not answer in a
-// second or is too old to say (the clone is then not checked).
-func guestBootID(ctx context.Context, h *domain.Host, box domain.Box) string {
-	actx, cancel := context.WithTimeout(ctx, time.Second)
+// guestInfo asks the box's agent for the guest's boot_id, which a clone's
+// agent must answer with too, and its version; empty when the agent does
+// not answer in 2 s or is too old to say (a box whose agent is busy is
+// snapshotted all the same: its clones are then not checked, and say so).
+func guestInfo(ctx context.Context, h *domain.Host, box domain.Box) agent.Info {
+	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	a, err := h.Dial(actx, box)
 	if err != nil {
-		return ""
+		return agent.Info{}
 	}
 	defer a.Close()
 	info, err := a.Ping(actx)
 	if err != nil {
-		return ""
+		return agent.Info{}
 	}
-	return info.BootID
+	return info
 }
 
-// recordCompat writes what a restore of the snapshot needs, with this
-// host's versions today and the version of the agent in the box, so a
-// later upgrade of this host (or a pull on another) checks against the
+// writeCompat writes what a restore of the snapshot in dir needs, with
+// this host's versions today and the version of the agent in the box, so
+// a later upgrade of this host (or a pull on another) checks against the
 // QEMU that wrote the state, not against whatever runs then.
-func (c *creation) recordCompat(ctx context.Context) error {
-	compat, err := CompatOf(c.h.Conn, c.liveXML)
-	if err != nil {
-		return err
-	}
-	// A box whose agent does not answer at once is snapshotted all the
-	// same (its clones will say so); the field stays empty.
-	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	if a, err := c.h.Dial(actx, c.box); err == nil {
-		if info, err := a.Ping(actx); err == nil {
-			compat.Agent = info.Version
-		}
-		a.Close()
-	}
+func writeCompat(dir string, compat Compat) error {
 	b, err := json.Marshal(compat)
 	if err != nil {
 		return err
 	}
-	return overlay.WriteFileAtomic(filepath.Join(c.tmp, CompatFile), b, 0o640)
+	return overlay.WriteFileAtomic(filepath.Join(dir, CompatFile), b, 0o640)
 }
 
 // suspend pauses the box: from here to resume is time it stands still.
