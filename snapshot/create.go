@@ -618,29 +618,46 @@ func (c *creation) resumeRunning(ctx context.Context) error {
 }
 
 // copyDisk waits for the backup job, which copies the disk as it was at the
-// pause (copy-before-write) while the box runs.
+// pause (copy-before-write) while the box runs. Meanwhile the state file is
+// readied for clones to map (its RAM's offset, synced): file work of the
+// host's alone, which needs the memory copy only.
 func (c *creation) copyDisk(ctx context.Context) error {
-	if err := c.q.WaitJob(ctx, backupJob, 20*time.Millisecond); err != nil {
-		return fmt.Errorf("copy the disk of box %q: %w", c.box.Name, err)
+	type ready struct {
+		offset int64
+		err    error
 	}
-	if err := c.q.BlockdevDel(ctx, targetNode); err != nil {
+	mem := make(chan ready, 1)
+	go func() {
+		off, err := prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
+		mem <- ready{off, err}
+	}()
+	err := c.q.WaitJob(ctx, backupJob, 5*time.Millisecond)
+	if err != nil {
+		err = fmt.Errorf("copy the disk of box %q: %w", c.box.Name, err)
+	} else {
+		err = c.q.BlockdevDel(ctx, targetNode)
+	}
+	m := <-mem
+	if err != nil {
 		return err
 	}
+	if m.err != nil {
+		return m.err
+	}
+	c.mem.Offset = m.offset
 	c.copied, _ = overlay.Du(c.disk)
 	return nil
 }
 
 // merge makes the snapshot stand alone: the new disk is rebased onto the
-// base image, so deleting an older snapshot never breaks this one, and a
-// mapped-ram state file gets its RAM's offset.
-func (c *creation) merge(ctx context.Context) (err error) {
+// base image, so deleting an older snapshot never breaks this one.
+func (c *creation) merge(ctx context.Context) error {
 	if base := c.base(); c.backing != base.Filename {
 		if err := overlay.Rebase(ctx, c.disk, base.Filename, base.Format, false); err != nil {
 			return fmt.Errorf("merge the snapshot disk: %w", err)
 		}
 	}
-	c.mem.Offset, err = prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
-	return err
+	return nil
 }
 
 func (c *creation) base() overlay.ImageInfo { return c.chain[len(c.chain)-1] }
