@@ -118,7 +118,10 @@ func (ss *session) authRequest(gen uint64, id uint32, req request) (ok bool) {
 		default:
 			ss.authed = true
 		}
-		ss.reply(gen, id, authReply{Provisioned: tok != nil, BootID: bootID()}, nil)
+		// Replied from a goroutine: the requests behind it may be served
+		// meanwhile (the reader goes on), and the reply waits for the
+		// HELLO's echo.
+		go ss.reply(gen, id, authReply{Provisioned: tok != nil, BootID: bootID()}, nil)
 		return true
 	case methodSetToken:
 		var m authMsg

@@ -154,3 +154,62 @@ func TestServeVsockOnlyFromHost(t *testing.T) {
 		}
 	}
 }
+
+// A first contact in one write (a clone's: HELLO, the token and the
+// re-identification behind it, no wait between) is served in full by an
+// agent that takes the token, and not at all by one that refuses it; behind
+// a stuck, cut-short frame the HELLO's retry writes it all again.
+func TestPipelinedFirstContact(t *testing.T) {
+	s := testServer(t)
+	s.StateDir = t.TempDir()
+	token := bytes.Repeat([]byte{7}, TokenSize)
+	if err := s.setToken(token); err != nil {
+		t.Fatal(err)
+	}
+	fs := s.System.(*fakeSystem)
+	id := Identity{Hostname: "c1"}
+
+	wrong := serveUntrusted(t, s, bytes.Repeat([]byte{9}, TokenSize))
+	if err := wrong.Reidentify(tctx(t), id, time.Now(), []byte("seed"), nil); !errors.Is(err, ErrUnauthorized) {
+		t.Fatalf("first contact with a wrong token: %v", err)
+	}
+	if len(fs.identity) != 0 {
+		t.Fatalf("an agent that refused the token applied %v", fs.identity)
+	}
+
+	c := serveUntrusted(t, s, token)
+	next := bytes.Repeat([]byte{8}, TokenSize)
+	if err := c.Reidentify(tctx(t), id, time.Now(), []byte("seed"), next); err != nil {
+		t.Fatal(err)
+	}
+	if c.BootID == "" || c.BootID != bootID() {
+		t.Errorf("boot_id from the pipelined auth: %q, want %q", c.BootID, bootID())
+	}
+	if len(fs.identity) != 1 || fs.identity[0].Hostname != "c1" {
+		t.Errorf("identities applied: %v", fs.identity)
+	}
+	if !bytes.Equal(s.currentToken(), next) {
+		t.Errorf("the agent's token was not replaced")
+	}
+	// The stream is in sync: the next call needs no HELLO.
+	c.Token = next
+	if _, err := c.Ping(tctx(t)); err != nil {
+		t.Fatal(err)
+	}
+
+	hc, gc := socketpair(t)
+	go s.serveConn(context.Background(), gc, false)
+	big := appendFrame(nil, frameStdin, 5, make([]byte, MaxPayload))
+	if _, err := hc.Write(big[:100]); err != nil {
+		t.Fatal(err)
+	}
+	stuck := NewClient(hc)
+	defer stuck.Close()
+	stuck.Token = next
+	if err := stuck.Reidentify(tctx(t), Identity{Hostname: "c2"}, time.Now(), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	if last := fs.identity[len(fs.identity)-1]; last.Hostname != "c2" {
+		t.Errorf("behind a stuck frame: identities applied %v", fs.identity)
+	}
+}

@@ -91,6 +91,17 @@ func DialSerial(ctx context.Context, socketPaths []string) (*Client, error) {
 
 // DialSerialToken is DialSerial presenting token (see Client.Token).
 func DialSerialToken(ctx context.Context, socketPaths []string, token []byte) (*Client, error) {
+	return dialSerial(ctx, socketPaths, token, true)
+}
+
+// OpenSerial is DialSerialToken without the handshake: the first call
+// makes it, and a Pipeline then writes its requests right behind the HELLO
+// and the token (one round trip for all of it: a clone's first contact).
+func OpenSerial(ctx context.Context, socketPaths []string, token []byte) (*Client, error) {
+	return dialSerial(ctx, socketPaths, token, false)
+}
+
+func dialSerial(ctx context.Context, socketPaths []string, token []byte, handshake bool) (*Client, error) {
 	var errs []error
 	for _, p := range socketPaths {
 		lf, err := os.OpenFile(p+".lock", os.O_RDWR|os.O_CREATE, 0o600)
@@ -115,6 +126,9 @@ func DialSerialToken(ctx context.Context, socketPaths []string, token []byte) (*
 		c := NewClient(conn)
 		c.Token = token
 		c.unlock = func() { lf.Close() }
+		if !handshake {
+			return c, nil
+		}
 		if err := c.handshake(ctx); err != nil {
 			c.Close()
 			return nil, fmt.Errorf("agent on %s: %w", p, err)
@@ -130,16 +144,25 @@ func DialSerialToken(ctx context.Context, socketPaths []string, token []byte) (*
 // DialVsock connects to the agent of the guest with context id cid,
 // presenting token (see Client.Token).
 func DialVsock(ctx context.Context, cid uint32, token []byte) (*Client, error) {
+	c, err := OpenVsock(ctx, cid, token)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.handshake(ctx); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// OpenVsock is DialVsock without the handshake (see OpenSerial).
+func OpenVsock(ctx context.Context, cid uint32, token []byte) (*Client, error) {
 	conn, err := vsock.DialContext(ctx, cid, VsockPort, nil)
 	if err != nil {
 		return nil, err
 	}
 	c := NewClient(conn)
 	c.Token = token
-	if err := c.handshake(ctx); err != nil {
-		c.Close()
-		return nil, err
-	}
 	return c, nil
 }
 
@@ -227,8 +250,9 @@ func (c *Client) send(ctx context.Context, t frameType, id uint32, payload []byt
 	return c.write(ctx, appendFrame(nil, t, id, payload))
 }
 
-// begin takes the call slot and makes sure the stream is in sync.
-func (c *Client) begin(ctx context.Context) (end func(ok bool), err error) {
+// take takes the call slot; end gives it back, ok false when the stream
+// may be out of sync.
+func (c *Client) take(ctx context.Context) (end func(ok bool), err error) {
 	select {
 	case c.sem <- struct{}{}:
 	case <-ctx.Done():
@@ -236,14 +260,26 @@ func (c *Client) begin(ctx context.Context) (end func(ok bool), err error) {
 	case <-c.closed:
 		return nil, net.ErrClosed
 	}
-	end = func(ok bool) {
+	return func(ok bool) {
 		if !ok {
 			c.synced = false
 		}
 		<-c.sem
+	}, nil
+}
+
+// needsHello says whether the next call must start with a handshake.
+// Under the call slot.
+func (c *Client) needsHello() bool { return !c.synced || c.dirty.Load() }
+
+// begin takes the call slot and makes sure the stream is in sync.
+func (c *Client) begin(ctx context.Context) (end func(ok bool), err error) {
+	end, err = c.take(ctx)
+	if err != nil {
+		return nil, err
 	}
-	if !c.synced || c.dirty.Load() {
-		if err := c.hello(ctx); err != nil {
+	if c.needsHello() {
+		if err := c.hello(ctx, nil); err != nil {
 			end(false)
 			return nil, err
 		}
@@ -262,6 +298,11 @@ func (c *Client) auth(ctx context.Context) error {
 	}
 	var r authReply
 	err := c.roundTrip(ctx, c.nextID.Add(1), methodAuth, authMsg{Token: c.Token}, &r)
+	return c.authResult(r, err)
+}
+
+// authResult takes the agent's answer to auth.
+func (c *Client) authResult(r authReply, err error) error {
 	var re *RemoteError
 	switch {
 	case errors.As(err, &re) && strings.Contains(re.Message, "unknown method"):
@@ -291,13 +332,28 @@ func (c *Client) handshake(ctx context.Context) error {
 // waiting for the payload of a stale, cut-short frame: the retry first
 // sends a run of zeros longer than any frame, which completes (and fails
 // the CRC of) whatever the guest is waiting for.
-func (c *Client) hello(ctx context.Context) error {
+//
+// tail, if set, gives the frames written right behind each HELLO (in the
+// same write): requests that the agent serves once it greeted the host.
+// A retry writes them again, as tail makes them then (with fresh ids).
+func (c *Client) hello(ctx context.Context, tail func() ([]byte, error)) error {
 	var nonce [16]byte
 	rand.Read(nonce[:])
 	id := c.nextID.Add(1)
 	c.dirty.Store(false)
-	msg := appendFrame(nil, frameHello, id, nonce[:])
-	if err := c.write(ctx, msg); err != nil {
+	hello := appendFrame(nil, frameHello, id, nonce[:])
+	msg := func() ([]byte, error) {
+		if tail == nil {
+			return hello, nil
+		}
+		t, err := tail()
+		return append(hello[:len(hello):len(hello)], t...), err
+	}
+	first, err := msg()
+	if err != nil {
+		return err
+	}
+	if err := c.write(ctx, first); err != nil {
 		return err
 	}
 	retry := 300 * time.Millisecond
@@ -321,7 +377,11 @@ func (c *Client) hello(ctx context.Context) error {
 				return nil
 			}
 		case <-timer.C:
-			if err := c.write(ctx, append(pad, msg...)); err != nil {
+			again, err := msg()
+			if err != nil {
+				return err
+			}
+			if err := c.write(ctx, append(pad, again...)); err != nil {
 				return err
 			}
 			c.dirty.Store(false)
@@ -353,22 +413,31 @@ func (c *Client) roundTrip(ctx context.Context, id uint32, method string, params
 }
 
 func (c *Client) sendRequest(ctx context.Context, id uint32, method string, params any) error {
+	f, err := requestFrame(id, method, params)
+	if err != nil {
+		return err
+	}
+	return c.write(ctx, f)
+}
+
+// requestFrame is the frame of a request.
+func requestFrame(id uint32, method string, params any) ([]byte, error) {
 	req := request{Method: method}
 	if params != nil {
 		b, err := json.Marshal(params)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		req.Params = b
 	}
 	b, err := json.Marshal(req)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if len(b) > MaxPayload {
-		return fmt.Errorf("%s: request too large (%d bytes)", method, len(b))
+		return nil, fmt.Errorf("%s: request too large (%d bytes)", method, len(b))
 	}
-	return c.send(ctx, frameRequest, id, b)
+	return appendFrame(nil, frameRequest, id, b), nil
 }
 
 // decodeResponse is a response's error, or its result into result.
@@ -408,34 +477,80 @@ type Call struct {
 // Pipeline sends every call at once and waits for all the replies: one
 // round trip instead of one per call (the agent serves each request in a
 // goroutine of its own, so the calls must not depend on each other's
-// order). errs[i] is calls[i]'s outcome; err is the channel's.
+// order). errs[i] is calls[i]'s outcome; err is the channel's, or
+// ErrUnauthorized (wrapped) when the agent refused the token.
+//
+// On a client whose stream is not in sync yet (OpenSerial, OpenVsock) the
+// HELLO and the token go in the same write, ahead of the calls: the
+// handshake costs no round trip of its own.
 func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err error) {
-	end, err := c.begin(ctx)
+	end, err := c.take(ctx)
 	if err != nil {
 		return nil, err
 	}
 	ok := false
 	defer func() { end(ok) }()
 	ids := map[uint32]int{}
-	for i, call := range calls {
-		id := c.nextID.Add(1)
-		if err := c.sendRequest(ctx, id, call.Method, call.Params); err != nil {
+	var authID uint32
+	batch := func(auth bool) ([]byte, error) {
+		clear(ids)
+		var b []byte
+		if auth && c.Token != nil {
+			authID = c.nextID.Add(1)
+			f, err := requestFrame(authID, methodAuth, authMsg{Token: c.Token})
+			if err != nil {
+				return nil, err
+			}
+			b = append(b, f...)
+		}
+		for i, call := range calls {
+			id := c.nextID.Add(1)
+			f, err := requestFrame(id, call.Method, call.Params)
+			if err != nil {
+				return nil, err
+			}
+			b = append(b, f...)
+			ids[id] = i
+		}
+		return b, nil
+	}
+	if c.needsHello() {
+		if err := c.hello(ctx, func() ([]byte, error) { return batch(true) }); err != nil {
 			return nil, err
 		}
-		ids[id] = i
+	} else {
+		b, err := batch(false)
+		if err != nil {
+			return nil, err
+		}
+		if err := c.write(ctx, b); err != nil {
+			return nil, err
+		}
 	}
 	errs = make([]error, len(calls))
-	for len(ids) > 0 {
+	for len(ids) > 0 || authID != 0 {
 		f, err := c.recv(ctx)
 		if err != nil {
 			return nil, err
 		}
-		i, mine := ids[f.ID]
-		if f.Type != frameResponse || !mine {
+		if f.Type != frameResponse {
 			continue
 		}
-		delete(ids, f.ID)
-		errs[i] = decodeResponse(calls[i].Method, f.Payload, nil)
+		if f.ID == authID {
+			authID = 0
+			var r authReply
+			err := decodeResponse(methodAuth, f.Payload, &r)
+			if err := c.authResult(r, err); err != nil {
+				// The calls behind it are refused too; their replies
+				// are left behind (the next call starts with a HELLO).
+				return nil, err
+			}
+			continue
+		}
+		if i, mine := ids[f.ID]; mine {
+			delete(ids, f.ID)
+			errs[i] = decodeResponse(calls[i].Method, f.Payload, nil)
+		}
 	}
 	ok = true
 	return errs, nil

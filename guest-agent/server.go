@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -184,6 +185,11 @@ type session struct {
 func (ss *session) send(gen uint64, t frameType, id uint32, payload []byte) error {
 	ss.wmu.Lock()
 	defer ss.wmu.Unlock()
+	return ss.sendLocked(gen, t, id, payload)
+}
+
+// sendLocked is send with wmu held.
+func (ss *session) sendLocked(gen uint64, t frameType, id uint32, payload []byte) error {
 	if gen != ss.gen.Load() {
 		return errStale
 	}
@@ -248,7 +254,18 @@ func (ss *session) handle(f frame) {
 		ss.abort("new host")
 		ss.greeted = true
 		ss.greet()
-		ss.sendJSON(ss.gen.Load(), frameHello, f.ID, helloMsg{Nonce: f.Payload, Version: Version})
+		// The echo is written from a goroutine of its own, so that the
+		// requests a host wrote behind its HELLO (a clone's first contact:
+		// the token and the identity, in one write) are served meanwhile;
+		// the write lock, taken here, keeps every reply behind the echo.
+		gen, nonce := ss.gen.Load(), bytes.Clone(f.Payload)
+		ss.wmu.Lock()
+		go func() {
+			defer ss.wmu.Unlock()
+			if b, err := json.Marshal(helloMsg{Nonce: nonce, Version: Version}); err == nil {
+				ss.sendLocked(gen, frameHello, f.ID, b)
+			}
+		}()
 	case frameRequest:
 		if ss.greeted {
 			ss.request(f)
@@ -402,10 +419,18 @@ func bootID() string {
 }
 
 func (s *Server) identify(id Identity) error {
-	if err := s.sys().ApplyIdentity(id); err != nil {
+	if err := id.Validate(); err != nil {
 		return err
 	}
-	if err := s.renewHostKeys(id); err != nil { // sshkeys.go
+	// The system's identity and the SSH host keys are made at once: a
+	// clone runs all of it on cold code, and has two vCPUs.
+	keys := make(chan error, 1)
+	go func() { keys <- s.renewHostKeys(id) }() // sshkeys.go
+	err := s.sys().ApplyIdentity(id)
+	if kerr := <-keys; err == nil {
+		err = kerr
+	}
+	if err != nil {
 		return err
 	}
 	s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)

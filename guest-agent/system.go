@@ -114,25 +114,30 @@ func validHostname(h string) bool {
 	return true
 }
 
-// ApplyIdentity re-identifies the guest: network first (the host keeps the
-// box's bridge port closed until this returns), then hostname and files.
+// ApplyIdentity re-identifies the guest: its network, and meanwhile its
+// hostname and files (the host keeps the box's bridge port closed until
+// this returns).
 func (s *LinuxSystem) ApplyIdentity(id Identity) error {
 	if err := id.Validate(); err != nil {
 		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	names := make(chan error, 1)
+	go func() {
+		if id.Hostname != "" {
+			if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
+				names <- fmt.Errorf("sethostname: %w", err)
+				return
+			}
+		}
+		names <- applyFiles(s.Root, id)
+	}()
+	var err error
 	if id.MAC != "" || id.Address != "" {
-		if err := applyNetwork(id); err != nil {
-			return err
-		}
+		err = applyNetwork(id)
 	}
-	if id.Hostname != "" {
-		if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
-			return fmt.Errorf("sethostname: %w", err)
-		}
-	}
-	return applyFiles(s.Root, id)
+	return errors.Join(err, <-names)
 }
 
 // primaryLink is the first non-loopback ethernet link by index.
