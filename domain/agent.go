@@ -49,11 +49,11 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("box %q: %w", b.Name, err)
 	}
-	c, err := h.dialToken(ctx, b, tokens[0])
+	c, err := h.dialToken(ctx, b, tokens[0], true)
 	if errors.Is(err, agent.ErrUnauthorized) && len(tokens) == 2 {
 		// A kvbox died while it gave the agent a new token: the agent has
 		// one of the two.
-		c, err = h.dialToken(ctx, b, tokens[1])
+		c, err = h.dialToken(ctx, b, tokens[1], true)
 	}
 	if err == nil && len(tokens) == 2 {
 		settleAgentToken(b.Dir, c.Token)
@@ -61,11 +61,17 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	return c, err
 }
 
-func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Client, error) {
+// dialToken connects to the agent presenting token; without handshake,
+// the connection's first call makes it (agent.OpenSerial).
+func (h *Host) dialToken(ctx context.Context, b Box, token []byte, handshake bool) (*agent.Client, error) {
+	dialVsock, dialSerial := agent.DialVsock, agent.DialSerialToken
+	if !handshake {
+		dialVsock, dialSerial = agent.OpenVsock, agent.OpenSerial
+	}
 	if b.Transport == "vsock" && b.VsockCID > 2 && token != nil {
 		// Without a token the agent serves nothing over vsock: a box's
 		// first contact is over its serial port.
-		c, err := agent.DialVsock(ctx, b.VsockCID, token)
+		c, err := dialVsock(ctx, b.VsockCID, token)
 		if err == nil || errors.Is(err, agent.ErrUnauthorized) || ctx.Err() != nil {
 			return c, err
 		}
@@ -79,7 +85,7 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte) (*agent.Clien
 	for _, p := range AgentSockets(b.Dir) {
 		paths = append(paths, p.Path)
 	}
-	c, err := agent.DialSerialToken(ctx, paths, token)
+	c, err := dialSerial(ctx, paths, token)
 	if errors.Is(err, agent.ErrBusy) {
 		return nil, fmt.Errorf("box %q: %v (other kvbox commands use them all; try again when one ends): %w", b.Name, err, ErrBusy)
 	}
@@ -122,6 +128,53 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 			c.Close()
 		}
 		cancel()
+		last = err
+		select {
+		case <-ctx.Done():
+			return nil, "", fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
+				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.FailedConsoleLog(b.Name))
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// WaitAgentIdentify is WaitAgent and Reidentify in one round trip, for a
+// box whose agent runs already (a clone's, restored with its memory): the
+// HELLO, the token and the box's identity go in one write, and the agent
+// applies the identity as soon as it took the token, while its answers to
+// the HELLO and the token are on their way. It returns the client and the
+// guest's boot_id ("" if the agent does not say); the caller checks that.
+func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, newToken bool) (*agent.Client, string, error) {
+	closeBoxDir(b.Dir) // QEMU has made its sockets by now
+	tokens, err := readAgentTokens(b.Dir)
+	if err != nil {
+		return nil, "", fmt.Errorf("box %q: %w", b.Name, err)
+	}
+	var last error
+	for {
+		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
+			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
+		}
+		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0], false)
+		if err == nil && silentAgent(b.Name) {
+			c.Close()
+			err = fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
+		}
+		if err == nil {
+			err = h.Reidentify(ctx, c, b, newToken)
+			if err == nil {
+				return c, c.BootID, nil
+			}
+			c.Close()
+			var re *agent.RemoteError
+			switch {
+			case errors.Is(err, agent.ErrUnauthorized):
+				return nil, "", fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+			case errors.As(err, &re):
+				return nil, "", err // it answered: no
+			}
+			// The connection broke (QEMU gone?) or the time is up.
+		}
 		last = err
 		select {
 		case <-ctx.Done():

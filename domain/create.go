@@ -148,13 +148,36 @@ func (c *Creation) waitAgent(ctx context.Context) (err error) {
 	c.actx, c.cancel = context.WithTimeout(ctx, c.AgentTimeout)
 	var bootID string
 	c.Agent, bootID, err = c.Host.WaitAgent(c.actx, c.Dom, c.Box)
-	if err == nil && c.BootID != "" && bootID != "" && bootID != c.BootID {
-		err = fmt.Errorf("the guest of box %q booted again after its memory was restored (its kernel panicked or it rebooted): "+
-			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.FailedConsoleLog(c.Box.Name))
+	if err == nil {
+		err = c.checkBoot(bootID)
 	}
 	return err
 }
 
+// checkBoot says whether the agent answered from the guest boot it must
+// (BootID).
+func (c *Creation) checkBoot(bootID string) error {
+	if c.BootID != "" && bootID != "" && bootID != c.BootID {
+		return fmt.Errorf("the guest of box %q booted again after its memory was restored (its kernel panicked or it rebooted): "+
+			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.FailedConsoleLog(c.Box.Name))
+	}
+	return nil
+}
+
 func (c *Creation) identify(context.Context) error {
 	return c.Host.Reidentify(c.actx, c.Agent, c.Box, c.NewToken)
+}
+
+// AgentIdentify is the agent and identify steps in one round trip, for a
+// box whose agent runs already (Host.WaitAgentIdentify): a clone. Should
+// the agent answer from another boot than BootID, the identity it took
+// dies with the box, which the plan then removes.
+func (c *Creation) AgentIdentify(ctx context.Context) (err error) {
+	c.actx, c.cancel = context.WithTimeout(ctx, c.AgentTimeout)
+	var bootID string
+	c.Agent, bootID, err = c.Host.WaitAgentIdentify(c.actx, c.Dom, c.Box, c.NewToken)
+	if err == nil {
+		err = c.checkBoot(bootID)
+	}
+	return err
 }

@@ -66,6 +66,10 @@ func (cl *cloning) plan() step.Plan {
 			step.Step{Name: "load", Do: cl.load},
 			step.Step{Name: "resume", Do: cl.resume},
 		).
+		// The agent runs already: its first contact and the identity go
+		// in one round trip.
+		Replace("identify").
+		Replace("agent", step.Step{Name: "identify", Do: c.AgentIdentify}).
 		After("identify",
 			step.Step{Name: "after-clone-hooks", Do: cl.hooks},
 			step.Step{Name: "open-port", Do: cl.openPort},
