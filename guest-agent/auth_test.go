@@ -212,4 +212,35 @@ func TestPipelinedFirstContact(t *testing.T) {
 	if last := fs.identity[len(fs.identity)-1]; last.Hostname != "c2" {
 		t.Errorf("behind a stuck frame: identities applied %v", fs.identity)
 	}
+
+	// A guest slower than the HELLO's retry (a Debian clone under TCG) may
+	// read the first write whole and then the retried one: the token it
+	// is given must not make it refuse the retry's.
+	hc, gc = socketpair(t)
+	go s.serveConn(context.Background(), &slowStart{Conn: gc, delay: 700 * time.Millisecond}, false)
+	slow := NewClient(hc)
+	defer slow.Close()
+	slow.Token = next
+	last := bytes.Repeat([]byte{6}, TokenSize)
+	if err := slow.Reidentify(tctx(t), Identity{Hostname: "c3"}, time.Now(), nil, last); err != nil {
+		t.Fatalf("a slow first contact: %v", err)
+	}
+	if !bytes.Equal(s.currentToken(), last) {
+		t.Errorf("a slow first contact: the agent's token was not replaced")
+	}
+}
+
+// slowStart is a connection whose first read waits.
+type slowStart struct {
+	net.Conn
+	delay time.Duration
+	once  bool
+}
+
+func (c *slowStart) Read(b []byte) (int, error) {
+	if !c.once {
+		c.once = true
+		time.Sleep(c.delay)
+	}
+	return c.Conn.Read(b)
 }

@@ -481,8 +481,9 @@ type Call struct {
 // ErrUnauthorized (wrapped) when the agent refused the token.
 //
 // On a client whose stream is not in sync yet (OpenSerial, OpenVsock) the
-// HELLO and the token go in the same write, ahead of the calls: the
-// handshake costs no round trip of its own.
+// HELLO and the token go in the same write, ahead of the calls (but a
+// set-token, which goes once the HELLO is answered): the handshake costs
+// no round trip of its own.
 func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err error) {
 	end, err := c.take(ctx)
 	if err != nil {
@@ -492,8 +493,9 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 	defer func() { end(ok) }()
 	ids := map[uint32]int{}
 	var authID uint32
-	batch := func(auth bool) ([]byte, error) {
-		clear(ids)
+	// frames are the requests of the calls pick takes, behind the token
+	// with auth.
+	frames := func(auth bool, pick func(Call) bool) ([]byte, error) {
 		var b []byte
 		if auth && c.Token != nil {
 			authID = c.nextID.Add(1)
@@ -504,6 +506,9 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 			b = append(b, f...)
 		}
 		for i, call := range calls {
+			if !pick(call) {
+				continue
+			}
 			id := c.nextID.Add(1)
 			f, err := requestFrame(id, call.Method, call.Params)
 			if err != nil {
@@ -514,12 +519,29 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 		}
 		return b, nil
 	}
+	// On a first contact a change of token waits for the HELLO's echo: a
+	// HELLO retried before it (a guest slow to answer, or stuck on a stale
+	// frame) must present the token the agent still has.
+	held := func(call Call) bool { return call.Method == methodSetToken }
 	if c.needsHello() {
-		if err := c.hello(ctx, func() ([]byte, error) { return batch(true) }); err != nil {
+		err := c.hello(ctx, func() ([]byte, error) {
+			clear(ids)
+			return frames(true, func(call Call) bool { return !held(call) })
+		})
+		if err != nil {
 			return nil, err
 		}
+		late, err := frames(false, held)
+		if err != nil {
+			return nil, err
+		}
+		if len(late) > 0 {
+			if err := c.write(ctx, late); err != nil {
+				return nil, err
+			}
+		}
 	} else {
-		b, err := batch(false)
+		b, err := frames(false, func(Call) bool { return true })
 		if err != nil {
 			return nil, err
 		}

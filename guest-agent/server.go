@@ -41,6 +41,8 @@ type Server struct {
 
 	vsock atomic.Bool // Serve is running on a vsock listener
 
+	identifyMu sync.Mutex
+
 	tokenMu   sync.Mutex
 	token     []byte // auth.go
 	tokenRead bool
@@ -422,6 +424,10 @@ func (s *Server) identify(id Identity) error {
 	if err := id.Validate(); err != nil {
 		return err
 	}
+	// One at a time, to the identity saved last: a host that retried its
+	// first contact may have it served twice at once.
+	s.identifyMu.Lock()
+	defer s.identifyMu.Unlock()
 	// The system's identity and the SSH host keys are made at once: a
 	// clone runs all of it on cold code, and has two vCPUs.
 	keys := make(chan error, 1)
