@@ -217,7 +217,7 @@ func TestPipelinedFirstContact(t *testing.T) {
 	// read the first write whole and then the retried one: the token it
 	// is given must not make it refuse the retry's.
 	hc, gc = socketpair(t)
-	go s.serveConn(context.Background(), &slowStart{Conn: gc, delay: 700 * time.Millisecond}, false)
+	go s.serveConn(context.Background(), &slowStart{Conn: gc, delay: 1300 * time.Millisecond}, false)
 	slow := NewClient(hc)
 	defer slow.Close()
 	slow.Token = next
