@@ -84,6 +84,7 @@ type portReader struct {
 	f       *os.File
 	pollOK  bool
 	gone    bool      // the last read saw no host
+	settled bool      // readBlocking: no host seen once, looking again
 	wakeups int       // EOF wake-ups since spinFrom
 	since   time.Time // start of the current burst of EOF wake-ups
 }
@@ -120,13 +121,25 @@ func (p *portReader) Read(b []byte) (int, error) {
 		case e != nil:
 			rerr = e
 			return true
-		case m == 0:
-			if !p.gone {
+		case m == 0 && !p.gone:
+			// Look again for a while: see hostSettle.
+			for end := time.Now().Add(hostSettle); m == 0 && e == nil && time.Now().Before(end); {
+				time.Sleep(10 * time.Millisecond)
+				m, e = unix.Read(int(fd), b)
+			}
+			switch {
+			case e == unix.EAGAIN || e == unix.EINTR:
+				return false // connected after all
+			case e != nil:
+				rerr = e
+				return true
+			case m == 0:
 				p.gone = true
 				hostGone = true
 				p.wakeups, p.since = 0, time.Now()
 				return true
 			}
+		case m == 0:
 			p.spinGuard()
 			return false // park until the kernel wakes the port
 		}
@@ -142,6 +155,17 @@ func (p *portReader) Read(b []byte) (int, error) {
 	}
 	return n, rerr
 }
+
+// hostSettle is how long a port that reads as having no host is given
+// before the host is taken as gone. The kernel learns that a host
+// connected from a control message that a kworker handles, and the host's
+// first bytes may come in before that: on 4 GiB Debian clones whose
+// kworkers were busy (their balloon giving back the memory it named for
+// the snapshot), a first contact was read whole and the read after it
+// said no host; the session ended there and its answers were dropped.
+// 50 ms was not enough there. A host that went away is seen this much
+// later (an exec it left running is killed then).
+const hostSettle = time.Second
 
 // spinGuard sleeps when EOF wake-ups come faster than a host can connect
 // and disconnect.
@@ -161,17 +185,22 @@ func (p *portReader) readBlocking(b []byte) (int, error) {
 	for {
 		n, err := p.f.Read(b)
 		if n > 0 {
-			p.gone = false
+			p.gone, p.settled = false, false
 			return n, nil
 		}
 		if err != nil && !errors.Is(err, io.EOF) {
 			return 0, err
 		}
-		if !p.gone {
-			p.gone = true
+		if !p.gone && p.settled {
+			p.gone, p.settled = true, false
 			return 0, errHostGone
 		}
-		time.Sleep(50 * time.Millisecond)
+		if p.gone {
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
+		p.settled = true // look again (hostSettle) before the host is gone
+		time.Sleep(hostSettle)
 	}
 }
 
