@@ -98,36 +98,79 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte, handshake boo
 // boot_id; otherwise (a first contact, an agent older than that) a ping is
 // the answer. It gives up early when the domain stops running.
 func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.Client, string, error) {
+	return h.waitAgent(ctx, d, b, func() (*agent.Client, string, bool, error) {
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
+		if errors.Is(err, agent.ErrUnauthorized) {
+			return nil, "", false, fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+		}
+		if err != nil {
+			return nil, "", true, err
+		}
+		if err := silent(c, b); err != nil {
+			return nil, "", true, err
+		}
+		if c.BootID != "" {
+			return c, c.BootID, false, nil
+		}
+		info, err := c.Ping(actx)
+		if err != nil {
+			c.Close()
+			return nil, "", true, err
+		}
+		return c, info.BootID, false, nil
+	})
+}
+
+// WaitAgentIdentify is WaitAgent and Reidentify in one round trip, for a
+// box whose agent runs already (a clone's, restored with its memory): the
+// HELLO, the token and the box's identity go in one write, and the agent
+// applies the identity as soon as it took the token, while its answers to
+// the HELLO and the token are on their way. It returns the client and the
+// guest's boot_id ("" if the agent does not say); the caller checks that.
+func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, newToken bool) (*agent.Client, string, error) {
+	tokens, err := readAgentTokens(b.Dir)
+	if err != nil {
+		return nil, "", fmt.Errorf("box %q: %w", b.Name, err)
+	}
+	return h.waitAgent(ctx, d, b, func() (*agent.Client, string, bool, error) {
+		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0], false)
+		if err != nil {
+			return nil, "", true, err
+		}
+		if err := silent(c, b); err != nil {
+			return nil, "", true, err
+		}
+		err = h.Reidentify(ctx, c, b, newToken)
+		if err == nil {
+			return c, c.BootID, false, nil
+		}
+		c.Close()
+		var re *agent.RemoteError
+		switch {
+		case errors.Is(err, agent.ErrUnauthorized):
+			return nil, "", false, fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+		case errors.As(err, &re):
+			return nil, "", false, err // it answered: no
+		}
+		return nil, "", true, err // the connection broke (QEMU gone?) or the time is up
+	})
+}
+
+// waitAgent runs try until it gives a client or an error that is final,
+// or ctx ends, or the domain stops running.
+func (h *Host) waitAgent(ctx context.Context, d *libvirt.Domain, b Box, try func() (c *agent.Client, bootID string, again bool, err error)) (*agent.Client, string, error) {
 	closeBoxDir(b.Dir) // QEMU has made its sockets by now
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
 			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
 		}
-		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
-		if errors.Is(err, agent.ErrUnauthorized) {
-			cancel()
-			return nil, "", fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
+		c, bootID, again, err := try()
+		if !again {
+			return c, bootID, err
 		}
-		if err == nil && silentAgent(b.Name) {
-			c.Close()
-			err = fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
-		}
-		if err == nil && c.BootID != "" {
-			cancel()
-			return c, c.BootID, nil
-		}
-		if err == nil {
-			var info agent.Info
-			info, err = c.Ping(actx)
-			if err == nil {
-				cancel()
-				return c, info.BootID, nil
-			}
-			c.Close()
-		}
-		cancel()
 		last = err
 		select {
 		case <-ctx.Done():
@@ -138,51 +181,14 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 	}
 }
 
-// WaitAgentIdentify is WaitAgent and Reidentify in one round trip, for a
-// box whose agent runs already (a clone's, restored with its memory): the
-// HELLO, the token and the box's identity go in one write, and the agent
-// applies the identity as soon as it took the token, while its answers to
-// the HELLO and the token are on their way. It returns the client and the
-// guest's boot_id ("" if the agent does not say); the caller checks that.
-func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, newToken bool) (*agent.Client, string, error) {
-	closeBoxDir(b.Dir) // QEMU has made its sockets by now
-	tokens, err := readAgentTokens(b.Dir)
-	if err != nil {
-		return nil, "", fmt.Errorf("box %q: %w", b.Name, err)
+// silent closes c and says so when the tests take b's agent as silent
+// (SilentAgentEnv).
+func silent(c *agent.Client, b Box) error {
+	if !silentAgent(b.Name) {
+		return nil
 	}
-	var last error
-	for {
-		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
-			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
-		}
-		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0], false)
-		if err == nil && silentAgent(b.Name) {
-			c.Close()
-			err = fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
-		}
-		if err == nil {
-			err = h.Reidentify(ctx, c, b, newToken)
-			if err == nil {
-				return c, c.BootID, nil
-			}
-			c.Close()
-			var re *agent.RemoteError
-			switch {
-			case errors.Is(err, agent.ErrUnauthorized):
-				return nil, "", fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
-			case errors.As(err, &re):
-				return nil, "", err // it answered: no
-			}
-			// The connection broke (QEMU gone?) or the time is up.
-		}
-		last = err
-		select {
-		case <-ctx.Done():
-			return nil, "", fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
-				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.FailedConsoleLog(b.Name))
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+	c.Close()
+	return fmt.Errorf("%s names this box: its agent is taken as silent", SilentAgentEnv)
 }
 
 // Identity is what the host tells a box's agent about who the box is.
