@@ -84,7 +84,6 @@ type portReader struct {
 	f       *os.File
 	pollOK  bool
 	gone    bool      // the last read saw no host
-	settled bool      // readBlocking: no host seen once, looking again
 	wakeups int       // EOF wake-ups since spinFrom
 	since   time.Time // start of the current burst of EOF wake-ups
 }
@@ -185,22 +184,26 @@ func (p *portReader) readBlocking(b []byte) (int, error) {
 	for {
 		n, err := p.f.Read(b)
 		if n > 0 {
-			p.gone, p.settled = false, false
+			p.gone = false
 			return n, nil
 		}
 		if err != nil && !errors.Is(err, io.EOF) {
 			return 0, err
 		}
-		if !p.gone && p.settled {
-			p.gone, p.settled = true, false
-			return 0, errHostGone
-		}
 		if p.gone {
 			time.Sleep(50 * time.Millisecond)
 			continue
 		}
-		p.settled = true // look again (hostSettle) before the host is gone
+		// Look again a moment later: see hostSettle.
 		time.Sleep(hostSettle)
+		if n, err = p.f.Read(b); n > 0 {
+			return n, nil
+		}
+		if err != nil && !errors.Is(err, io.EOF) {
+			return 0, err
+		}
+		p.gone = true
+		return 0, errHostGone
 	}
 }
 
