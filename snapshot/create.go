@@ -349,17 +349,8 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// The agent's answer and the host's versions are asked for meanwhile:
 	// each is a round trip of its own (a guest's, libvirtd's), and the
 	// disk work below needs neither.
-	guest := make(chan agent.Info, 1)
-	go func() { guest <- guestInfo(ctx, c.h, c.box) }()
-	type compatResult struct {
-		c   Compat
-		err error
-	}
-	compat := make(chan compatResult, 1)
-	go func() {
-		cp, err := CompatOf(c.h.Conn, c.liveXML)
-		compat <- compatResult{cp, err}
-	}()
+	guest := meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
+	compat := meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
 	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
 		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
 	}
@@ -418,14 +409,32 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
 		return err
 	}
-	cr := <-compat
-	if cr.err != nil {
-		return cr.err
+	cp, err := compat()
+	if err != nil {
+		return err
 	}
-	info := <-guest
+	info, _ := guest()
 	c.bootID = info.BootID
-	cr.c.Agent = info.Version
-	return writeCompat(c.tmp, cr.c)
+	cp.Agent = info.Version
+	return writeCompat(c.tmp, cp)
+}
+
+// meanwhile runs f in a goroutine of its own; the function it returns
+// waits for f's result.
+func meanwhile[T any](f func() (T, error)) func() (T, error) {
+	type result struct {
+		v   T
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		v, err := f()
+		ch <- result{v, err}
+	}()
+	return func() (T, error) {
+		r := <-ch
+		return r.v, r.err
+	}
 }
 
 // guestInfo asks the box's agent for the guest's boot_id, which a clone's
@@ -622,29 +631,23 @@ func (c *creation) resumeRunning(ctx context.Context) error {
 // readied for clones to map (its RAM's offset, synced): file work of the
 // host's alone, which needs the memory copy only.
 func (c *creation) copyDisk(ctx context.Context) error {
-	type ready struct {
-		offset int64
-		err    error
-	}
-	mem := make(chan ready, 1)
-	go func() {
-		off, err := prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
-		mem <- ready{off, err}
-	}()
+	mem := meanwhile(func() (int64, error) {
+		return prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
+	})
 	err := c.q.WaitJob(ctx, backupJob, 5*time.Millisecond)
 	if err != nil {
 		err = fmt.Errorf("copy the disk of box %q: %w", c.box.Name, err)
 	} else {
 		err = c.q.BlockdevDel(ctx, targetNode)
 	}
-	m := <-mem
+	offset, merr := mem()
 	if err != nil {
 		return err
 	}
-	if m.err != nil {
-		return m.err
+	if merr != nil {
+		return merr
 	}
-	c.mem.Offset = m.offset
+	c.mem.Offset = offset
 	c.copied, _ = overlay.Du(c.disk)
 	return nil
 }
