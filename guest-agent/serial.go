@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -208,16 +209,28 @@ func (p *portReader) readBlocking(b []byte) (int, error) {
 }
 
 // ServeSerialPorts serves every agent port under sysClass/devDir, and
-// keeps looking for ports that appear later (virtio_console loaded late by
-// udev in a distro guest) until ctx ends. It returns once every port is
-// closed and its exec killed.
+// serves ports that appear later (virtio_console loaded late by udev in a
+// distro guest) when the kernel announces them, until ctx ends. It returns
+// once every port is closed and its exec killed.
+//
+// It looks again at each kobject uevent of a virtio port (one comes when a
+// port appears, and one when it gets its name), not on a clock: a box then
+// does nothing while idle, and a clone, whose every code path runs cold
+// under emulation, is not held up by a look at sysfs while it is being
+// re-identified. Without a uevent socket it looks every second.
 func (s *Server) ServeSerialPorts(ctx context.Context, sysClass, devDir string) {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	serving := map[string]bool{}
 	done := make(chan string)
-	tick := time.NewTicker(time.Second)
-	defer tick.Stop()
+	events, err := portEvents(ctx)
+	var every <-chan time.Time // without uevents
+	if err != nil {
+		s.logf("no uevents (%v): looking for new serial ports every second", err)
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		every = tick.C
+	}
 	for {
 		ports, err := FindSerialPorts(sysClass, devDir)
 		if err != nil {
@@ -245,10 +258,56 @@ func (s *Server) ServeSerialPorts(ctx context.Context, sysClass, devDir string) 
 		case <-ctx.Done():
 			return
 		case p := <-done:
-			// Retry a failed port after the next tick.
+			// Retry a failed port a second later.
 			delete(serving, p)
-			<-tick.C
-		case <-tick.C:
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+		case <-events:
+		case <-every:
 		}
 	}
+}
+
+// portEvents sends when the kernel announces a change to a virtio port
+// (a kobject uevent of subsystem virtio-ports), or when announcements may
+// have been lost, until ctx ends.
+func portEvents(ctx context.Context) (<-chan struct{}, error) {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, unix.NETLINK_KOBJECT_UEVENT)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK, Groups: 1}); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "uevents") // non-blocking: read through the netpoller
+	context.AfterFunc(ctx, func() { f.Close() })
+	ch := make(chan struct{}, 1)
+	kick := func() {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+	go func() {
+		b := make([]byte, 16<<10)
+		for {
+			n, err := f.Read(b)
+			switch {
+			case ctx.Err() != nil:
+				return
+			case errors.Is(err, unix.ENOBUFS):
+				kick() // the socket overflowed: events were lost
+			case err != nil:
+				kick()
+				time.Sleep(time.Second)
+			case bytes.Contains(b[:n], []byte("\x00SUBSYSTEM=virtio-ports\x00")):
+				kick()
+			}
+		}
+	}()
+	return ch, nil
 }
