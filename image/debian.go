@@ -259,6 +259,8 @@ Conflicts=shutdown.target
 
 [Service]
 ExecStart=/usr/local/bin/kvbox-agent
+# No asynchronous preemption: see cmd/kvbox-agent/kvbox-agent.service.
+Environment=GODEBUG=asyncpreemptoff=1
 Restart=always
 RestartSec=500ms
 StandardOutput=journal+console

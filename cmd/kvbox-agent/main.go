@@ -2,6 +2,12 @@
 // child of a busybox init script or as a systemd service, and answers the
 // host over the box's virtio-serial ports and, where the guest has it,
 // vsock. Build it static: CGO_ENABLED=0 go build -o bin/kvbox-agent ./cmd/kvbox-agent
+//
+// The runtime does not look at the CPU count every second (a box's vCPUs do
+// not change while it runs): an idle box stays idle, and a clone, whose
+// every code path runs cold under emulation, is not held up by it.
+//
+//go:debug updatemaxprocs=0
 package main
 
 import (
@@ -10,6 +16,8 @@ import (
 	"log"
 	"os"
 	"os/signal"
+	"runtime"
+	"sync"
 	"syscall"
 	"time"
 
@@ -49,6 +57,7 @@ func main() {
 
 	srv := &agent.Server{System: agent.NewLinuxSystem(), StateDir: *stateDir}
 	log.Printf("version %s starting, pid %d", agent.Version, os.Getpid())
+	startThreads(8)
 
 	// Re-apply a persisted identity (a rebooted clone keeps its address)
 	// without holding up readiness; the NIC driver may still be loading.
@@ -121,4 +130,24 @@ func serveVsock(ctx context.Context, srv *agent.Server) {
 		case <-time.After(delay):
 		}
 	}
+}
+
+// startThreads has the runtime make n OS threads now; it keeps the idle
+// ones. A clone's re-identification blocks in several system calls at once
+// (netlink, files, the port), and a thread made then is a clone(2) on cold
+// code in the middle of it.
+func startThreads(n int) {
+	var held sync.WaitGroup
+	release := make(chan struct{})
+	for range n {
+		held.Add(1)
+		go func() {
+			runtime.LockOSThread() // the thread is this goroutine's: the next one needs another
+			held.Done()
+			<-release
+			runtime.UnlockOSThread()
+		}()
+	}
+	held.Wait()
+	close(release)
 }
