@@ -166,6 +166,13 @@ func applyNetwork(id Identity) error {
 		return err
 	}
 	name := link.Attrs().Name
+	// No IPv6 on the box's NIC: the host drops all of it at the box's port
+	// (network/portfilter.go), so its addresses, router solicitations,
+	// duplicate address detection and multicast reports are work for
+	// nothing, done again by every clone as it comes up (the loopback
+	// keeps ::1). Best effort, as arp_notify below: a kernel without IPv6
+	// has no such file.
+	os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1\n"), 0o644)
 	// A clone's new MAC is set while the link is up where the driver can
 	// (virtio-net: IFF_LIVE_ADDR_CHANGE): taking the NIC down and up again
 	// restarts its queues, the costliest part of a clone's

@@ -204,7 +204,10 @@ func TestNetworkIsolation(t *testing.T) {
 			"ip route add default via " + n.gw,
 			"timeout 4 wget -q -O - " + inet + " && echo GOT-THROUGH-WITH-MAC",
 			"ip link set eth0 address " + b.MAC,
-			// IPv6: link-local all-nodes
+			// IPv6 (the agent turned it off on eth0; root in the box
+			// turns it on): duplicate address detection, multicast
+			// reports, link-local all-nodes
+			"echo 0 >/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "sleep 2",
 			"ping -6 -c 2 -W 1 ff02::1%eth0",
 			"true",
 		}, " >/dev/null 2>&1; ")+" 2>&1")
