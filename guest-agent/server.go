@@ -342,7 +342,15 @@ func (ss *session) request(f frame) {
 			ss.reply(gen, f.ID, nil, fmt.Errorf("bad identity: %v", err))
 			return
 		}
-		go func() { ss.reply(gen, f.ID, nil, s.identify(id)) }()
+		go func() {
+			err := s.identify(id)
+			ss.reply(gen, f.ID, nil, err)
+			if err == nil {
+				// Said after the answer: the host waits for that, and
+				// the console is slow under emulation.
+				s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
+			}
+		}()
 	case methodSetClock:
 		var m clockMsg
 		if err := json.Unmarshal(req.Params, &m); err != nil {
@@ -439,7 +447,6 @@ func (s *Server) identify(id Identity) error {
 	if err != nil {
 		return err
 	}
-	s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
 	if s.StateDir == "" {
 		return nil
 	}

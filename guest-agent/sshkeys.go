@@ -28,7 +28,14 @@ var sshHostKeyTypes = []string{"ed25519"}
 // hostKeyRotator is a System that can renew SSH host keys; only the real
 // one is, so tests never touch the test host's /etc/ssh.
 type hostKeyRotator interface {
+	SSHInstalled() bool
 	SSHHostKeys(renew bool) (bool, error)
+}
+
+// SSHInstalled reports whether the guest has sshd.
+func (s *LinuxSystem) SSHInstalled() bool {
+	_, err := os.Stat(s.path("usr/sbin/sshd"))
+	return err == nil
 }
 
 // SSHHostKeys makes the guest's SSH host keys when sshd is installed: the
@@ -36,7 +43,7 @@ type hostKeyRotator interface {
 // sshd to load them (SIGHUP: it re-executes itself). It reports whether
 // sshd is installed.
 func (s *LinuxSystem) SSHHostKeys(renew bool) (bool, error) {
-	if _, err := os.Stat(s.path("usr/sbin/sshd")); err != nil {
+	if !s.SSHInstalled() {
 		return false, nil
 	}
 	keygen := s.path("usr/bin/ssh-keygen")
@@ -148,7 +155,7 @@ func hupSSHD() error {
 // changes (a clone being re-identified), and makes missing ones otherwise.
 func (s *Server) renewHostKeys(id Identity) error {
 	r, ok := s.sys().(hostKeyRotator)
-	if !ok {
+	if !ok || !r.SSHInstalled() {
 		return nil
 	}
 	renew := true
