@@ -479,6 +479,7 @@ func (c *Client) call(ctx context.Context, method string, params, result any) er
 type Call struct {
 	Method string
 	Params any
+	Result any // where the reply's result is decoded to (nil: dropped)
 }
 
 // Pipeline sends every call at once and waits for all the replies: one
@@ -578,7 +579,7 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 		}
 		if i, mine := ids[f.ID]; mine {
 			delete(ids, f.ID)
-			errs[i] = decodeResponse(calls[i].Method, f.Payload, nil)
+			errs[i] = decodeResponse(calls[i].Method, f.Payload, calls[i].Result)
 		}
 	}
 	ok = true
@@ -606,23 +607,35 @@ func (c *Client) SetClock(ctx context.Context, t time.Time) error {
 // Reidentify gives the guest an identity, sets its clock to now, mixes
 // seed into its RNG and, with a token, makes that the agent's token (the
 // client keeps presenting its own until the caller changes it), in one
-// round trip (the requests pipelined). It says which of them failed; an
-// agent older than tokens takes the rest.
+// round trip (the requests pipelined). The agent's info (Ping) comes in
+// the same round trip and is kept for the calls that check it (the
+// after-clone hooks ask whether there are any). It says which of them
+// failed; an agent older than tokens takes the rest.
 func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed, token []byte) error {
 	if len(seed) > 4096 {
 		return errors.New("Reidentify: at most 4096 bytes of seed")
 	}
-	calls := []Call{{methodIdentify, id}, {methodSetClock, clockMsg{UnixNano: now.UnixNano()}}, {methodAddEntropy, seed}}
+	var info Info
+	// The ping goes last: the agent answers it on its reader, and the
+	// identity, which takes longest, starts first.
+	calls := []Call{{Method: methodIdentify, Params: id}, {Method: methodSetClock, Params: clockMsg{UnixNano: now.UnixNano()}},
+		{Method: methodAddEntropy, Params: seed}, {Method: methodPing, Result: &info}}
+	whats := []string{"set the identity", "set the clock", "seed the RNG", "ask the agent who it is", "give the agent its token"}
 	if token != nil {
-		calls = append(calls, Call{methodSetToken, authMsg{Token: token}})
+		calls = append(calls, Call{Method: methodSetToken, Params: authMsg{Token: token}})
 	}
 	errs, err := c.Pipeline(ctx, calls...)
 	if err != nil {
 		return err
 	}
-	for i, what := range []string{"set the identity", "set the clock", "seed the RNG", "give the agent its token"}[:len(errs)] {
+	if errs[3] == nil {
+		c.infoOnce.Lock()
+		c.info = &info
+		c.infoOnce.Unlock()
+	}
+	for i, what := range whats[:len(errs)] {
 		var re *RemoteError
-		if i == 3 && errors.As(errs[i], &re) && strings.Contains(re.Message, "unknown method") {
+		if i == 4 && errors.As(errs[i], &re) && strings.Contains(re.Message, "unknown method") {
 			errs[i] = nil // an agent without auth
 		}
 		if errs[i] != nil {
