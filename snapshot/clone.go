@@ -231,7 +231,14 @@ func loadStateFile(ctx context.Context, c *qmp.Client, path string, mappedRAM bo
 	if mappedRAM {
 		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
 	}
-	restore, err := c.ApplyMigrationSettings(ctx, caps, nil)
+	// No announce at the load's end: the guest would be asked (virtio-net's
+	// guest announce, five rounds) to send gratuitous ARPs and neighbour
+	// advertisements for the address it is about to give up, on a port
+	// that is closed, on cold code while its first contact is served; and
+	// QEMU's own RARPs would go nowhere. The box announces its new address
+	// itself once re-identified (arp_notify).
+	params := map[string]any{qmp.ParamAnnounceRounds: 0}
+	restore, err := c.ApplyMigrationSettings(ctx, caps, params)
 	if err != nil {
 		return err
 	}
