@@ -173,6 +173,22 @@ func (s Store) Import(name string, o ImportOptions) (Image, error) {
 	return s.Get(name)
 }
 
+// OldVersionOf names the image that disk is the disk of a version of, when
+// that version is not the image's current one (a box or snapshot built on
+// it before the image was built again).
+func (s Store) OldVersionOf(disk string) (name string, ok bool) {
+	version := filepath.Dir(disk)
+	imageDir := filepath.Dir(version)
+	if filepath.Dir(imageDir) != filepath.Clean(s.Dir) || !strings.HasPrefix(filepath.Base(version), "v-") {
+		return "", false
+	}
+	im, err := s.Get(filepath.Base(imageDir))
+	if err != nil || filepath.Dir(im.Disk) == version {
+		return "", false
+	}
+	return im.Name, true
+}
+
 // Prune deletes the versions of an image that are neither its current one
 // nor in use (inUse gets each version's disk path).
 func (s Store) Prune(name string, inUse func(disk string) bool) error {

@@ -1,8 +1,10 @@
 package overlay
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -93,4 +95,33 @@ func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
 		return err
 	}
 	return SyncDir(dir)
+}
+
+// BackingFile is the backing file named in the header of the qcow2 image
+// at path, as stored ("" when it has none or is no qcow2): the header's
+// fixed fields, read without running qemu-img, for a caller on a short
+// path (kvbox rm).
+func BackingFile(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	// magic "QFI\xfb", version, backing_file_offset (u64), backing_file_size (u32): big-endian
+	var h [20]byte
+	if _, err := io.ReadFull(f, h[:]); err != nil || string(h[:4]) != "QFI\xfb" {
+		return "", nil
+	}
+	off, size := binary.BigEndian.Uint64(h[8:16]), binary.BigEndian.Uint32(h[16:20])
+	if off == 0 || size == 0 {
+		return "", nil
+	}
+	if size > 1023 { // qcow2's own limit
+		return "", fmt.Errorf("%s: backing file name of %d bytes", path, size)
+	}
+	name := make([]byte, size)
+	if _, err := f.ReadAt(name, int64(off)); err != nil {
+		return "", fmt.Errorf("%s: backing file name: %w", path, err)
+	}
+	return string(name), nil
 }

@@ -384,3 +384,36 @@ func TestCreateLarger(t *testing.T) {
 		}
 	}
 }
+
+// BackingFile reads what qemu-img info says, from the header alone.
+func TestBackingFile(t *testing.T) {
+	needTools(t)
+	ctx := context.Background()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	top := filepath.Join(dir, "top.qcow2")
+	if err := CreateSized(ctx, base, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := Create(ctx, top, base, "qcow2"); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]string{top: base, base: ""} {
+		info, err := Info(ctx, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := BackingFile(path)
+		if err != nil || got != want || got != info.BackingFile {
+			t.Errorf("BackingFile(%s) = %q, %v; want %q (qemu-img: %q)", filepath.Base(path), got, err, want, info.BackingFile)
+		}
+	}
+	raw := filepath.Join(dir, "raw")
+	os.WriteFile(raw, bytes.Repeat([]byte{1}, 4096), 0o644)
+	if got, err := BackingFile(raw); got != "" || err != nil {
+		t.Errorf("BackingFile(raw) = %q, %v; want none", got, err)
+	}
+	if _, err := BackingFile(filepath.Join(dir, "none")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("BackingFile(missing) = %v", err)
+	}
+}

@@ -65,6 +65,18 @@ func RemoveImage(ctx context.Context, h *domain.Host, st Store, images image.Sto
 	return images.Remove(name)
 }
 
+// PruneVersionOf runs PruneImage for the image that disk, the base disk
+// of a box or snapshot just removed, is an old version of: the last box or
+// snapshot on a version takes it with it. A disk that is no image's, or
+// its current version, costs nothing (no look at the other boxes).
+func PruneVersionOf(ctx context.Context, h *domain.Host, st Store, images image.Store, disk string) error {
+	name, ok := images.OldVersionOf(disk)
+	if !ok {
+		return nil
+	}
+	return PruneImage(ctx, h, st, images, name)
+}
+
 // PruneImage removes the older versions of the image called name that no
 // box or snapshot builds on.
 func PruneImage(ctx context.Context, h *domain.Host, st Store, images image.Store, name string) error {

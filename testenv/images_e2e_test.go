@@ -60,12 +60,26 @@ func TestImagesRmAndReplace(t *testing.T) {
 	mustKvbox(t, "rm", "--force", n)
 	refused("snapshot " + snap)
 
-	// A new version while the snapshot builds on the first: both stay.
+	// A new version while the snapshot builds on the first: both stay,
+	// until the snapshot goes.
 	imp("--replace")
 	if vs := versions(t, img); len(vs) != 2 {
 		t.Fatalf("after import --replace with the old version in use: versions %v, want 2", vs)
 	}
 	mustKvbox(t, "snapshots", "rm", snap)
+	if vs := versions(t, img); len(vs) != 1 {
+		t.Errorf("after the last snapshot on the old version went: versions %v, want only the new one", vs)
+	}
+	// The same with a box: its rm takes the old version with it.
+	newBox(t, n, "--image", img)
+	imp("--replace")
+	if vs := versions(t, img); len(vs) != 2 {
+		t.Fatalf("after import --replace with a box on the old version: versions %v, want 2", vs)
+	}
+	mustKvbox(t, "rm", "--force", n)
+	if vs := versions(t, img); len(vs) != 1 {
+		t.Errorf("after the last box on the old version went: versions %v, want only the new one", vs)
+	}
 	imp("--replace")
 	vs := versions(t, img)
 	if len(vs) != 1 {

@@ -87,7 +87,7 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 	f.StringVar(&o.Initrd, "initrd", "", "initrd for --kernel")
 	f.StringVar(&o.Cmdline, "cmdline", "console=ttyS0 root=/dev/vda rw", "kernel command line for --kernel")
 	f.StringVar(&o.Agent, "agent", "", "whether kvbox-agent is installed in the image: yes, no or unknown (default: kvbox looks in the disk's ext filesystems)")
-	f.BoolVar(&o.Replace, "replace", false, "make this the new version of an existing image (boxes and snapshots keep the version they were made from)")
+	f.BoolVar(&o.Replace, "replace", false, "make this the new version of an existing image (boxes and snapshots keep the version they were made from; it goes with the last of them)")
 	return c
 }
 

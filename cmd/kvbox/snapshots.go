@@ -171,17 +171,19 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			for _, n := range args {
-				if _, err := a.snapshots().Get(n); err != nil {
+			snaps := make([]snapshot.Snapshot, len(args))
+			for i, n := range args {
+				if snaps[i], err = a.snapshots().Get(n); err != nil {
 					return err
 				}
 			}
-			for _, n := range args {
-				if err := snapshot.Remove(h, a.snapshots(), n); err != nil {
+			for _, s := range snaps {
+				if err := snapshot.Remove(h, a.snapshots(), s.Name); err != nil {
 					return err
 				}
-				h.StopReaper(domain.ReapSnapshot, n)
-				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", n)
+				h.StopReaper(domain.ReapSnapshot, s.Name)
+				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", s.Name)
+				a.pruneImageVersion(c.Context(), h, s.BaseDisk)
 			}
 			return nil
 		},

@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -113,23 +115,40 @@ func (a *app) setBoxTTL(ctx context.Context, h *domain.Host, name string, at tim
 // TTL has passed and this was its last clone.
 func (a *app) removeBox(ctx context.Context, h *domain.Host, name string, force bool) error {
 	b, err := h.Get(name)
+	var base string // the image version a box made from an image builds on
 	if err == nil {
 		if err := stopPublish(b); err != nil {
 			return err
+		}
+		if b.Snapshot == "" && b.Dir != "" {
+			base, _ = overlay.BackingFile(filepath.Join(b.Dir, snapshot.CloneDisk))
 		}
 	}
 	if err := h.Remove(ctx, name, force); err != nil {
 		return err
 	}
 	if b.Snapshot != "" {
-		a.reapSnapshotIfDue(h, b.Snapshot)
+		a.reapSnapshotIfDue(ctx, h, b.Snapshot)
 	}
+	a.pruneImageVersion(ctx, h, base)
 	return nil
+}
+
+// pruneImageVersion removes the old version of an image that disk is, once
+// the last box or snapshot on it is gone; a failure is only said (what was
+// asked for is done).
+func (a *app) pruneImageVersion(ctx context.Context, h *domain.Host, disk string) {
+	if disk == "" {
+		return
+	}
+	if err := snapshot.PruneVersionOf(ctx, h, a.snapshots(), a.images(), disk); err != nil {
+		fmt.Fprintf(a.io.Err, "kvbox: warning: old versions of its image stay: %s\n", message(err))
+	}
 }
 
 // reapSnapshotIfDue removes an expired snapshot no box is cloned from any
 // more; removed says it did.
-func (a *app) reapSnapshotIfDue(h *domain.Host, name string) (removed bool, clones []string, err error) {
+func (a *app) reapSnapshotIfDue(ctx context.Context, h *domain.Host, name string) (removed bool, clones []string, err error) {
 	s, err := a.snapshots().Get(name)
 	if err != nil || s.Expires == nil || time.Now().Before(*s.Expires) {
 		return false, nil, nil
@@ -143,6 +162,7 @@ func (a *app) reapSnapshotIfDue(h *domain.Host, name string) (removed bool, clon
 		return false, nil, err
 	}
 	h.StopReaper(domain.ReapSnapshot, name)
+	a.pruneImageVersion(ctx, h, s.BaseDisk)
 	return true, nil, nil
 }
 
@@ -219,7 +239,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 			continue
 		}
 		if !time.Now().Before(*s.Expires) {
-			if removed, _, err := a.reapSnapshotIfDue(h, s.Name); removed {
+			if removed, _, err := a.reapSnapshotIfDue(ctx, h, s.Name); removed {
 				fmt.Fprintf(a.io.Err, "kvbox: removed snapshot %s, whose TTL ended at %s\n", s.Name, s.Expires.Format(time.RFC3339))
 			} else if err != nil {
 				fmt.Fprintf(a.io.Err, "kvbox: warning: removing expired snapshot %s: %v\n", s.Name, err)
@@ -330,7 +350,7 @@ func (a *app) deadline(h *domain.Host, kind, name, id string) (at *time.Time, go
 
 func (a *app) reap(ctx context.Context, h *domain.Host, kind, name string, logf func(string, ...any)) error {
 	if kind == domain.ReapSnapshot {
-		removed, clones, err := a.reapSnapshotIfDue(h, name)
+		removed, clones, err := a.reapSnapshotIfDue(ctx, h, name)
 		switch {
 		case err != nil:
 			logf("removing the expired snapshot: %v", err)
