@@ -232,10 +232,12 @@ type creation struct {
 	paused     time.Time // when the box stood still
 	running    bool      // resumed (by the plan or an undo)
 	pause      time.Duration
-	copyPaused bool   // the box stays paused while its RAM is copied (see copyPaused)
-	gated      bool   // the copy starts held while the guest names its free pages (gateParams)
-	bootID     string // the guest's boot_id, from its agent (best effort)
-	copied     int64  // bytes the disk copy wrote
+	copyPaused bool                   // the box stays paused while its RAM is copied (see copyPaused)
+	gated      bool                   // the copy starts held while the guest names its free pages (gateParams)
+	bootID     string                 // the guest's boot_id, from its agent (best effort)
+	rest       func() (string, error) // the folder's rest being made (prepare), the boot_id
+	restErr    error
+	copied     int64 // bytes the disk copy wrote
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
@@ -297,6 +299,7 @@ func copyPaused(ctx context.Context, q *qmp.Client) (bool, error) {
 // not answer (libvirtd restarting), the folder and its record stay, and the
 // next kvbox command's Recover finishes the job.
 func (c *creation) removeFolder() {
+	c.restReady()      // nothing may be made in the folder once it is gone
 	if c.p.Box != "" { // the record is written: QEMU may have been changed
 		if err := undoOnBox(context.Background(), c.h, c.p); err != nil {
 			return
@@ -351,17 +354,20 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// disk work below needs neither.
 	guest := meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
 	compat := meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
+	chain := meanwhile(func() ([]overlay.ImageInfo, error) {
+		return overlay.InfoChain(ctx, filepath.Join(c.box.Dir, "disk.qcow2"))
+	})
 	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
 		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
 	}
-	if c.chain, err = overlay.InfoChain(ctx, filepath.Join(c.box.Dir, "disk.qcow2")); err != nil {
+	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
+		return err
+	}
+	if c.chain, err = chain(); err != nil {
 		return err
 	}
 	if len(c.chain) < 2 {
 		return fmt.Errorf("the disk of box %q has no base image", c.box.Name)
-	}
-	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
-		return err
 	}
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
@@ -396,27 +402,43 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 		c.backing, targetFmt = c.prev.Path(DiskFile), "qcow2"
 	}
 	c.disk = filepath.Join(c.tmp, DiskFile)
-	if err := overlay.CreateLarger(ctx, c.disk, c.backing, targetFmt, c.chain[0].VirtualSize); err != nil {
-		return err
+	// The rest of the folder (the disk copy's target, the domain XML, the
+	// agent's token, what a restore needs) is not needed before the
+	// switch-over: it is made while the memory is copied (openTarget waits
+	// for it; an undo too, before the folder goes).
+	c.rest = meanwhile(func() (string, error) {
+		if err := overlay.CreateLarger(ctx, c.disk, c.backing, targetFmt, c.chain[0].VirtualSize); err != nil {
+			return "", err
+		}
+		if err := c.h.ChownForQEMU(c.disk); err != nil {
+			return "", err
+		}
+		if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
+			return "", err
+		}
+		// The token of the agent in the memory: the first contact of a clone.
+		if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
+			return "", err
+		}
+		cp, err := compat()
+		if err != nil {
+			return "", err
+		}
+		info, _ := guest()
+		cp.Agent = info.Version
+		return info.BootID, writeCompat(c.tmp, cp)
+	})
+	return nil
+}
+
+// restReady waits for the part of the folder prepare left to be made
+// meanwhile, once; it records the guest's boot_id.
+func (c *creation) restReady() error {
+	if c.rest != nil {
+		c.bootID, c.restErr = c.rest()
+		c.rest = nil
 	}
-	if err := c.h.ChownForQEMU(c.disk); err != nil {
-		return err
-	}
-	if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
-		return err
-	}
-	// The token of the agent in the memory: the first contact of a clone.
-	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
-		return err
-	}
-	cp, err := compat()
-	if err != nil {
-		return err
-	}
-	info, _ := guest()
-	c.bootID = info.BootID
-	cp.Agent = info.Version
-	return writeCompat(c.tmp, cp)
+	return c.restErr
 }
 
 // meanwhile runs f in a goroutine of its own; the function it returns
@@ -575,6 +597,9 @@ func (c *creation) undoLive() {
 
 // openTarget opens the disk copy's target in QEMU.
 func (c *creation) openTarget(ctx context.Context) error {
+	if err := c.restReady(); err != nil {
+		return err
+	}
 	if err := c.q.BlockdevSetActive(ctx, "", true); err != nil {
 		return err
 	}
