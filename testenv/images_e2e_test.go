@@ -60,25 +60,22 @@ func TestImagesRmAndReplace(t *testing.T) {
 	mustKvbox(t, "rm", "--force", n)
 	refused("snapshot " + snap)
 
-	// A new version while the snapshot builds on the first: both stay,
-	// until the snapshot goes.
-	imp("--replace")
-	if vs := versions(t, img); len(vs) != 2 {
-		t.Fatalf("after import --replace with the old version in use: versions %v, want 2", vs)
-	}
-	mustKvbox(t, "snapshots", "rm", snap)
-	if vs := versions(t, img); len(vs) != 1 {
-		t.Errorf("after the last snapshot on the old version went: versions %v, want only the new one", vs)
-	}
-	// The same with a box: its rm takes the old version with it.
-	newBox(t, n, "--image", img)
-	imp("--replace")
-	if vs := versions(t, img); len(vs) != 2 {
-		t.Fatalf("after import --replace with a box on the old version: versions %v, want 2", vs)
-	}
-	mustKvbox(t, "rm", "--force", n)
-	if vs := versions(t, img); len(vs) != 1 {
-		t.Errorf("after the last box on the old version went: versions %v, want only the new one", vs)
+	// A new version while a snapshot or a box builds on the first: both
+	// stay, until the last user of the old one goes.
+	for _, user := range []string{"snapshot", "box"} {
+		rm := []string{"snapshots", "rm", snap}
+		if user == "box" {
+			newBox(t, n, "--image", img)
+			rm = []string{"rm", "--force", n}
+		}
+		imp("--replace")
+		if vs := versions(t, img); len(vs) != 2 {
+			t.Fatalf("after import --replace with a %s on the old version: versions %v, want 2", user, vs)
+		}
+		mustKvbox(t, rm...)
+		if vs := versions(t, img); len(vs) != 1 {
+			t.Errorf("after the last %s on the old version went: versions %v, want only the new one", user, vs)
+		}
 	}
 	imp("--replace")
 	vs := versions(t, img)
