@@ -236,8 +236,7 @@ type creation struct {
 	gated      bool                   // the copy starts held while the guest names its free pages (gateParams)
 	bootID     string                 // the guest's boot_id, from its agent (best effort)
 	rest       func() (string, error) // the folder's rest being made (prepare), the boot_id
-	restErr    error
-	copied     int64 // bytes the disk copy wrote
+	copied     int64                  // bytes the disk copy wrote
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
@@ -432,30 +431,27 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 }
 
 // restReady waits for the part of the folder prepare left to be made
-// meanwhile, once; it records the guest's boot_id.
-func (c *creation) restReady() error {
+// meanwhile; it records the guest's boot_id.
+func (c *creation) restReady() (err error) {
 	if c.rest != nil {
-		c.bootID, c.restErr = c.rest()
-		c.rest = nil
+		c.bootID, err = c.rest()
 	}
-	return c.restErr
+	return err
 }
 
 // meanwhile runs f in a goroutine of its own; the function it returns
-// waits for f's result.
+// waits for f's result (as often as it is called).
 func meanwhile[T any](f func() (T, error)) func() (T, error) {
-	type result struct {
-		v   T
-		err error
-	}
-	ch := make(chan result, 1)
+	done := make(chan struct{})
+	var v T
+	var err error
 	go func() {
-		v, err := f()
-		ch <- result{v, err}
+		defer close(done)
+		v, err = f()
 	}()
 	return func() (T, error) {
-		r := <-ch
-		return r.v, r.err
+		<-done
+		return v, err
 	}
 }
 
