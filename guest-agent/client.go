@@ -620,7 +620,6 @@ func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, see
 	// identity, which takes longest, starts first.
 	calls := []Call{{Method: methodIdentify, Params: id}, {Method: methodSetClock, Params: clockMsg{UnixNano: now.UnixNano()}},
 		{Method: methodAddEntropy, Params: seed}, {Method: methodPing, Result: &info}}
-	whats := []string{"set the identity", "set the clock", "seed the RNG", "ask the agent who it is", "give the agent its token"}
 	if token != nil {
 		calls = append(calls, Call{Method: methodSetToken, Params: authMsg{Token: token}})
 	}
@@ -628,18 +627,20 @@ func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, see
 	if err != nil {
 		return err
 	}
-	if errs[3] == nil {
-		c.infoOnce.Lock()
-		c.info = &info
-		c.infoOnce.Unlock()
-	}
-	for i, what := range whats[:len(errs)] {
+	whats := map[string]string{methodIdentify: "set the identity", methodSetClock: "set the clock", methodAddEntropy: "seed the RNG",
+		methodPing: "ask the agent who it is", methodSetToken: "give the agent its token"}
+	for i, call := range calls {
 		var re *RemoteError
-		if i == 4 && errors.As(errs[i], &re) && strings.Contains(re.Message, "unknown method") {
+		switch {
+		case call.Method == methodPing && errs[i] == nil:
+			c.infoOnce.Lock()
+			c.info = &info
+			c.infoOnce.Unlock()
+		case call.Method == methodSetToken && errors.As(errs[i], &re) && strings.Contains(re.Message, "unknown method"):
 			errs[i] = nil // an agent without auth
 		}
 		if errs[i] != nil {
-			errs[i] = fmt.Errorf("%s: %w", what, errs[i])
+			errs[i] = fmt.Errorf("%s: %w", whats[call.Method], errs[i])
 		}
 	}
 	return errors.Join(errs...)
