@@ -3,6 +3,7 @@ package domain
 import (
 	"fmt"
 	"net/netip"
+	"path/filepath"
 	"sort"
 
 	"libvirt.org/go/libvirt"
@@ -19,6 +20,13 @@ type Box struct {
 	VsockCID    uint32 `json:"vsock_cid,omitempty"`
 	Tap         string `json:"tap,omitempty"`
 }
+
+// DiskFile is a box's disk in its folder: a qcow2 overlay on a version of
+// its image, or on its snapshot's disk.
+const DiskFile = "disk.qcow2"
+
+// Disk is the path of the box's disk.
+func (b Box) Disk() string { return filepath.Join(b.Dir, DiskFile) }
 
 // Addr is the box's address.
 func (b Box) Addr() netip.Addr {

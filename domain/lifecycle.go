@@ -155,7 +155,7 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 		return err
 	}
 	dir := c.Res.Dir
-	disk := filepath.Join(dir, "disk.qcow2")
+	disk := filepath.Join(dir, DiskFile)
 	if err := overlay.CreateLarger(ctx, disk, s.Boot.Disk, s.Boot.DiskFormat, max(s.DiskBytes, s.Boot.VirtualSize)); err != nil {
 		return err
 	}

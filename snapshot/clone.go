@@ -17,7 +17,7 @@ import (
 
 // CloneDisk is the clone's disk in its folder: a qcow2 overlay on the
 // snapshot's disk.
-const CloneDisk = "disk.qcow2"
+const CloneDisk = domain.DiskFile
 
 // Clone starts a warm clone of snap named name: a new domain whose RAM maps
 // the snapshot's memory privately, whose disk is an overlay on the

@@ -354,7 +354,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	guest := meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
 	compat := meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
 	chain := meanwhile(func() ([]overlay.ImageInfo, error) {
-		return overlay.InfoChain(ctx, filepath.Join(c.box.Dir, "disk.qcow2"))
+		return overlay.InfoChain(ctx, c.box.Disk())
 	})
 	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
 		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)

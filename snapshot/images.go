@@ -21,7 +21,7 @@ func ImageUsers(ctx context.Context, h *domain.Host, st Store) (map[string][]str
 		return nil, err
 	}
 	for _, b := range boxes {
-		chain, err := overlay.InfoChain(ctx, filepath.Join(b.Dir, "disk.qcow2"))
+		chain, err := overlay.InfoChain(ctx, b.Disk())
 		if err != nil {
 			continue // a box without its disk builds on nothing
 		}

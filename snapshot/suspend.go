@@ -355,7 +355,7 @@ func (r *resuming) readSaved() (err error) {
 // again). A box an earlier kvbox suspended saved only its device state;
 // its RAM is its memory file.
 func (r *resuming) wakeXML() (string, error) {
-	spec := CloneXMLSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: filepath.Join(r.box.Dir, CloneDisk), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
+	spec := CloneXMLSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: r.box.Disk(), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
 		MemPath: r.statePath}
 	if r.saved.MappedRAM {
 		off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -121,7 +120,7 @@ func (a *app) removeBox(ctx context.Context, h *domain.Host, name string, force 
 			return err
 		}
 		if b.Snapshot == "" && b.Dir != "" {
-			base, _ = overlay.BackingFile(filepath.Join(b.Dir, snapshot.CloneDisk))
+			base, _ = overlay.BackingFile(b.Disk())
 		}
 	}
 	if err := h.Remove(ctx, name, force); err != nil {
