@@ -97,20 +97,32 @@ func WriteFileAtomic(path string, data []byte, perm fs.FileMode) (err error) {
 	return SyncDir(dir)
 }
 
+// qcow2Header reads the fixed fields of a qcow2 header that kvbox reads
+// without running qemu-img, for a caller on a short path: magic "QFI\xfb",
+// version, backing_file_offset (u64), backing_file_size (u32),
+// cluster_bits (u32), size (u64), all big-endian. ok is false when the
+// file is no qcow2.
+func qcow2Header(f *os.File) (h [32]byte, ok bool, err error) {
+	if _, err := io.ReadFull(f, h[:]); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			return h, false, nil
+		}
+		return h, false, err
+	}
+	return h, string(h[:4]) == "QFI\xfb", nil
+}
+
 // BackingFile is the backing file named in the header of the qcow2 image
-// at path, as stored ("" when it has none or is no qcow2): the header's
-// fixed fields, read without running qemu-img, for a caller on a short
-// path (kvbox rm).
+// at path, as stored ("" when it has none or is no qcow2).
 func BackingFile(path string) (string, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
-	// magic "QFI\xfb", version, backing_file_offset (u64), backing_file_size (u32): big-endian
-	var h [20]byte
-	if _, err := io.ReadFull(f, h[:]); err != nil || string(h[:4]) != "QFI\xfb" {
-		return "", nil
+	h, ok, err := qcow2Header(f)
+	if err != nil || !ok {
+		return "", err
 	}
 	off, size := binary.BigEndian.Uint64(h[8:16]), binary.BigEndian.Uint32(h[16:20])
 	if off == 0 || size == 0 {
@@ -124,4 +136,22 @@ func BackingFile(path string) (string, error) {
 		return "", fmt.Errorf("%s: backing file name: %w", path, err)
 	}
 	return string(name), nil
+}
+
+// VirtualSize is the size of the disk the qcow2 image at path holds, from
+// its header.
+func VirtualSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	h, ok, err := qcow2Header(f)
+	if err != nil {
+		return 0, err
+	}
+	if !ok {
+		return 0, fmt.Errorf("%s: not a qcow2 image", path)
+	}
+	return int64(binary.BigEndian.Uint64(h[24:32])), nil
 }

@@ -292,8 +292,10 @@ var (
 // WaitJob polls query-jobs until the job id is concluded, dismisses it, and
 // returns the job's error wrapped with ErrJobFailed if it had one. A job that
 // reaches "pending" (auto-finalize off) is finalized, since nothing else would
-// move it on. A job absent from the first poll returns ErrNotFound.
-func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) error {
+// move it on. A job absent from the first poll returns ErrNotFound. It
+// returns the job as last seen: a concluded backup's current-progress is
+// the bytes it copied.
+func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) (Job, error) {
 	if poll <= 0 {
 		poll = 10 * time.Millisecond
 	}
@@ -303,9 +305,9 @@ func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) err
 		jobs, err := c.QueryJobs(ctx)
 		if err != nil {
 			if ctx.Err() != nil && last != "" {
-				return fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, last, err)
+				return Job{}, fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, last, err)
 			}
-			return err
+			return Job{}, err
 		}
 		var job *Job
 		for i := range jobs {
@@ -316,27 +318,27 @@ func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) err
 		}
 		switch {
 		case job == nil && !seen:
-			return fmt.Errorf("qmp: job %q: %w", id, ErrNotFound)
+			return Job{}, fmt.Errorf("qmp: job %q: %w", id, ErrNotFound)
 		case job == nil:
-			return fmt.Errorf("qmp: job %q: %w", id, ErrJobVanished)
+			return Job{}, fmt.Errorf("qmp: job %q: %w", id, ErrJobVanished)
 		case job.Status == JobConcluded:
 			if err := c.JobDismiss(ctx, id); err != nil {
-				return err
+				return *job, err
 			}
 			if job.Error != "" {
-				return fmt.Errorf("qmp: job %q: %s: %w", id, job.Error, ErrJobFailed)
+				return *job, fmt.Errorf("qmp: job %q: %s: %w", id, job.Error, ErrJobFailed)
 			}
-			return nil
+			return *job, nil
 		case job.Status == JobPending && !finalized:
 			if err := c.JobFinalize(ctx, id); err != nil {
-				return err
+				return *job, err
 			}
 			finalized = true
 		}
 		seen, last = true, job.Status
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, job.Status, ctx.Err())
+			return *job, fmt.Errorf("qmp: waiting for job %q (last status %q): %w", id, job.Status, ctx.Err())
 		case <-time.After(poll):
 		}
 	}

@@ -234,7 +234,8 @@ func TestRealQEMU(t *testing.T) {
 			BackupAction(BackupArgs{JobID: "probe", Device: top, Target: "probe", Sync: SyncTop, AutoDismiss: Bool(false)}))
 		t.Logf("backup transaction while nodes are inactive: %v", err)
 		if err == nil {
-			t.Logf("wait: %v", c.WaitJob(ctx, "probe", time.Millisecond))
+			_, err := c.WaitJob(ctx, "probe", time.Millisecond)
+			t.Logf("wait: %v", err)
 			c.BlockDirtyBitmapRemove(ctx, top, "probe")
 		}
 		t.Logf("blockdev-del probe: %v", c.BlockdevDel(ctx, "probe"))
@@ -263,7 +264,7 @@ func TestRealQEMU(t *testing.T) {
 	}
 	// Writes after the point in time must not reach snapshot 1.
 	hmp(ctx, t, c, `qemu-io -d /machine/peripheral/virtio-disk0/virtio-backend "write -P 0xef 1M 64k"`)
-	if err := c.WaitJob(wctx, "backup1", 5*time.Millisecond); err != nil {
+	if _, err := c.WaitJob(wctx, "backup1", 5*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}
 	if jobs, err := c.QueryJobs(ctx); err != nil || len(jobs) != 0 {
@@ -316,8 +317,13 @@ func TestRealQEMU(t *testing.T) {
 	if err := c.Cont(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.WaitJob(wctx, "backup2", 5*time.Millisecond); err != nil {
+	job, err := c.WaitJob(wctx, "backup2", 5*time.Millisecond)
+	if err != nil {
 		t.Fatal(err)
+	}
+	// What the incremental copy wrote: the one 64 KiB write since snapshot 1.
+	if job.CurrentProgress != 64<<10 {
+		t.Errorf("backup2 copied %d bytes, want the %d written since backup1", job.CurrentProgress, 64<<10)
 	}
 	if err := c.BlockdevDel(ctx, "snap2"); err != nil {
 		t.Fatal(err)

@@ -216,7 +216,7 @@ func TestWaitJob(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := &fakeMonitor{reply: scripted(map[string][]string{"query-jobs": tt.replies})}
-			err := New(f).WaitJob(context.Background(), "j", time.Millisecond)
+			_, err := New(f).WaitJob(context.Background(), "j", time.Millisecond)
 			if !errors.Is(err, tt.wantErr) {
 				t.Fatalf("got %v, want %v", err, tt.wantErr)
 			}
@@ -240,7 +240,7 @@ func TestWaitJobTimeout(t *testing.T) {
 	f := &fakeMonitor{reply: scripted(map[string][]string{"query-jobs": {`{"return": [{"id": "j", "status": "running"}]}`}})}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
-	if err := New(f).WaitJob(ctx, "j", time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := New(f).WaitJob(ctx, "j", time.Millisecond); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("got %v", err)
 	}
 }

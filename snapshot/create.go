@@ -232,11 +232,13 @@ type creation struct {
 	paused     time.Time // when the box stood still
 	running    bool      // resumed (by the plan or an undo)
 	pause      time.Duration
-	copyPaused bool                   // the box stays paused while its RAM is copied (see copyPaused)
-	gated      bool                   // the copy starts held while the guest names its free pages (gateParams)
-	bootID     string                 // the guest's boot_id, from its agent (best effort)
-	rest       func() (string, error) // the folder's rest being made (prepare), the boot_id
-	copied     int64                  // bytes the disk copy wrote
+	copyPaused bool                       // the box stays paused while its RAM is copied (see copyPaused)
+	gated      bool                       // the copy starts held while the guest names its free pages (gateParams)
+	bootID     string                     // the guest's boot_id, from its agent (best effort)
+	guest      func() (agent.Info, error) // the agent's answer being asked for (prepare)
+	compat     func() (Compat, error)     // the host's versions being read (prepare)
+	rest       func() (string, error)     // the folder's rest being made (makeRest), the boot_id
+	copied     int64                      // bytes the disk copy wrote
 
 	progress func(CopyProgress) // the caller's, or nil
 	reported time.Time          // when progress was last called
@@ -345,29 +347,18 @@ func createNew(path string) (*os.File, error) {
 	return os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o640)
 }
 
-// prepare finds what the snapshot builds on and records what Recover needs
-// before anything in QEMU changes.
+// prepare records what Recover needs before anything in QEMU changes. The
+// record is written, not synced: it serves a kvbox that is killed, whose
+// page cache survives it; a host that goes down takes QEMU and the
+// changes it records with it, and Recover removes a folder whose record
+// it cannot read.
 func (c *creation) prepare(ctx context.Context) (err error) {
 	// The agent's answer and the host's versions are asked for meanwhile:
-	// each is a round trip of its own (a guest's, libvirtd's), and the
-	// disk work below needs neither.
-	guest := meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
-	compat := meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
-	chain := meanwhile(func() ([]overlay.ImageInfo, error) {
-		return overlay.InfoChain(ctx, c.box.Disk())
-	})
-	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
-		return fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
-	}
-	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
-		return err
-	}
-	if c.chain, err = chain(); err != nil {
-		return err
-	}
-	if len(c.chain) < 2 {
-		return fmt.Errorf("the disk of box %q has no base image", c.box.Name)
-	}
+	// each is a round trip of its own (a guest's, libvirtd's), and only
+	// the folder's rest needs them (makeRest). The guest is asked now,
+	// while it surely runs: a paused copy (copyPaused) stops it next.
+	c.guest = meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
+	c.compat = meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err
@@ -389,44 +380,106 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 		}
 		c.p.Params[k] = v
 	}
-	if err := writeJSON(filepath.Join(c.tmp, partialFile), c.p); err != nil {
+	b, err := json.Marshal(c.p)
+	if err != nil {
 		return err
 	}
-	// The target of the disk copy: a qcow2 over what the copied blocks sit
-	// on (the previous snapshot's disk for an incremental copy, else the
-	// box disk's own backing file), of the source's size exactly.
-	targetFmt := ""
-	c.backing, targetFmt = c.chain[1].Filename, c.chain[1].Format
-	if c.prev != nil {
-		c.backing, targetFmt = c.prev.Path(DiskFile), "qcow2"
+	f, err := createNew(filepath.Join(c.tmp, partialFile))
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(b)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// makeRest finds what the snapshot builds on and makes the rest of the
+// folder: the disk copy's target, the domain XML, the agent's token, what
+// a restore needs. None of it is needed before the switch-over, so it is
+// done while the memory is copied (copyLive); openTarget waits for it, and
+// so does an undo, before the folder goes. It returns the guest's boot_id.
+func (c *creation) makeRest(ctx context.Context) (string, error) {
+	chain := meanwhile(func() ([]overlay.ImageInfo, error) {
+		return overlay.InfoChain(ctx, c.box.Disk())
+	})
+	var err error
+	if c.top, err = c.q.TopNode(ctx, diskDevice); err != nil {
+		return "", fmt.Errorf("find the disk of box %q: %w", c.box.Name, err)
+	}
+	if c.prev, err = previous(ctx, c.q, c.st, c.top, c.box); err != nil {
+		return "", err
+	}
+	if c.chain, err = chain(); err != nil {
+		return "", err
+	}
+	if len(c.chain) < 2 {
+		return "", fmt.Errorf("the disk of box %q has no base image", c.box.Name)
 	}
 	c.disk = filepath.Join(c.tmp, DiskFile)
-	// The rest of the folder (the disk copy's target, the domain XML, the
-	// agent's token, what a restore needs) is not needed before the
-	// switch-over: it is made while the memory is copied (openTarget waits
-	// for it; an undo too, before the folder goes).
-	c.rest = meanwhile(func() (string, error) {
-		if err := overlay.CreateLarger(ctx, c.disk, c.backing, targetFmt, c.chain[0].VirtualSize); err != nil {
-			return "", err
-		}
-		if err := c.h.ChownForQEMU(c.disk); err != nil {
-			return "", err
-		}
-		if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
-			return "", err
-		}
-		// The token of the agent in the memory: the first contact of a clone.
-		if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
-			return "", err
-		}
-		cp, err := compat()
-		if err != nil {
-			return "", err
-		}
-		info, _ := guest()
-		cp.Agent = info.Version
-		return info.BootID, writeCompat(c.tmp, cp)
-	})
+	if err := c.makeTarget(ctx); err != nil {
+		return "", err
+	}
+	if err := c.h.ChownForQEMU(c.disk); err != nil {
+		return "", err
+	}
+	if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
+		return "", err
+	}
+	// The token of the agent in the memory: the first contact of a clone.
+	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
+		return "", err
+	}
+	cp, err := c.compat()
+	if err != nil {
+		return "", err
+	}
+	info, _ := c.guest()
+	cp.Agent = info.Version
+	return info.BootID, writeCompat(c.tmp, cp)
+}
+
+// makeTarget makes the disk copy's target, a qcow2 of the source disk's
+// size that stands alone above the base image once the copied blocks are
+// in. The copy writes the blocks that changed since what the target sits
+// on: the previous snapshot's disk for an incremental copy, else what the
+// box disk sits on (its image, or for a clone its snapshot's disk). A
+// snapshot's disk stands alone above the base, so a target over one
+// starts as a copy of it, made now, and needs no merge afterwards.
+func (c *creation) makeTarget(ctx context.Context) error {
+	c.backing = c.chain[1].Filename
+	format := c.chain[1].Format
+	if c.prev != nil {
+		c.backing, format = c.prev.Path(DiskFile), "qcow2"
+	}
+	base := c.base()
+	if c.backing == base.Filename || format != "qcow2" {
+		return overlay.CreateLarger(ctx, c.disk, c.backing, format, c.chain[0].VirtualSize)
+	}
+	on, err := overlay.BackingFile(c.backing)
+	if err != nil {
+		return err
+	}
+	if on != base.Filename {
+		// Not one of kvbox's standalone snapshot disks: over it, merged
+		// after the copy.
+		return overlay.CreateLarger(ctx, c.disk, c.backing, format, c.chain[0].VirtualSize)
+	}
+	if _, err := overlay.CopySparse(c.disk, c.backing); err != nil {
+		return fmt.Errorf("start the snapshot disk from %s: %w", c.backing, err)
+	}
+	if err := os.Chmod(c.disk, 0o640); err != nil { // a sealed disk is read-only
+		return err
+	}
+	c.backing = base.Filename
+	size, err := overlay.VirtualSize(c.disk)
+	if err != nil {
+		return err
+	}
+	if size < c.chain[0].VirtualSize {
+		return overlay.Resize(ctx, c.disk, c.chain[0].VirtualSize)
+	}
 	return nil
 }
 
@@ -508,8 +561,20 @@ func (c *creation) resume() {
 	c.dom.Resume()
 }
 
-// restoreMigration sets the migration capabilities and parameters back as
+// setBackMigration sets the migration capabilities and parameters back as
 // they were.
+func (c *creation) setBackMigration(ctx context.Context) error {
+	if err := c.q.MigrateSetCapabilities(ctx, c.p.Caps); err != nil {
+		return err
+	}
+	if c.p.Params != nil {
+		return c.q.MigrateSetParameters(ctx, c.p.Params)
+	}
+	return nil
+}
+
+// restoreMigration sets the migration capabilities and parameters back as
+// they were, as far as QEMU lets it (an undo).
 func (c *creation) restoreMigration() {
 	bg := context.Background()
 	if c.p.Params != nil {
@@ -546,6 +611,10 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		return err
 	}
 	step.KillPoint("live-started")
+	// QEMU holds a gated copy back in 100 ms windows (max-bandwidth is
+	// applied per window, and a new limit does not wake it): what the
+	// snapshot builds on is found, and the folder's rest made, meanwhile.
+	c.rest = meanwhile(func() (string, error) { return c.makeRest(ctx) })
 	stopped, err := waitLiveCopy(ctx, c.q, filepath.Join(c.tmp, StateFile), c.gated, func(s qmp.MigrateStatus) {
 		if s.RAM != nil {
 			step.KillPoint("live-copying")
@@ -631,45 +700,37 @@ func (c *creation) cancelBackup(ctx context.Context) {
 	c.q.BlockDirtyBitmapRemove(ctx, c.top, c.p.Bitmap)
 }
 
-// resumeRunning sets the migration settings back and runs the box again:
-// the end of the pause.
-func (c *creation) resumeRunning(ctx context.Context) error {
-	if err := c.q.MigrateSetCapabilities(ctx, c.p.Caps); err != nil {
-		return err
-	}
-	if c.p.Params != nil {
-		if err := c.q.MigrateSetParameters(ctx, c.p.Params); err != nil {
-			return err
-		}
-	}
+// resumeRunning runs the box again: the end of the pause.
+func (c *creation) resumeRunning(context.Context) error {
 	c.resume()
 	c.pause = time.Since(c.paused)
 	return nil
 }
 
 // copyDisk waits for the backup job, which copies the disk as it was at the
-// pause (copy-before-write) while the box runs. Meanwhile the state file is
-// readied for clones to map (its RAM's offset, synced): file work of the
-// host's alone, which needs the memory copy only.
+// pause (copy-before-write) while the box runs. Meanwhile the migration
+// settings are set back (the copy is over; a failure here undoes the copy,
+// which sets them back again), and the state file is readied for clones
+// to map (its RAM's offset, synced): file work of the host's alone, which
+// needs the memory copy only.
 func (c *creation) copyDisk(ctx context.Context) error {
+	settings := meanwhile(func() (struct{}, error) { return struct{}{}, c.setBackMigration(ctx) })
 	mem := meanwhile(func() (int64, error) {
 		return prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
 	})
-	err := c.q.WaitJob(ctx, backupJob, 5*time.Millisecond)
+	job, err := c.q.WaitJob(ctx, backupJob, 5*time.Millisecond)
 	if err != nil {
 		err = fmt.Errorf("copy the disk of box %q: %w", c.box.Name, err)
 	} else {
 		err = c.q.BlockdevDel(ctx, targetNode)
 	}
+	_, serr := settings()
 	offset, merr := mem()
-	if err != nil {
+	if err := errors.Join(err, serr, merr); err != nil {
 		return err
 	}
-	if merr != nil {
-		return merr
-	}
 	c.mem.Offset = offset
-	c.copied, _ = overlay.Du(c.disk)
+	c.copied = job.CurrentProgress
 	return nil
 }
 
