@@ -17,6 +17,14 @@ func (c *Client) KVMEnabled(ctx context.Context) (bool, error) {
 	return r.Enabled, err
 }
 
+// ObjectType is the QOM type of the object at path, like
+// "memory-backend-ram" for /objects/ID.
+func (c *Client) ObjectType(ctx context.Context, path string) (string, error) {
+	var t string
+	err := c.Execute(ctx, "qom-get", map[string]any{"path": path, "property": "type"}, &t)
+	return t, err
+}
+
 // RAMBlockOffset is where QEMU placed the named RAM block in its RAM
 // address space (HMP "info ramblock": QMP has no command for it); ok is
 // false when QEMU has no such block.

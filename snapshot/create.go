@@ -81,16 +81,29 @@ func liveCaps() map[string]bool {
 var liveParams = map[string]any{qmp.ParamMaxBandwidth: int64(10 << 30), qmp.ParamDowntimeLimit: int64(liveDowntimes[0]), qmp.ParamZeroPageDetect: "legacy"}
 
 // copyMode says how a box's RAM is copied: paused throughout (see
-// copyPaused), or live and gated, starting held at the hint gate (see
-// gateParams) because the guest takes free page hints and runs while it
-// is copied. The gate is best effort: a QEMU that cannot say gets none.
+// copyPaused), or live; live and gated, starting held at the hint gate
+// (see gateParams), where the box's RAM is mapped from a file (a clone, a
+// box woken from sleep) and its guest takes free page hints. The gate is
+// best effort: a QEMU that cannot say gets none.
 func copyMode(ctx context.Context, q *qmp.Client) (paused, gated bool, err error) {
 	if paused, err = copyPaused(ctx, q); err != nil || paused {
 		return paused, false, err
 	}
+	if t, err := q.ObjectType(ctx, "/objects/"+domain.RAMBackendID); err != nil || t == anonRAM {
+		return false, false, nil
+	}
 	gated, _ = q.FreePageHints(ctx)
 	return false, gated, nil
 }
+
+// anonRAM is the QOM type of a box's RAM when it is anonymous memory
+// (domain.RAMArgs): a page the guest never touched reads as the kernel's
+// zero page, which costs the host nothing, so its copy is not held back.
+// A hint gate costs a copy a 100 ms window of QEMU's rate limit (see
+// gateParams): the tiny box's snapshot copied its RAM in 155-176 ms
+// without it, 241-281 with it, the same 76 MB written, and QEMU's
+// resident memory the same.
+const anonRAM = "memory-backend-ram"
 
 // partialDir is where a snapshot is built before it is renamed into place.
 func (st Store) partialDir(name string) string { return filepath.Join(st.Dir, "."+name+".partial") }

@@ -291,13 +291,16 @@ func waitLiveCopy(ctx context.Context, q *qmp.Client, path string, gated bool, o
 // reads or stores them. A page the first pass has already reached is read
 // all the same, and the pass outruns a guest that answers from its own
 // vCPU: of five snapshots of tiny clones (512 MB, half of it free), two
-// read the free half regardless. So a copy whose guest takes hints starts
-// held back (gateParams), and runs at full speed (openParams) once the
-// hints are in (hintGate).
+// read the free half regardless. So a copy of RAM mapped from a file
+// whose guest takes hints starts held back (gateParams), and runs at full
+// speed (openParams) once the hints are in (hintGate). Anonymous RAM is
+// not held back (anonRAM): the hints still come, and what they clear
+// before the first pass gets there is not read.
 //
 // gateParams hold a copy back: about a page per 100 ms (max-bandwidth is
 // bytes per second, applied per 100 ms window; below 10 it means no
-// limit), and no zero-page check, since a mapped-ram copy skips a zero page
+// limit; a new limit does not wake the copy, which runs on only when its
+// window ends), and no zero-page check, since a mapped-ram copy skips a zero page
 // without counting it against the limit and would run through the holes.
 var gateParams = map[string]any{qmp.ParamMaxBandwidth: int64(10), qmp.ParamZeroPageDetect: "none"}
 

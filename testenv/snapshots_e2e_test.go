@@ -361,7 +361,7 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 	// is copied.
 	paused := copiedPaused(t, src)
 	rssBefore := qemuRss(t, src)
-	killedSnapshots(t, src, "live-started", "live-copying", "live-opened", "copy-memory-live")
+	killedSnapshots(t, src, "live-started", "live-copying", "copy-memory-live")
 	if !freePageHints(t, src) {
 		t.Errorf("the guest of %s takes no free page hints from its balloon (templates/box.xml, virtio_balloon in the tiny image)", src)
 	}
@@ -374,6 +374,12 @@ func TestLiveSnapshotOfBusyBox(t *testing.T) {
 		if level == 2 {
 			kb, _ := strconv.ParseInt(strings.Fields(inBox(t, prev, "grep MemFree: /proc/meminfo"))[1], 10, 64)
 			guestFree = kb << 10
+			// A clone's RAM is mapped from a file: its copy starts held
+			// at the hint gate (snapshot.copyMode), and a kill just as
+			// the gate opens leaves it clean too.
+			if !paused {
+				killedSnapshots(t, prev, "live-opened")
+			}
 		}
 		var r result
 		if level != 2 {
