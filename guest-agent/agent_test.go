@@ -23,6 +23,7 @@ type fakeSystem struct {
 	identity []Identity
 	clock    []time.Time
 	entropy  [][]byte
+	reprobes int
 }
 
 func (f *fakeSystem) Capabilities() Capabilities {
@@ -44,6 +45,12 @@ func (f *fakeSystem) AddEntropy(b []byte) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.entropy = append(f.entropy, b)
+	return nil
+}
+func (f *fakeSystem) ReprobeBalloon() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reprobes++
 	return nil
 }
 
@@ -271,8 +278,14 @@ func TestCalls(t *testing.T) {
 	if err := c.AddEntropy(ctx, []byte{1, 2, 3}); err != nil {
 		t.Fatal(err)
 	}
+	if err := c.ReprobeBalloon(ctx); err != nil {
+		t.Fatal(err)
+	}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
+	if fs.reprobes != 1 {
+		t.Errorf("the system saw %d balloon reprobes, want 1", fs.reprobes)
+	}
 	if len(fs.identity) != 1 || fs.identity[0].Address != id.Address || len(fs.clock) != 1 || !fs.clock[0].Equal(now) || !bytes.Equal(fs.entropy[0], []byte{1, 2, 3}) {
 		t.Errorf("system saw %+v %v %v", fs.identity, fs.clock, fs.entropy)
 	}

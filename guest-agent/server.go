@@ -28,6 +28,7 @@ type System interface {
 	ApplyIdentity(Identity) error
 	SetClock(time.Time) error
 	AddEntropy([]byte) error
+	ReprobeBalloon() error
 }
 
 // Server is the guest side: it answers one or many host connections.
@@ -365,6 +366,8 @@ func (ss *session) request(f frame) {
 			return
 		}
 		go func() { ss.reply(gen, f.ID, nil, s.sys().AddEntropy(b)) }()
+	case methodReprobeBalloon:
+		go func() { ss.reply(gen, f.ID, nil, s.sys().ReprobeBalloon()) }()
 	case methodDial:
 		ss.dial(gen, f.ID, req.Params)
 	default:
@@ -506,3 +509,4 @@ func (noSystem) Capabilities() Capabilities   { return Capabilities{} }
 func (noSystem) ApplyIdentity(Identity) error { return errors.ErrUnsupported }
 func (noSystem) SetClock(time.Time) error     { return errors.ErrUnsupported }
 func (noSystem) AddEntropy([]byte) error      { return errors.ErrUnsupported }
+func (noSystem) ReprobeBalloon() error        { return errors.ErrUnsupported }

@@ -240,3 +240,33 @@ func TestDefaultEnvOnTerminal(t *testing.T) {
 		t.Errorf("execEnv of a terminal request = %q", got)
 	}
 }
+
+// ReprobeBalloon writes each device the balloon driver drives to its
+// unbind file, then to its bind file.
+func TestReprobeBalloon(t *testing.T) {
+	s := &LinuxSystem{Root: t.TempDir()}
+	if err := s.ReprobeBalloon(); err == nil {
+		t.Fatal("no balloon driver: no error")
+	}
+	dir := s.path(balloonDriver)
+	for _, f := range []string{"virtio3", "bind", "unbind", "uevent"} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.ReprobeBalloon(); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"unbind", "bind"} {
+		if b, _ := os.ReadFile(filepath.Join(dir, f)); string(b) != "virtio3" {
+			t.Errorf("%s got %q, want virtio3", f, b)
+		}
+	}
+	os.Remove(filepath.Join(dir, "virtio3"))
+	if err := s.ReprobeBalloon(); err == nil {
+		t.Error("a driver with no device: no error")
+	}
+}

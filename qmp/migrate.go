@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -322,37 +323,44 @@ func (c *Client) WaitMigrationStop(ctx context.Context, poll time.Duration, prog
 	}
 }
 
-// FreePageHints says whether the guest takes free page hinting from the
-// box's virtio-balloon device: the guest's driver accepted
-// VIRTIO_BALLOON_F_FREE_PAGE_HINT, so while a migration runs it names the
-// pages it has free and QEMU skips them. It asks x-query-virtio-status,
-// an unstable command (QEMU 7.2 and later): false, with no error, where
-// QEMU lacks it or the box has no balloon.
-func (c *Client) FreePageHints(ctx context.Context) (bool, error) {
+// HintState is what a box's virtio-balloon device and its guest's driver
+// agreed on about free page hinting (VIRTIO_BALLOON_F_FREE_PAGE_HINT).
+type HintState struct {
+	Offered bool // the device offers it (QEMU's free-page-hint property)
+	Taken   bool // the guest's driver accepted it: while a migration runs, it names the pages it has free and QEMU skips them
+}
+
+// FreePageHints reads the HintState of the box's balloon with
+// x-query-virtio-status, an unstable command (QEMU 7.2 and later): the
+// zero HintState, with no error, where QEMU lacks it or the box has no
+// balloon.
+func (c *Client) FreePageHints(ctx context.Context) (HintState, error) {
 	var devs []struct{ Name, Path string }
 	if err := c.Execute(ctx, "x-query-virtio", nil, &devs); err != nil {
 		if errors.Is(err, ErrCommandNotFound) {
-			return false, nil
+			return HintState{}, nil
 		}
-		return false, err
+		return HintState{}, err
+	}
+	has := func(fs []string) bool {
+		return slices.ContainsFunc(fs, func(f string) bool { return strings.HasPrefix(f, "VIRTIO_BALLOON_F_FREE_PAGE_HINT:") })
 	}
 	for _, d := range devs {
 		if d.Name != "virtio-balloon" {
 			continue
 		}
 		var st struct {
+			HostFeatures struct {
+				DevFeatures []string `json:"dev-features"`
+			} `json:"host-features"`
 			GuestFeatures struct {
 				DevFeatures []string `json:"dev-features"`
 			} `json:"guest-features"`
 		}
 		if err := c.Execute(ctx, "x-query-virtio-status", map[string]any{"path": d.Path}, &st); err != nil {
-			return false, err
+			return HintState{}, err
 		}
-		for _, f := range st.GuestFeatures.DevFeatures {
-			if strings.HasPrefix(f, "VIRTIO_BALLOON_F_FREE_PAGE_HINT:") {
-				return true, nil
-			}
-		}
+		return HintState{Offered: has(st.HostFeatures.DevFeatures), Taken: has(st.GuestFeatures.DevFeatures)}, nil
 	}
-	return false, nil
+	return HintState{}, nil
 }

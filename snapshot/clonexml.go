@@ -99,6 +99,7 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	}
 	d.QEMUCommandline.Args = args
 	d.QEMUCapabilities = withoutCPUUnavailableFeatures(d.QEMUCapabilities)
+	offerFreePageHints(d.QEMUOverride)
 	stripRuntime(reflect.ValueOf(&d))
 	out, err := d.Marshal()
 	if err != nil {
@@ -106,6 +107,37 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	}
 	return out, nil
 }
+
+// offerFreePageHints has a clone's balloon offer free page hints where the
+// snapshot's has kvbox's override of it (templates/box.xml). A box booted
+// from an image does not offer them: while a migration runs, a guest that
+// takes them holds its free memory, and gives it back only once the
+// migration is over, so the snapshot's state has it held, and every clone
+// gave it back on its first run, writing the kernel's page structs of all
+// of it: 59 MB more host memory per clone of the Debian box (4 GiB, 3.8 GB
+// free), and 417-491 ms to identify it instead of 277-322 under TCG.
+// Anonymous RAM needs no hints; a clone's RAM, mapped from the snapshot's
+// state, does, when the clone is snapshotted (snapshot.copyMode).
+func offerFreePageHints(o *libvirtxml.DomainQEMUOverride) {
+	if o == nil {
+		return
+	}
+	for i := range o.Devices {
+		if o.Devices[i].Alias != balloonAlias {
+			continue
+		}
+		props := o.Devices[i].Frontend.Properties
+		for j := range props {
+			if props[j].Name == "free-page-hint" {
+				props[j].Type, props[j].Value = "bool", "true"
+				return
+			}
+		}
+	}
+}
+
+// balloonAlias is the alias of a box's balloon (templates/box.xml).
+const balloonAlias = "balloon0"
 
 // fastCPUCap is the QEMU capability a clone hides from libvirt. With it,
 // libvirt 11 reads the started guest's CPU with one qom-get per x86 feature

@@ -387,3 +387,33 @@ func TestCloneXMLStaticDACLabel(t *testing.T) {
 		t.Fatalf("clone seclabels: %+v", d.SecLabel)
 	}
 }
+
+// A clone's balloon offers free page hints where its source's, booted
+// from an image, does not (templates/box.xml); a snapshot without kvbox's
+// override of the balloon gets none.
+func TestCloneXMLOffersFreePageHints(t *testing.T) {
+	base := readTestdata(t, "domain-live.xml")
+	override := `<qemu:override xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'><qemu:device alias='balloon0'><qemu:frontend>` +
+		`<qemu:property name='free-page-hint' type='bool' value='false'/><qemu:property name='iothread' type='string' value='iothread1'/>` +
+		`</qemu:frontend></qemu:device></qemu:override></domain>`
+	src := strings.Replace(base, "</domain>", override, 1)
+	out, err := CloneXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := parseDomain(t, out)
+	if d.QEMUOverride == nil || len(d.QEMUOverride.Devices) != 1 {
+		t.Fatalf("override = %+v", d.QEMUOverride)
+	}
+	props := d.QEMUOverride.Devices[0].Frontend.Properties
+	if len(props) != 2 || props[0].Name != "free-page-hint" || props[0].Value != "true" || props[1].Value != "iothread1" {
+		t.Errorf("the clone's balloon properties are %+v, want free-page-hint true and the iothread kept", props)
+	}
+	out, err = CloneXML(base, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := parseDomain(t, out); d.QEMUOverride != nil {
+		t.Errorf("a snapshot with no balloon override got one: %+v", d.QEMUOverride)
+	}
+}

@@ -83,17 +83,43 @@ var liveParams = map[string]any{qmp.ParamMaxBandwidth: int64(10 << 30), qmp.Para
 // copyMode says how a box's RAM is copied: paused throughout (see
 // copyPaused), or live; live and gated, starting held at the hint gate
 // (see gateParams), where the box's RAM is mapped from a file (a clone, a
-// box woken from sleep) and its guest takes free page hints. The gate is
-// best effort: a QEMU that cannot say gets none.
-func copyMode(ctx context.Context, q *qmp.Client) (paused, gated bool, err error) {
+// box woken from sleep) and its guest takes free page hints. A clone's
+// balloon offers them where its source's did not (offerFreePageHints):
+// its guest's driver is asked to take its device again (the agent's
+// ReprobeBalloon) so that it agrees to them. The gate is best effort: a
+// QEMU that cannot say, or a guest that does not take hints, gets none.
+func copyMode(ctx context.Context, q *qmp.Client, h *domain.Host, box domain.Box) (paused, gated bool, err error) {
 	if paused, err = copyPaused(ctx, q); err != nil || paused {
 		return paused, false, err
 	}
 	if t, err := q.ObjectType(ctx, "/objects/"+domain.RAMBackendID); err != nil || t == anonRAM {
 		return false, false, nil
 	}
-	gated, _ = q.FreePageHints(ctx)
-	return false, gated, nil
+	hints, _ := q.FreePageHints(ctx)
+	if hints.Offered && !hints.Taken && reprobeBalloon(ctx, h, box) == nil {
+		hints, _ = q.FreePageHints(ctx)
+	}
+	return false, hints.Taken, nil
+}
+
+// reprobeBalloon asks the box's agent to have the guest's balloon driver
+// take its device again (agent.FeatureReprobeBalloon).
+func reprobeBalloon(ctx context.Context, h *domain.Host, box domain.Box) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	a, err := h.Dial(ctx, box)
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	info, err := a.Ping(ctx)
+	if err != nil {
+		return err
+	}
+	if err := info.Require("free page hints in a snapshot of a clone", agent.FeatureReprobeBalloon); err != nil {
+		return err
+	}
+	return a.ReprobeBalloon(ctx)
 }
 
 // anonRAM is the QOM type of a box's RAM when it is anonymous memory
@@ -204,7 +230,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return Result{}, fmt.Errorf("read the domain XML of %q: %w", boxName, err)
 	}
-	if c.copyPaused, c.gated, err = copyMode(ctx, c.q); err != nil {
+	if c.copyPaused, c.gated, err = copyMode(ctx, c.q, c.h, c.box); err != nil {
 		return Result{}, err
 	}
 	steps, err := c.plan(ctx).Run(ctx)

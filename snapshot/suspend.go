@@ -120,7 +120,7 @@ func (s *suspending) plan() step.Plan {
 		// Settings first: they do not touch the running guest, and every
 		// QMP round trip inside the pause lengthens it.
 		{Name: "set-migration", Do: func(ctx context.Context) (err error) {
-			if s.copyPaused, s.gated, err = copyMode(ctx, s.q); err != nil {
+			if s.copyPaused, s.gated, err = copyMode(ctx, s.q, s.h, s.box); err != nil {
 				return err
 			}
 			s.restore, err = s.q.ApplyMigrationSettings(ctx, liveCaps(), startParams(s.gated))
