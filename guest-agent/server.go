@@ -39,6 +39,9 @@ type Server struct {
 	// StateDir, when set, is where Identify persists the identity
 	// (identity.json) so the agent can re-apply it after a reboot.
 	StateDir string
+	// Boost, when set, raises the agent's threads' priority while an
+	// identify runs (boost.go).
+	Boost bool
 
 	vsock atomic.Bool // Serve is running on a vsock listener
 
@@ -344,7 +347,12 @@ func (ss *session) request(f frame) {
 			return
 		}
 		go func() {
+			restore := func() {}
+			if s.Boost {
+				restore = boost()
+			}
 			err := s.identify(id)
+			restore()
 			ss.reply(gen, f.ID, nil, err)
 			if err == nil {
 				// Said after the answer: the host waits for that, and

@@ -55,7 +55,7 @@ func main() {
 	// serial line): never die of SIGPIPE on stderr.
 	signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
 
-	srv := &agent.Server{System: agent.NewLinuxSystem(), StateDir: *stateDir}
+	srv := &agent.Server{System: agent.NewLinuxSystem(), StateDir: *stateDir, Boost: true}
 	log.Printf("version %s starting, pid %d", agent.Version, os.Getpid())
 	startThreads(8)
 
