@@ -99,7 +99,7 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	}
 	d.QEMUCommandline.Args = args
 	d.QEMUCapabilities = withoutCPUUnavailableFeatures(d.QEMUCapabilities)
-	offerFreePageHints(d.QEMUOverride)
+	offerFreePageHints(d.QEMUOverride, !s.Boot)
 	stripRuntime(reflect.ValueOf(&d))
 	out, err := d.Marshal()
 	if err != nil {
@@ -108,17 +108,19 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	return out, nil
 }
 
-// offerFreePageHints has a clone's balloon offer free page hints where the
-// snapshot's has kvbox's override of it (templates/box.xml). A box booted
-// from an image does not offer them: while a migration runs, a guest that
-// takes them holds its free memory, and gives it back only once the
-// migration is over, so the snapshot's state has it held, and every clone
-// gave it back on its first run, writing the kernel's page structs of all
-// of it: 59 MB more host memory per clone of the Debian box (4 GiB, 3.8 GB
-// free), and 417-491 ms to identify it instead of 277-322 under TCG.
-// Anonymous RAM needs no hints; a clone's RAM, mapped from the snapshot's
-// state, does, when the clone is snapshotted (snapshot.copyMode).
-func offerFreePageHints(o *libvirtxml.DomainQEMUOverride) {
+// offerFreePageHints has a clone's balloon offer free page hints (on
+// true) where the snapshot's has kvbox's override of it
+// (templates/box.xml), and a clone's next cold boot not (on false). A box
+// booted from an image does not offer them: while a migration runs, a
+// guest that takes them holds its free memory, and gives it back only
+// once the migration is over, so the snapshot's state has it held, and
+// every clone gave it back on its first run, writing the kernel's page
+// structs of all of it: 59 MB more host memory per clone of the Debian
+// box (4 GiB, 3.8 GB free), and 417-491 ms to identify it instead of
+// 277-322 under TCG. Anonymous RAM needs no hints; a clone's RAM, mapped
+// from the snapshot's state, does, when the clone is snapshotted
+// (snapshot.copyMode).
+func offerFreePageHints(o *libvirtxml.DomainQEMUOverride, on bool) {
 	if o == nil {
 		return
 	}
@@ -129,7 +131,7 @@ func offerFreePageHints(o *libvirtxml.DomainQEMUOverride) {
 		props := o.Devices[i].Frontend.Properties
 		for j := range props {
 			if props[j].Name == "free-page-hint" {
-				props[j].Type, props[j].Value = "bool", "true"
+				props[j].Type, props[j].Value = "bool", strconv.FormatBool(on)
 				return
 			}
 		}

@@ -409,6 +409,17 @@ func TestCloneXMLOffersFreePageHints(t *testing.T) {
 	if len(props) != 2 || props[0].Name != "free-page-hint" || props[0].Value != "true" || props[1].Value != "iothread1" {
 		t.Errorf("the clone's balloon properties are %+v, want free-page-hint true and the iothread kept", props)
 	}
+	// The clone's next cold boot has anonymous RAM: no hints, whatever
+	// its snapshot's XML (a clone's) offered.
+	boot := testSpec("/var/lib/kvbox/boxes/agent-1")
+	boot.UUID, boot.Boot = "6c3e1c1e-0000-4000-8000-000000000001", true
+	out, err = CloneXML(strings.Replace(src, "value='false'", "value='true'", 1), boot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := parseDomain(t, out).QEMUOverride.Devices[0].Frontend.Properties[0]; p.Value != "false" {
+		t.Errorf("the clone's next boot has free-page-hint %q, want false", p.Value)
+	}
 	out, err = CloneXML(base, testSpec("/var/lib/kvbox/boxes/agent-1"))
 	if err != nil {
 		t.Fatal(err)
