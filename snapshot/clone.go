@@ -15,10 +15,6 @@ import (
 	"kvbox.dev/kvbox/step"
 )
 
-// CloneDisk is the clone's disk in its folder: a qcow2 overlay on the
-// snapshot's disk.
-const CloneDisk = domain.DiskFile
-
 // Clone starts a warm clone of snap named name: a new domain whose RAM maps
 // the snapshot's memory privately, whose disk is an overlay on the
 // snapshot's disk, and whose CPU and device state is loaded from the
@@ -99,7 +95,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		return err
 	}
 	dir := c.Res.Dir
-	disk := filepath.Join(dir, CloneDisk)
+	disk := filepath.Join(dir, domain.DiskFile) // an overlay on the snapshot's disk
 	if err := overlay.Create(ctx, disk, snap.Path(DiskFile), "qcow2"); err != nil {
 		return err
 	}

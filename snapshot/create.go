@@ -493,18 +493,24 @@ func (c *creation) makeTarget(ctx context.Context) error {
 		c.backing, format = c.prev.Path(DiskFile), "qcow2"
 	}
 	base := c.base()
-	if c.backing == base.Filename || format != "qcow2" {
-		return overlay.CreateLarger(ctx, c.disk, c.backing, format, c.chain[0].VirtualSize)
+	if c.backing != base.Filename && format == "qcow2" {
+		on, err := overlay.BackingFile(c.backing)
+		if err != nil {
+			return err
+		}
+		if on == base.Filename {
+			return c.startFromStandalone(ctx, base)
+		}
 	}
-	on, err := overlay.BackingFile(c.backing)
-	if err != nil {
-		return err
-	}
-	if on != base.Filename {
-		// Not one of kvbox's standalone snapshot disks: over it, merged
-		// after the copy.
-		return overlay.CreateLarger(ctx, c.disk, c.backing, format, c.chain[0].VirtualSize)
-	}
+	// Over the base, or over what is not one of kvbox's standalone
+	// snapshot disks (merged after the copy).
+	return overlay.CreateLarger(ctx, c.disk, c.backing, format, c.chain[0].VirtualSize)
+}
+
+// startFromStandalone makes the target a copy of the standalone snapshot
+// disk it would sit on (c.backing, itself over base), of the source disk's
+// size at least.
+func (c *creation) startFromStandalone(ctx context.Context, base overlay.ImageInfo) error {
 	if _, err := overlay.CopySparse(c.disk, c.backing); err != nil {
 		return fmt.Errorf("start the snapshot disk from %s: %w", c.backing, err)
 	}
@@ -522,8 +528,8 @@ func (c *creation) makeTarget(ctx context.Context) error {
 	return nil
 }
 
-// restReady waits for the part of the folder prepare left to be made
-// meanwhile; it records the guest's boot_id.
+// restReady waits for the part of the folder made while the memory is
+// copied (makeRest); it records the guest's boot_id.
 func (c *creation) restReady() (err error) {
 	if c.rest != nil {
 		c.bootID, err = c.rest()
@@ -600,26 +606,15 @@ func (c *creation) resume() {
 	c.dom.Resume()
 }
 
-// setBackMigration sets the migration capabilities and parameters back as
-// they were.
+// setBackMigration sets the migration parameters and capabilities back as
+// they were: both are tried, and what failed is said.
 func (c *creation) setBackMigration(ctx context.Context) error {
-	if err := c.q.MigrateSetCapabilities(ctx, c.p.Caps); err != nil {
-		return err
-	}
+	var errs []error
 	if c.p.Params != nil {
-		return c.q.MigrateSetParameters(ctx, c.p.Params)
+		errs = append(errs, c.q.MigrateSetParameters(ctx, c.p.Params))
 	}
-	return nil
-}
-
-// restoreMigration sets the migration capabilities and parameters back as
-// they were, as far as QEMU lets it (an undo).
-func (c *creation) restoreMigration() {
-	bg := context.Background()
-	if c.p.Params != nil {
-		c.q.MigrateSetParameters(bg, c.p.Params)
-	}
-	c.q.MigrateSetCapabilities(bg, c.p.Caps)
+	errs = append(errs, c.q.MigrateSetCapabilities(ctx, c.p.Caps))
+	return errors.Join(errs...)
 }
 
 // copyLive copies the box's RAM while it runs: precopy into the mapped-ram
@@ -696,7 +691,7 @@ func (c *creation) undoLive() {
 	bg := context.Background()
 	c.q.CancelRunningMigration(bg)
 	c.resume()
-	c.restoreMigration()
+	c.setBackMigration(bg) // as far as QEMU lets it
 }
 
 // openTarget opens the disk copy's target in QEMU.

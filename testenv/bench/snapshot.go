@@ -226,7 +226,7 @@ func benchSnapshotPeers(ctx context.Context, e *env, spec domain.Spec, fill func
 		}
 		os.Remove(f)
 	}
-	disk := filepath.Join(peerBox.Dir, "disk.qcow2")
+	disk := peerBox.Disk()
 	for i := range snapRuns {
 		name := fmt.Sprintf("%s-live%d", peer, i)
 		mf, df := filepath.Join(tmp, name+".mem"), filepath.Join(tmp, name+".qcow2")
