@@ -385,7 +385,8 @@ func TestCreateLarger(t *testing.T) {
 	}
 }
 
-// BackingFile reads what qemu-img info says, from the header alone.
+// BackingFile and VirtualSize read what qemu-img info says, from the
+// header alone.
 func TestBackingFile(t *testing.T) {
 	needTools(t)
 	ctx := context.Background()
@@ -407,11 +408,17 @@ func TestBackingFile(t *testing.T) {
 		if err != nil || got != want || got != info.BackingFile {
 			t.Errorf("BackingFile(%s) = %q, %v; want %q (qemu-img: %q)", filepath.Base(path), got, err, want, info.BackingFile)
 		}
+		if size, err := VirtualSize(path); err != nil || size != info.VirtualSize || size != 1<<20 {
+			t.Errorf("VirtualSize(%s) = %d, %v; qemu-img says %d", filepath.Base(path), size, err, info.VirtualSize)
+		}
 	}
 	raw := filepath.Join(dir, "raw")
 	os.WriteFile(raw, bytes.Repeat([]byte{1}, 4096), 0o644)
 	if got, err := BackingFile(raw); got != "" || err != nil {
 		t.Errorf("BackingFile(raw) = %q, %v; want none", got, err)
+	}
+	if _, err := VirtualSize(raw); err == nil {
+		t.Error("VirtualSize(raw): no error")
 	}
 	if _, err := BackingFile(filepath.Join(dir, "none")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("BackingFile(missing) = %v", err)
