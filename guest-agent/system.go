@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -29,6 +30,25 @@ type LinuxSystem struct {
 	// re-applied in the background while the host may already be sending
 	// its own, and two flush-then-add sequences must not interleave.
 	mu sync.Mutex
+	// hasLink is set once an ethernet link was found. Links are not
+	// unplugged from a box, and finding one is a netlink dump: in a clone
+	// under TCG it is cold code, which answering a ping ran alongside the
+	// identity (and on the agent's reader, delaying the frames behind it)
+	// for 100-250 ms at one vCPU.
+	hasLink atomic.Bool
+	// net is what applyNetwork keeps between identities (under mu). A
+	// clone's agent is its source's process, so it starts with its
+	// source's: no netlink socket to open and no link dump to run and
+	// parse, which took 60-100 ms of a 1-vCPU clone's re-identification
+	// under TCG.
+	net netState
+}
+
+// netState is the primary link as applyNetwork found and left it.
+type netState struct {
+	h    *netlink.Handle // a route netlink socket, kept open
+	link netlink.Link    // the primary link
+	mac  net.HardwareAddr
 }
 
 // NewLinuxSystem returns the System of the running guest.
@@ -44,11 +64,12 @@ func (s *LinuxSystem) Capabilities() Capabilities {
 	if _, err := os.Stat("/dev/urandom"); err == nil {
 		c.Entropy = root
 	}
-	if root {
+	if root && !s.hasLink.Load() {
 		if _, err := primaryLink(); err == nil {
-			c.Identify = true
+			s.hasLink.Store(true)
 		}
 	}
+	c.Identify = root && s.hasLink.Load()
 	return c
 }
 
@@ -135,7 +156,10 @@ func (s *LinuxSystem) ApplyIdentity(id Identity) error {
 	}()
 	var err error
 	if id.MAC != "" || id.Address != "" {
-		err = applyNetwork(id)
+		err = s.net.apply(id)
+		if err == nil {
+			s.hasLink.Store(true)
+		}
 	}
 	return errors.Join(err, <-names)
 }
@@ -160,19 +184,48 @@ func primaryLink() (netlink.Link, error) {
 	return nil, errors.New("no ethernet interface")
 }
 
-func applyNetwork(id Identity) error {
-	link, err := primaryLink()
-	if err != nil {
-		return err
+// apply sets the identity's MAC, address and gateway on the primary link.
+// The link is found once and kept, with the MAC this left on it.
+func (n *netState) apply(id Identity) error {
+	if n.h == nil {
+		h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+		if err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		n.h = h
 	}
+	if n.link == nil {
+		link, err := primaryLink()
+		if err != nil {
+			return err
+		}
+		name := link.Attrs().Name
+		// No IPv6 on the box's NIC: the host drops all of it at the box's
+		// port (network/portfilter.go), so its addresses, router
+		// solicitations, duplicate address detection and multicast reports
+		// are work for nothing, done again by every clone as it comes up
+		// (the loopback keeps ::1). Best effort, as arp_notify: a kernel
+		// without IPv6 has no such file.
+		os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1\n"), 0o644)
+		// Announce the address when the link comes up (gratuitous ARP):
+		// the host and other boxes may still map it to the MAC of a box
+		// that had it before, or to the source of a clone.
+		os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/arp_notify", []byte("1\n"), 0o644)
+		n.link, n.mac = link, link.Attrs().HardwareAddr
+	}
+	err := applyNetwork(n.h, n.link, n.mac, id)
+	if hw, _ := net.ParseMAC(id.MAC); err == nil && hw != nil {
+		n.mac = hw
+	} else if err != nil {
+		// What the link has now is unknown: found again next time.
+		n.link = nil
+	}
+	return err
+}
+
+// applyNetwork changes link, whose MAC is mac, to id's network.
+func applyNetwork(h *netlink.Handle, link netlink.Link, mac net.HardwareAddr, id Identity) error {
 	name := link.Attrs().Name
-	// No IPv6 on the box's NIC: the host drops all of it at the box's port
-	// (network/portfilter.go), so its addresses, router solicitations,
-	// duplicate address detection and multicast reports are work for
-	// nothing, done again by every clone as it comes up (the loopback
-	// keeps ::1). Best effort, as arp_notify below: a kernel without IPv6
-	// has no such file.
-	os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1\n"), 0o644)
 	// A clone's new MAC is set while the link is up where the driver can
 	// (virtio-net: IFF_LIVE_ADDR_CHANGE): taking the NIC down and up again
 	// restarts its queues, the costliest part of a clone's
@@ -181,24 +234,24 @@ func applyNetwork(id Identity) error {
 	// its identity is applied. Otherwise (the same MAC, a box's first
 	// contact, or a driver that refuses) the link goes down and up.
 	hw, _ := net.ParseMAC(id.MAC)
-	live := hw != nil && !bytes.Equal(link.Attrs().HardwareAddr, hw) && netlink.LinkSetHardwareAddr(link, hw) == nil
+	live := hw != nil && !bytes.Equal(mac, hw) && h.LinkSetHardwareAddr(link, hw) == nil
 	if !live {
-		if err := netlink.LinkSetDown(link); err != nil {
+		if err := h.LinkSetDown(link); err != nil {
 			return fmt.Errorf("%s down: %w", name, err)
 		}
 		if hw != nil {
-			if err := netlink.LinkSetHardwareAddr(link, hw); err != nil {
+			if err := h.LinkSetHardwareAddr(link, hw); err != nil {
 				return fmt.Errorf("%s set mac: %w", name, err)
 			}
 		}
 	}
 	if id.Address != "" {
-		addrs, err := netlink.AddrList(link, netlink.FAMILY_ALL)
+		addrs, err := h.AddrList(link, netlink.FAMILY_ALL)
 		if err != nil {
 			return fmt.Errorf("%s list addresses: %w", name, err)
 		}
 		for _, a := range addrs {
-			if err := netlink.AddrDel(link, &a); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+			if err := h.AddrDel(link, &a); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
 				return fmt.Errorf("%s flush %s: %w", name, a.IPNet, err)
 			}
 		}
@@ -206,15 +259,11 @@ func applyNetwork(id Identity) error {
 		if err != nil {
 			return fmt.Errorf("address %q: %w", id.Address, err)
 		}
-		if err := netlink.AddrReplace(link, addr); err != nil {
+		if err := h.AddrReplace(link, addr); err != nil {
 			return fmt.Errorf("%s add %s: %w", name, id.Address, err)
 		}
 	}
-	// Announce the address when the link comes up (gratuitous ARP): the
-	// host and other boxes may still map it to the MAC of a box that had
-	// it before, or to the source of a clone.
-	os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/arp_notify", []byte("1\n"), 0o644)
-	if err := netlink.LinkSetUp(link); err != nil {
+	if err := h.LinkSetUp(link); err != nil {
 		return fmt.Errorf("%s up: %w", name, err)
 	}
 	if id.Gateway != "" {
@@ -225,7 +274,7 @@ func applyNetwork(id Identity) error {
 		} else {
 			r.Family = netlink.FAMILY_V6
 		}
-		if err := netlink.RouteReplace(r); err != nil {
+		if err := h.RouteReplace(r); err != nil {
 			return fmt.Errorf("default route via %s: %w", id.Gateway, err)
 		}
 	}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -121,6 +122,14 @@ func TestLinuxSystemApplyIdentity(t *testing.T) {
 		old, _ := netlink.ParseAddr("172.30.0.1/24")
 		netlink.AddrAdd(l, old)
 		got.caps = s.Capabilities()
+		// First the source's own identity, then the clone's from the
+		// link and netlink socket the first one kept.
+		if err := s.ApplyIdentity(Identity{Hostname: "source", MAC: "52:54:00:aa:bb:02", Address: "172.30.0.2/24", Gateway: "172.30.0.1"}); err != nil {
+			return err
+		}
+		if s.net.link == nil || s.net.mac.String() != "52:54:00:aa:bb:02" {
+			return fmt.Errorf("after the first identity: link %v, mac %s", s.net.link, s.net.mac)
+		}
 		if err := s.ApplyIdentity(id); err != nil {
 			return err
 		}
