@@ -352,8 +352,8 @@ func (ss *session) request(f frame) {
 				restore = boost()
 			}
 			err := s.identify(id)
-			restore()
 			ss.reply(gen, f.ID, nil, err)
+			restore() // after the answer the host waits for
 			if err == nil {
 				// Said after the answer: the host waits for that, and
 				// the console is slow under emulation.
