@@ -217,8 +217,10 @@ func (n *netState) apply(id Identity) error {
 	if hw, _ := net.ParseMAC(id.MAC); err == nil && hw != nil {
 		n.mac = hw
 	} else if err != nil {
-		// What the link has now is unknown: found again next time.
-		n.link = nil
+		// What the link has now is unknown, and the socket may hold a
+		// late answer: both are made afresh next time.
+		n.h.Close()
+		n.h, n.link = nil, nil
 	}
 	return err
 }
