@@ -112,13 +112,8 @@ func reprobeBalloon(ctx context.Context, h *domain.Host, box domain.Box) error {
 		return err
 	}
 	defer a.Close()
-	info, err := a.Ping(ctx)
-	if err != nil {
-		return err
-	}
-	if err := info.Require("free page hints in a snapshot of a clone", agent.FeatureReprobeBalloon); err != nil {
-		return err
-	}
+	// Asked without a ping first: an agent older than the request answers
+	// that it does not know it, and the copy goes without hints.
 	return a.ReprobeBalloon(ctx)
 }
 

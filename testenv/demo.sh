@@ -41,7 +41,11 @@ step "set up this machine (packages, libvirtd in $KVBOX_TESTENV_NS)" env KVBOX_T
 step "build the default Debian image (cached after the first run)" "$REPO_DIR/bin/kvbox" images build debian
 
 # A previous demo's boxes and snapshot go first.
-for b in agent-1 agent-2 dev; do "${K[@]}" rm --force "$b" >/dev/null 2>&1 && log "removed $b from an earlier demo"; done
+# (rm --force of a box that is not there succeeds too, as rm -f does: ask ls.)
+have=" $("${K[@]}" ls 2>/dev/null | awk 'NR > 1 { printf "%s ", $1 }')"
+for b in agent-1 agent-2 dev; do
+	case "$have" in *" $b "*) "${K[@]}" rm --force "$b" >/dev/null && log "removed $b from an earlier demo" ;; esac
+done
 "${K[@]}" snapshots rm warm >/dev/null 2>&1 && log "removed snapshot warm from an earlier demo"
 
 step "a new box from the Debian image" "${K[@]}" new dev
