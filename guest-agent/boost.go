@@ -3,6 +3,7 @@ package agent
 import (
 	"os"
 	"strconv"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -75,4 +76,37 @@ func threads() []int {
 		}
 	}
 	return tids
+}
+
+// boosts counts the identities being applied. The first to start boosts
+// the agent; the last to end sets it back. Two may overlap (a host that
+// retried its first contact), and a second boost taken inside the first
+// would take boostNice for the value to go back to: the agent, and every
+// command it starts after, would stay at -20.
+type boosts struct {
+	mu      sync.Mutex
+	n       int
+	restore func()
+}
+
+// start boosts the agent unless it is already, and returns what ends this
+// boost (once; later calls do nothing).
+func (b *boosts) start() (end func()) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.n == 0 {
+		b.restore = boost()
+	}
+	b.n++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			if b.n--; b.n == 0 {
+				b.restore()
+				b.restore = nil
+			}
+		})
+	}
 }

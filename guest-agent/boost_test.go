@@ -58,3 +58,36 @@ func TestBoostGroup(t *testing.T) {
 		t.Fatalf("%v\n%s", err, out)
 	}
 }
+
+// Overlapping boosts (two identities at once) set the threads back to
+// where they were when the last one ends, in either order.
+func TestBoostsOverlap(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
+	}
+	before := niceOf(t, os.Getpid())
+	var b boosts
+	for _, firstEndsFirst := range []bool{true, false} {
+		end1 := b.start()
+		end2 := b.start()
+		if firstEndsFirst {
+			end1()
+			end1() // a second call does nothing
+		} else {
+			end2()
+		}
+		if n := niceOf(t, os.Getpid()); n != boostNice {
+			t.Errorf("one of two boosts ended: nice %d, want %d", n, boostNice)
+		}
+		if firstEndsFirst {
+			end2()
+		} else {
+			end1()
+		}
+		for _, tid := range threads() {
+			if n := niceOf(t, tid); n != before {
+				t.Errorf("both boosts ended: thread %d has nice %d, want %d", tid, n, before)
+			}
+		}
+	}
+}

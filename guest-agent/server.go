@@ -46,6 +46,7 @@ type Server struct {
 	vsock atomic.Bool // Serve is running on a vsock listener
 
 	identifyMu sync.Mutex
+	boosts     boosts // the identities being applied (boost.go)
 
 	tokenMu   sync.Mutex
 	token     []byte // auth.go
@@ -341,19 +342,24 @@ func (ss *session) request(f frame) {
 		ss.reply(gen, f.ID, nil, nil)
 		p.run()
 	case methodIdentify:
+		// Boosted from here, on the reader: in a clone's pipeline the
+		// clock, the entropy and the ping behind the identity are then
+		// served boosted too, and the guest's other processes wait from
+		// the first frame the agent can tell is a re-identification.
+		end := func() {}
+		if s.Boost {
+			end = s.boosts.start()
+		}
 		var id Identity
 		if err := json.Unmarshal(req.Params, &id); err != nil {
+			end()
 			ss.reply(gen, f.ID, nil, fmt.Errorf("bad identity: %v", err))
 			return
 		}
 		go func() {
-			restore := func() {}
-			if s.Boost {
-				restore = boost()
-			}
 			err := s.identify(id)
 			ss.reply(gen, f.ID, nil, err)
-			restore() // after the answer the host waits for
+			end() // after the answer the host waits for
 			if err == nil {
 				// Said after the answer: the host waits for that, and
 				// the console is slow under emulation.
