@@ -2,6 +2,7 @@ package agent
 
 import (
 	"os"
+	"runtime"
 	"strconv"
 	"sync"
 
@@ -87,6 +88,7 @@ type boosts struct {
 	mu      sync.Mutex
 	n       int
 	restore func()
+	base    int // the nice value the agent had before the first boost
 }
 
 // start boosts the agent unless it is already, and returns what ends this
@@ -95,7 +97,8 @@ func (b *boosts) start() (end func()) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.n == 0 {
-		b.restore = boost()
+		p, _ := unix.Getpriority(unix.PRIO_PROCESS, 0) // 20-nice
+		b.base, b.restore = 20-p, boost()
 	}
 	b.n++
 	var once sync.Once
@@ -109,4 +112,22 @@ func (b *boosts) start() (end func()) {
 			}
 		})
 	}
+}
+
+// unboosted runs start, which starts a process, from a thread at the
+// agent's own nice value: a process takes the nice value of the thread
+// that forks it, and a command must not run at boostNice. (The host asks
+// for a clone's after-clone hooks as soon as the identity's answer comes,
+// which is sent before the boost ends.) No boost starts or ends meanwhile.
+func (b *boosts) unboosted(start func() error) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.n == 0 {
+		return start()
+	}
+	runtime.LockOSThread() // Go forks on the calling goroutine's thread
+	defer runtime.UnlockOSThread()
+	unix.Setpriority(unix.PRIO_PROCESS, 0, b.base)
+	defer unix.Setpriority(unix.PRIO_PROCESS, 0, boostNice)
+	return start()
 }

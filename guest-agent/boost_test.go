@@ -91,3 +91,32 @@ func TestBoostsOverlap(t *testing.T) {
 		}
 	}
 }
+
+// A process started while the agent is boosted is forked from a thread at
+// the agent's own nice value; the agent stays boosted.
+func TestUnboostedForksAtTheAgentsNice(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
+	}
+	before := niceOf(t, os.Getpid())
+	var b boosts
+	end := b.start()
+	forkedAt := 99
+	b.unboosted(func() error {
+		p, _ := unix.Getpriority(unix.PRIO_PROCESS, 0) // this thread: 20-nice
+		forkedAt = 20 - p
+		return nil
+	})
+	if forkedAt != before {
+		t.Errorf("forked at nice %d, want %d", forkedAt, before)
+	}
+	if n := niceOf(t, os.Getpid()); n != boostNice {
+		t.Errorf("after the fork the agent has nice %d, want %d", n, boostNice)
+	}
+	end()
+	for _, tid := range threads() {
+		if n := niceOf(t, tid); n != before {
+			t.Errorf("after the boost: thread %d has nice %d, want %d", tid, n, before)
+		}
+	}
+}

@@ -217,7 +217,7 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 	if u != nil {
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.uid, Gid: u.gid, Groups: u.groups}
 	}
-	if err := cmd.Start(); err != nil {
+	if err := ss.srv.boosts.unboosted(cmd.Start); err != nil {
 		p.closeAll()
 		if u != nil && errors.Is(err, os.ErrPermission) {
 			return nil, fmt.Errorf("user %s: may not run %s in %s: %w", req.User, bin, dir, err)
