@@ -9,6 +9,23 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+func needRoot(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
+	}
+}
+
+// wantNice fails t for every thread of the process whose nice value is
+// not want.
+func wantNice(t *testing.T, want int, when string) {
+	t.Helper()
+	for _, tid := range threads() {
+		if n := niceOf(t, tid); n != want {
+			t.Errorf("%s: thread %d has nice %d, want %d", when, tid, n, want)
+		}
+	}
+}
+
 func niceOf(t *testing.T, tid int) int {
 	p, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
 	if err != nil {
@@ -19,30 +36,18 @@ func niceOf(t *testing.T, tid int) int {
 
 // boost sets every thread to boostNice, and its restore puts each back.
 func TestBoost(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
-	}
+	needRoot(t)
 	before := niceOf(t, os.Getpid())
 	restore := boost()
-	for _, tid := range threads() {
-		if n := niceOf(t, tid); n != boostNice {
-			t.Errorf("thread %d has nice %d while boosted, want %d", tid, n, boostNice)
-		}
-	}
+	wantNice(t, boostNice, "while boosted")
 	restore()
-	for _, tid := range threads() {
-		if n := niceOf(t, tid); n != before {
-			t.Errorf("thread %d has nice %d after the boost, want %d", tid, n, before)
-		}
-	}
+	wantNice(t, before, "after the boost")
 }
 
 // In a process that leads its group, as the agent under systemd, boost
 // sets the group at once; the test runs that in a child of its own group.
 func TestBoostGroup(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
-	}
+	needRoot(t)
 	if os.Getenv("KVBOX_TEST_BOOST_GROUP") == "1" {
 		if unix.Getpgrp() != os.Getpid() {
 			t.Fatal("the child does not lead its group")
@@ -62,9 +67,7 @@ func TestBoostGroup(t *testing.T) {
 // Overlapping boosts (two identities at once) set the threads back to
 // where they were when the last one ends, in either order.
 func TestBoostsOverlap(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
-	}
+	needRoot(t)
 	before := niceOf(t, os.Getpid())
 	var b boosts
 	for _, firstEndsFirst := range []bool{true, false} {
@@ -84,20 +87,14 @@ func TestBoostsOverlap(t *testing.T) {
 		} else {
 			end1()
 		}
-		for _, tid := range threads() {
-			if n := niceOf(t, tid); n != before {
-				t.Errorf("both boosts ended: thread %d has nice %d, want %d", tid, n, before)
-			}
-		}
+		wantNice(t, before, "both boosts ended")
 	}
 }
 
 // A process started while the agent is boosted is forked from a thread at
 // the agent's own nice value; the agent stays boosted.
 func TestUnboostedForksAtTheAgentsNice(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("lowering a nice value needs root (CAP_SYS_NICE); the agent runs as root")
-	}
+	needRoot(t)
 	before := niceOf(t, os.Getpid())
 	var b boosts
 	end := b.start()
@@ -114,9 +111,5 @@ func TestUnboostedForksAtTheAgentsNice(t *testing.T) {
 		t.Errorf("after the fork the agent has nice %d, want %d", n, boostNice)
 	}
 	end()
-	for _, tid := range threads() {
-		if n := niceOf(t, tid); n != before {
-			t.Errorf("after the boost: thread %d has nice %d, want %d", tid, n, before)
-		}
-	}
+	wantNice(t, before, "after the boost")
 }
