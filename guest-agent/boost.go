@@ -18,22 +18,26 @@ import (
 const boostNice = -20
 
 // boost sets every thread of the agent to boostNice, and returns what puts
-// each back as it was (a thread made meanwhile gets the main thread's).
-// Best effort: a thread that cannot be changed is left alone.
-func boost() (restore func()) {
-	if unix.Getpgrp() == os.Getpid() {
+// each back as it was (a thread made meanwhile gets the main thread's),
+// and the calling thread's nice value before. Best effort: a thread that
+// cannot be changed is left alone.
+func boost() (restore func(), base int) {
+	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0) // the raw call returns 20-nice
+	if err == nil {
+		base = 20 - p
+	}
+	if err == nil && unix.Getpgrp() == os.Getpid() {
 		// The agent leads its process group, as a systemd service does,
 		// and runs its commands in groups of their own (exec.go,
 		// hooks.go): one call sets every thread of the group. Reading
 		// /proc/self/task and setting thread by thread was two system
 		// calls per thread on cold code in a clone.
-		if restore, ok := boostGroup(); ok {
-			return restore
+		if unix.Setpriority(unix.PRIO_PGRP, 0, boostNice) == nil {
+			return func() { unix.Setpriority(unix.PRIO_PGRP, 0, base) }, base
 		}
 	}
 	was := map[int]int{}
 	for _, tid := range threads() {
-		// The raw getpriority returns 20-nice.
 		p, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
 		if err != nil {
 			continue
@@ -43,28 +47,18 @@ func boost() (restore func()) {
 		}
 	}
 	return func() {
-		base, ok := was[os.Getpid()]
+		main, ok := was[os.Getpid()]
 		if !ok {
 			return
 		}
 		for _, tid := range threads() {
 			nice, ok := was[tid]
 			if !ok {
-				nice = base
+				nice = main
 			}
 			unix.Setpriority(unix.PRIO_PROCESS, tid, nice)
 		}
-	}
-}
-
-// boostGroup sets the agent's process group to boostNice, and returns
-// what sets it back to the nice value of the calling thread.
-func boostGroup() (restore func(), ok bool) {
-	p, err := unix.Getpriority(unix.PRIO_PROCESS, 0) // 20-nice, as above
-	if err != nil || unix.Setpriority(unix.PRIO_PGRP, 0, boostNice) != nil {
-		return nil, false
-	}
-	return func() { unix.Setpriority(unix.PRIO_PGRP, 0, 20-p) }, true
+	}, base
 }
 
 // threads lists the agent's thread IDs.
@@ -97,8 +91,7 @@ func (b *boosts) start() (end func()) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.n == 0 {
-		p, _ := unix.Getpriority(unix.PRIO_PROCESS, 0) // 20-nice
-		b.base, b.restore = 20-p, boost()
+		b.restore, b.base = boost()
 	}
 	b.n++
 	var once sync.Once

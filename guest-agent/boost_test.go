@@ -38,7 +38,10 @@ func niceOf(t *testing.T, tid int) int {
 func TestBoost(t *testing.T) {
 	needRoot(t)
 	before := niceOf(t, os.Getpid())
-	restore := boost()
+	restore, base := boost()
+	if base != before {
+		t.Errorf("boost says the nice value was %d, want %d", base, before)
+	}
 	wantNice(t, boostNice, "while boosted")
 	restore()
 	wantNice(t, before, "after the boost")

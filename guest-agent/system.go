@@ -36,7 +36,7 @@ type LinuxSystem struct {
 	// identity (and on the agent's reader, delaying the frames behind it)
 	// for 100-250 ms at one vCPU.
 	hasLink atomic.Bool
-	// net is what applyNetwork keeps between identities (under mu). A
+	// net is what netState.apply keeps between identities (under mu). A
 	// clone's agent is its source's process, so it starts with its
 	// source's: no netlink socket to open and no link dump to run and
 	// parse, which took 60-100 ms of a 1-vCPU clone's re-identification
