@@ -275,12 +275,12 @@ func (c *Client) CancelRunningMigration(ctx context.Context) {
 	}
 }
 
-// WaitMigrationStop polls query-migrate every poll until the migration
-// completed and returns when the guest was stopped for the switch-over: the
-// earlier of the first poll that saw it past precopy ("device") and the
-// completion time less QEMU's reported downtime. progress, if set, gets every
-// status seen while the copy runs.
-func (c *Client) WaitMigrationStop(ctx context.Context, poll time.Duration, progress func(MigrateStatus)) (time.Time, error) {
+// WaitMigrationStop polls query-migrate until the migration completed and
+// returns when the guest was stopped for the switch-over: the earlier of the
+// first poll that saw it past precopy ("device") and the completion time
+// less QEMU's reported downtime. next gets every status seen while the copy
+// runs and says how long to wait before the next poll.
+func (c *Client) WaitMigrationStop(ctx context.Context, next func(MigrateStatus) time.Duration) (time.Time, error) {
 	var stopped time.Time
 	for {
 		s, err := c.QueryMigrate(ctx)
@@ -312,13 +312,10 @@ func (c *Client) WaitMigrationStop(ctx context.Context, poll time.Duration, prog
 				stopped = now
 			}
 		}
-		if progress != nil {
-			progress(s)
-		}
 		select {
 		case <-ctx.Done():
 			return time.Time{}, fmt.Errorf("qmp: waiting for migration (last status %q): %w", s.Status, ctx.Err())
-		case <-time.After(poll):
+		case <-time.After(next(s)):
 		}
 	}
 }

@@ -180,3 +180,35 @@ func TestHintGate(t *testing.T) {
 		t.Errorf("held past hintMax")
 	}
 }
+
+// TestPacer: a live copy is polled slowly while much is left at its pace,
+// fast while held, when its pace is not known yet, at a new pass, near its
+// end, and outside precopy.
+func TestPacer(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	active := func(left int64) qmp.MigrateStatus {
+		return qmp.MigrateStatus{Status: qmp.MigrationActive, RAM: &qmp.MigrateRAM{Remaining: json.Number(strconv.FormatInt(left, 10))}}
+	}
+	var p pacer
+	for i, c := range []struct {
+		ms   int
+		s    qmp.MigrateStatus
+		held bool
+		want time.Duration
+	}{
+		{0, qmp.MigrateStatus{Status: qmp.MigrationSetup}, false, pollFast},
+		{2, active(4 << 30), true, pollFast},         // held at the gate
+		{4, active(4 << 30), false, pollFast},        // let go: no pace yet
+		{6, active(4<<30 - 2<<20), false, pollSlow},  // 1 MB/ms: 4 s left
+		{26, active(4<<30 - 2<<20), false, pollSlow}, // not moving
+		{46, active(100 << 20), false, pollFast},     // 200 MB/ms: done in 0.5 ms
+		{48, active(300 << 20), false, pollFast},     // a new pass
+		{50, active(299 << 20), false, pollSlow},     // 0.5 MB/ms: 600 ms left
+		{70, active(50 << 20), false, pollFast},      // 12.45 MB/ms: 4 ms left
+		{72, qmp.MigrateStatus{Status: "device"}, false, pollFast},
+	} {
+		if got := p.next(t0.Add(time.Duration(c.ms)*time.Millisecond), c.s, c.held); got != c.want {
+			t.Errorf("poll %d at %d ms: next in %v, want %v", i, c.ms, got, c.want)
+		}
+	}
+}
