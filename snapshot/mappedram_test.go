@@ -181,14 +181,15 @@ func TestHintGate(t *testing.T) {
 	}
 }
 
-// TestPacer: a live copy is polled slowly while much is left at its pace,
-// fast while held, when its pace is not known yet, at a new pass, near its
-// end, and outside precopy.
+// TestPacer: a live copy is polled slowly while much is left at the fastest
+// pace it went yet, and fast while held, when its pace is not known yet, at
+// a new pass, near its end, and outside precopy.
 func TestPacer(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	active := func(left int64) qmp.MigrateStatus {
 		return qmp.MigrateStatus{Status: qmp.MigrationActive, RAM: &qmp.MigrateRAM{Remaining: json.Number(strconv.FormatInt(left, 10))}}
 	}
+	const mb = 1 << 20
 	var p pacer
 	for i, c := range []struct {
 		ms   int
@@ -197,15 +198,16 @@ func TestPacer(t *testing.T) {
 		want time.Duration
 	}{
 		{0, qmp.MigrateStatus{Status: qmp.MigrationSetup}, false, pollFast},
-		{2, active(4 << 30), true, pollFast},         // held at the gate
-		{4, active(4 << 30), false, pollFast},        // let go: no pace yet
-		{6, active(4<<30 - 2<<20), false, pollSlow},  // 1 MB/ms: 4 s left
-		{26, active(4<<30 - 2<<20), false, pollSlow}, // not moving
-		{46, active(100 << 20), false, pollFast},     // 200 MB/ms: done in 0.5 ms
-		{48, active(300 << 20), false, pollFast},     // a new pass
-		{50, active(299 << 20), false, pollSlow},     // 0.5 MB/ms: 600 ms left
-		{70, active(50 << 20), false, pollFast},      // 12.45 MB/ms: 4 ms left
-		{72, qmp.MigrateStatus{Status: "device"}, false, pollFast},
+		{2, active(4096 * mb), true, pollFast},   // held at the gate
+		{4, active(4096 * mb), false, pollFast},  // let go: no pace yet
+		{6, active(4094 * mb), false, pollSlow},  // 1 MB/ms: 4 s left
+		{26, active(4094 * mb), false, pollSlow}, // not moving
+		{46, active(3094 * mb), false, pollSlow}, // 50 MB/ms: 62 ms left
+		{66, active(3074 * mb), false, pollSlow}, // 1 MB/ms; at 50, 61 ms left
+		{86, active(2954 * mb), false, pollFast}, // 6 MB/ms; at 50, 59 ms left
+		{88, active(2955 * mb), false, pollFast}, // a new pass
+		{108, active(31 * mb), false, pollFast},  // under pollNear
+		{110, qmp.MigrateStatus{Status: "device"}, false, pollFast},
 	} {
 		if got := p.next(t0.Add(time.Duration(c.ms)*time.Millisecond), c.s, c.held); got != c.want {
 			t.Errorf("poll %d at %d ms: next in %v, want %v", i, c.ms, got, c.want)
