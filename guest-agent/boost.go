@@ -108,19 +108,19 @@ func (b *boosts) start() (end func()) {
 }
 
 // unboosted runs start, which starts a process, from a thread at the
-// agent's own nice value: a process takes the nice value of the thread
-// that forks it, and a command must not run at boostNice. (The host asks
+// agent's own nice value and the timer slack it started with: a process
+// takes both from the thread that forks it, and a command must run neither
+// at boostNice nor at the agent's slack (SetTimerSlack). (The host asks
 // for a clone's after-clone hooks as soon as the identity's answer comes,
 // which is sent before the boost ends.) No boost starts or ends meanwhile.
 func (b *boosts) unboosted(start func() error) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.n == 0 {
-		return start()
-	}
 	runtime.LockOSThread() // Go forks on the calling goroutine's thread
 	defer runtime.UnlockOSThread()
-	unix.Setpriority(unix.PRIO_PROCESS, 0, b.base)
-	defer unix.Setpriority(unix.PRIO_PROCESS, 0, boostNice)
-	return start()
+	if b.n > 0 {
+		unix.Setpriority(unix.PRIO_PROCESS, 0, b.base)
+		defer unix.Setpriority(unix.PRIO_PROCESS, 0, boostNice)
+	}
+	return withChildSlack(start)
 }

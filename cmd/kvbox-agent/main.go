@@ -58,6 +58,9 @@ func main() {
 	srv := &agent.Server{System: agent.NewLinuxSystem(), StateDir: *stateDir, Boost: true}
 	log.Printf("version %s starting, pid %d", agent.Version, os.Getpid())
 	startThreads(8)
+	if err := agent.SetTimerSlack(time.Millisecond); err != nil {
+		log.Printf("timer slack: %v", err)
+	}
 
 	// Re-apply a persisted identity (a rebooted clone keeps its address)
 	// without holding up readiness; the NIC driver may still be loading.
