@@ -68,7 +68,9 @@ func (s Store) List() ([]Image, error) {
 	}
 	var out []Image
 	for _, e := range ents {
-		if !e.IsDir() {
+		// A dot folder is a build's work (.build-NAME-*), never an
+		// image: no image name starts with a dot.
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
 			continue
 		}
 		im, err := s.Get(e.Name())

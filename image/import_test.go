@@ -63,3 +63,20 @@ func TestStoreNamesStayInside(t *testing.T) {
 		t.Fatalf("the folder outside the store was touched: %v", err)
 	}
 }
+
+// List skips the work folder of a build in progress: `kvbox images ls`
+// beside `kvbox images build` failed on it ("invalid: name
+// ".build-debian-ssh-1504965629" ...").
+func TestListSkipsBuildsInProgress(t *testing.T) {
+	st := Store{Dir: t.TempDir()}
+	if err := os.MkdirAll(filepath.Join(st.Dir, ".build-debian-ssh-1504965629"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(st.Dir, ".build-debian-ssh.lock"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ims, err := st.List()
+	if err != nil || len(ims) != 0 {
+		t.Fatalf("List() = %v, %v; want no images and no error", ims, err)
+	}
+}
