@@ -281,6 +281,12 @@ func (c *Client) JobCancel(ctx context.Context, id string) error {
 	return c.Execute(ctx, "job-cancel", map[string]any{"id": id}, nil)
 }
 
+// BlockJobSetSpeed sets a block job's rate limit in bytes per second (0:
+// none). A job that sleeps on its limit runs at once on the new one.
+func (c *Client) BlockJobSetSpeed(ctx context.Context, id string, speed int64) error {
+	return c.Execute(ctx, "block-job-set-speed", map[string]any{"device": id, "speed": speed}, nil)
+}
+
 // ErrJobFailed is wrapped by WaitJob's error when the job concluded with an
 // error; ErrJobVanished when the job disappeared before WaitJob saw it
 // conclude (it was auto-dismissed, so its result is unknown).
