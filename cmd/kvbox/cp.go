@@ -237,9 +237,12 @@ func (a *app) copyIn(ctx context.Context, client *agent.Client, prog *copyProgre
 func (a *app) cpWarn(s string) { fmt.Fprintf(a.io.Err, "kvbox: cp: %s\n", s) }
 
 // copyProgress counts the bytes of a copy and, on a terminal, draws one
-// status line once the copy has taken more than a second.
+// status line once the copy has taken more than a second
+// (KVBOX_PROGRESS_AFTER, a Go duration, says otherwise: the tests draw it
+// for a copy of any length).
 type copyProgress struct {
 	w       io.Writer // nil: not a terminal
+	after   time.Duration
 	start   time.Time
 	done    atomic.Int64
 	total   atomic.Int64
@@ -251,7 +254,10 @@ type copyProgress struct {
 }
 
 func (a *app) newCopyProgress() *copyProgress {
-	p := &copyProgress{start: time.Now(), quit: make(chan struct{})}
+	p := &copyProgress{start: time.Now(), after: time.Second, quit: make(chan struct{})}
+	if d, err := time.ParseDuration(os.Getenv("KVBOX_PROGRESS_AFTER")); err == nil && d >= 0 {
+		p.after = d
+	}
 	p.total.Store(-1)
 	if f, ok := a.io.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
 		p.w = f
@@ -265,6 +271,13 @@ func (p *copyProgress) setTotal(n int64) { p.total.Store(n) }
 
 func (p *copyProgress) loop() {
 	defer p.wg.Done()
+	draw := func() {
+		if time.Since(p.start) >= p.after {
+			fmt.Fprint(p.w, "\r\033[K  "+p.line())
+			p.drawn.Store(true)
+		}
+	}
+	draw()
 	t := time.NewTicker(200 * time.Millisecond)
 	defer t.Stop()
 	for {
@@ -272,10 +285,7 @@ func (p *copyProgress) loop() {
 		case <-p.quit:
 			return
 		case <-t.C:
-			if time.Since(p.start) > time.Second {
-				fmt.Fprint(p.w, "\r\033[K  "+p.line())
-				p.drawn.Store(true)
-			}
+			draw()
 		}
 	}
 }
