@@ -27,30 +27,34 @@ import (
 // 191 ms after the resume instead of 257. Nothing in the agent waits on a
 // timer shorter than 10 ms.
 func SetTimerSlack(d time.Duration) error {
-	b, err := os.ReadFile("/proc/self/timerslack_ns")
-	if err != nil {
-		return err
-	}
-	was, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
-		return err
-	}
-	tasks, err := os.ReadDir("/proc/self/task")
+	was, err := timerSlackOf(os.Getpid())
 	if err != nil {
 		return err
 	}
 	childSlack.Store(was)
 	v := []byte(strconv.FormatInt(d.Nanoseconds(), 10))
 	var errs []error
-	for _, t := range tasks {
-		// /proc/TID has it, /proc/self/task/TID not; a thread gone
-		// meanwhile does not matter.
-		if err := os.WriteFile("/proc/"+t.Name()+"/timerslack_ns", v, 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+	for _, tid := range threads() {
+		// A thread gone meanwhile does not matter.
+		if err := os.WriteFile(timerSlackFile(tid), v, 0); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
 	}
 	agentSlack.Store(d.Nanoseconds())
 	return errors.Join(errs...)
+}
+
+// timerSlackFile is where thread tid's timer slack is: /proc/TID has it,
+// /proc/self/task/TID not.
+func timerSlackFile(tid int) string { return "/proc/" + strconv.Itoa(tid) + "/timerslack_ns" }
+
+// timerSlackOf reads thread tid's timer slack, in nanoseconds.
+func timerSlackOf(tid int) (int64, error) {
+	b, err := os.ReadFile(timerSlackFile(tid))
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
 }
 
 // agentSlack is the timer slack SetTimerSlack gave the agent's threads (0:

@@ -11,11 +11,7 @@ import (
 
 func slackOf(t *testing.T, tid int) int64 {
 	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/timerslack_ns")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	n, err := timerSlackOf(tid)
 	if err != nil {
 		t.Fatal(err)
 	}
