@@ -258,6 +258,16 @@ type Job struct {
 	Error           string `json:"error,omitempty"`
 }
 
+// FindJob returns the job of jobs with the given id, or nil.
+func FindJob(jobs []Job, id string) *Job {
+	for i := range jobs {
+		if jobs[i].ID == id {
+			return &jobs[i]
+		}
+	}
+	return nil
+}
+
 // QueryJobs lists every job QEMU still knows, including concluded ones that
 // wait to be dismissed.
 func (c *Client) QueryJobs(ctx context.Context) ([]Job, error) {
@@ -315,13 +325,7 @@ func (c *Client) WaitJob(ctx context.Context, id string, poll time.Duration) (Jo
 			}
 			return Job{}, err
 		}
-		var job *Job
-		for i := range jobs {
-			if jobs[i].ID == id {
-				job = &jobs[i]
-				break
-			}
-		}
+		job := FindJob(jobs, id)
 		switch {
 		case job == nil && !seen:
 			return Job{}, fmt.Errorf("qmp: job %q: %w", id, ErrNotFound)

@@ -754,12 +754,10 @@ func (c *creation) releaseBackup(ctx context.Context) error {
 		return nil
 	}
 	if jobs, qerr := c.q.QueryJobs(ctx); qerr == nil {
-		for _, j := range jobs {
-			if j.ID == backupJob {
-				switch j.Status {
-				case qmp.JobWaiting, qmp.JobPending, qmp.JobAborting, qmp.JobConcluded, qmp.JobNull:
-					return nil
-				}
+		if j := qmp.FindJob(jobs, backupJob); j != nil {
+			switch j.Status {
+			case qmp.JobWaiting, qmp.JobPending, qmp.JobAborting, qmp.JobConcluded, qmp.JobNull:
+				return nil
 			}
 		}
 	}

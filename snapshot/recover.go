@@ -13,6 +13,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/qmp"
 )
 
 // Recover cleans up after snapshots whose kvbox died half-way (killed, or
@@ -84,13 +85,9 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	defer cancel()
 	q := h.QMP(dom, p.Box)
 	q.CancelRunningMigration(ctx)
-	if jobs, err := q.QueryJobs(ctx); err == nil {
-		for _, j := range jobs {
-			if j.ID == backupJob {
-				q.JobCancel(ctx, backupJob)
-				q.WaitJob(ctx, backupJob, 10*time.Millisecond)
-			}
-		}
+	if jobs, err := q.QueryJobs(ctx); err == nil && qmp.FindJob(jobs, backupJob) != nil {
+		q.JobCancel(ctx, backupJob)
+		q.WaitJob(ctx, backupJob, 10*time.Millisecond)
 	}
 	q.BlockdevDel(ctx, targetNode)
 	if top, err := q.TopNode(ctx, diskDevice); err == nil {
