@@ -99,6 +99,13 @@ func (c *Client) BlockdevDel(ctx context.Context, nodeName string) error {
 	return c.Execute(ctx, "blockdev-del", map[string]any{"node-name": nodeName}, nil)
 }
 
+// BlockdevReopen reopens nodes with new options, in one transaction. Each
+// entry is a node's whole set of options, not a change: an option left out
+// goes back to its default.
+func (c *Client) BlockdevReopen(ctx context.Context, opts []map[string]any) error {
+	return c.Execute(ctx, "blockdev-reopen", map[string]any{"options": opts}, nil)
+}
+
 // BlockdevSetActive (QEMU >= 10.0) activates or inactivates one node, or all
 // nodes when nodeName is "". After `migrate` completes QEMU 10 leaves every
 // node inactive; a block job on an inactive node fails, so the snapshot code

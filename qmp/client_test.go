@@ -106,6 +106,9 @@ func TestRequestShapes(t *testing.T) {
 			"file":{"driver":"file","filename":"/s/disk.qcow2"}}}`},
 		{"blockdev-del", func(c *Client) error { return c.BlockdevDel(ctx, "s1") },
 			`{"execute":"blockdev-del","arguments":{"node-name":"s1"}}`},
+		{"blockdev-reopen", func(c *Client) error {
+			return c.BlockdevReopen(ctx, []map[string]any{{"driver": "file", "node-name": "n", "filename": "/d", "drop-cache": false}})
+		}, `{"execute":"blockdev-reopen","arguments":{"options":[{"driver":"file","node-name":"n","filename":"/d","drop-cache":false}]}}`},
 		{"blockdev-set-active all", func(c *Client) error { return c.BlockdevSetActive(ctx, "", true) },
 			`{"execute":"blockdev-set-active","arguments":{"active":true}}`},
 		{"blockdev-set-active node", func(c *Client) error { return c.BlockdevSetActive(ctx, "libvirt-1-format", false) },

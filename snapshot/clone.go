@@ -174,7 +174,7 @@ func (cl *cloning) openPort(context.Context) error {
 }
 
 func (cl *cloning) load(ctx context.Context) error {
-	if err := loadState(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.snap); err != nil {
+	if err := loadState(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.c.Name, cl.snap); err != nil {
 		return fmt.Errorf("load snapshot %q into clone %q: %w", cl.snap.Name, cl.c.Name, err)
 	}
 	return nil
@@ -212,13 +212,16 @@ func (cl *cloning) persist(context.Context) error {
 // of a clone) and, its page bitmap being zeroed, none of it is read: the
 // clone maps it. Both are put back afterwards: a box left
 // with x-ignore-shared on writes RAM-less images on `virsh save`.
-func loadState(ctx context.Context, c *qmp.Client, snap Snapshot) error {
-	return loadStateFile(ctx, c, snap.Path(StateFile), snap.Memory.MappedRAM)
+func loadState(ctx context.Context, c *qmp.Client, box string, snap Snapshot) error {
+	return loadStateFile(ctx, c, box, snap.Path(StateFile), snap.Memory.MappedRAM)
 }
 
 // loadStateFile loads the migration stream in path (written with
-// mapped-ram, or with x-ignore-shared) into the paused domain.
-func loadStateFile(ctx context.Context, c *qmp.Client, path string, mappedRAM bool) error {
+// mapped-ram, or with x-ignore-shared) into the paused domain of box.
+func loadStateFile(ctx context.Context, c *qmp.Client, box, path string, mappedRAM bool) error {
+	// The load's end activates the disk: it must find the page cache of
+	// the files the box shares kept.
+	keepPageCache(ctx, c, box)
 	// The stream records which capabilities wrote it and QEMU refuses
 	// a mismatch ("Capability x-ignore-shared is on, but received
 	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM

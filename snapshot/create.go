@@ -393,6 +393,10 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// while it surely runs: a paused copy (copyPaused) stops it next.
 	c.guest = meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
 	c.compat = meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
+	// The switch-over inactivates the disk, and the pause ends with its
+	// activation: it must find the page cache of the files the box shares
+	// kept.
+	keepPageCache(ctx, c.q, c.box.Name)
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err

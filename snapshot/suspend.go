@@ -400,7 +400,7 @@ func (r *resuming) wake() step.Plan {
 			return nil
 		}, Undo: func() { domain.PullPlug(r.dom, name) }},
 		{Name: "load", Do: func(ctx context.Context) error {
-			if err := loadStateFile(ctx, r.h.QMP(r.dom, name), r.statePath, r.saved.MappedRAM); err != nil {
+			if err := loadStateFile(ctx, r.h.QMP(r.dom, name), name, r.statePath, r.saved.MappedRAM); err != nil {
 				return fmt.Errorf("load the saved state of box %q: %w", name, err)
 			}
 			return nil

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -870,4 +871,97 @@ func TestQMPTranscript(t *testing.T) {
 	if _, err := os.Stat(path); !os.IsNotExist(err) {
 		t.Errorf("transcript left after rm: %v", err)
 	}
+}
+
+// TestSharedImagesKeepPageCache: neither a snapshot nor a clone empties
+// the page cache of the image files a box shares with others (its image's
+// disk, its snapshot's disk). QEMU drops a file's whole page cache when it
+// activates a disk (file-posix's drop-cache), which it does in a
+// snapshot's pause and at the end of a clone's load (snapshot.keepPageCache).
+func TestSharedImagesKeepPageCache(t *testing.T) {
+	src, c := name(t, "pcsrc"), name(t, "pcc")
+	b := newBox(t, src)
+	base := backingFiles(t, filepath.Join(b.Dir, "disk.qcow2"))
+	if len(base) == 0 {
+		t.Fatalf("box %s has no backing image", src)
+	}
+	assertCachedAfter(t, base, "a snapshot of "+src, func() { newSnapshot(t, src, name(t, "pc1")) })
+	snapDisk := filepath.Join(stateDir, "snapshots", name(t, "pc1"), "disk.qcow2")
+	shared := append([]string{snapDisk}, backingFiles(t, snapDisk)...)
+	t.Cleanup(func() { kvbox(t, "rm", "--force", c) })
+	assertCachedAfter(t, shared, "a clone of "+name(t, "pc1"), func() {
+		if r := newClone(t, name(t, "pc1"), c); r.code != 0 {
+			t.Fatalf("clone %s: %s", c, r)
+		}
+	})
+	assertCachedAfter(t, shared, "a snapshot of the clone "+c, func() { newSnapshot(t, c, name(t, "pc2")) })
+}
+
+// backingFiles are the files behind an image, nearest first.
+func backingFiles(t *testing.T, image string) []string {
+	t.Helper()
+	out, err := exec.Command("qemu-img", "info", "-U", "--backing-chain", "--output=json", image).Output()
+	if err != nil {
+		t.Fatalf("qemu-img info %s: %v", image, err)
+	}
+	var chain []struct {
+		Filename string `json:"filename"`
+	}
+	if err := json.Unmarshal(out, &chain); err != nil {
+		t.Fatal(err)
+	}
+	var files []string
+	for _, c := range chain[1:] {
+		files = append(files, c.Filename)
+	}
+	return files
+}
+
+// assertCachedAfter reads files into the page cache, runs what, and wants
+// nine tenths of each still cached after it.
+func assertCachedAfter(t *testing.T, files []string, what string, do func()) {
+	t.Helper()
+	for _, f := range files {
+		if _, err := exec.Command("cat", f).Output(); err != nil {
+			t.Fatalf("read %s: %v", f, err)
+		}
+		if got := cachedFraction(t, f); got < 0.9 {
+			t.Fatalf("%s: only %.0f%% in page cache right after it was read", f, got*100)
+		}
+	}
+	do()
+	for _, f := range files {
+		if got := cachedFraction(t, f); got < 0.9 {
+			t.Errorf("after %s, %.1f%% of %s is in page cache, want at least 90%%", what, got*100, f)
+		}
+	}
+}
+
+// cachedFraction is the fraction of a file's pages in page cache (mincore).
+func cachedFraction(t *testing.T, path string) float64 {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil || st.Size() == 0 {
+		t.Fatalf("%s: %v, size %d", path, err, st.Size())
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, (len(m)+os.Getpagesize()-1)/os.Getpagesize())
+	// x/sys/unix has no wrapper for mincore.
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatalf("mincore %s: %v", path, e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return float64(n) / float64(len(vec))
 }
