@@ -265,6 +265,7 @@ type creation struct {
 
 	paused     time.Time // when the box stood still
 	running    bool      // resumed (by the plan or an undo)
+	active     bool      // the disk's nodes were activated after the copy (openTarget)
 	pause      time.Duration
 	copyPaused bool                       // the box stays paused while its RAM is copied (see copyPaused)
 	gated      bool                       // the copy starts held while the guest names its free pages (gateParams)
@@ -600,8 +601,11 @@ func (c *creation) resume() {
 	}
 	c.running = true
 	// After an outgoing migration QEMU's block nodes are inactive; cont
-	// needs them active.
-	c.q.BlockdevSetActive(context.Background(), "", true)
+	// needs them active. openTarget activated them already, unless it
+	// did not get that far.
+	if !c.active {
+		c.q.BlockdevSetActive(context.Background(), "", true)
+	}
 	c.dom.Resume()
 }
 
@@ -701,6 +705,7 @@ func (c *creation) openTarget(ctx context.Context) error {
 	if err := c.q.BlockdevSetActive(ctx, "", true); err != nil {
 		return err
 	}
+	c.active = true
 	if err := c.q.BlockdevAdd(ctx, map[string]any{
 		"driver": "qcow2", "node-name": targetNode, "backing": nil,
 		"file": map[string]any{"driver": "file", "filename": c.disk},
