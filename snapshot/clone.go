@@ -221,7 +221,7 @@ func loadState(ctx context.Context, c *qmp.Client, box string, snap Snapshot) er
 func loadStateFile(ctx context.Context, c *qmp.Client, box, path string, mappedRAM bool) error {
 	// The load's end activates the disk: it must find the page cache of
 	// the files the box shares kept.
-	keepPageCache(ctx, c, box)
+	keepPageCache(ctx, c, box, true)
 	// The stream records which capabilities wrote it and QEMU refuses
 	// a mismatch ("Capability x-ignore-shared is on, but received
 	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM

@@ -397,7 +397,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// The switch-over inactivates the disk, and the pause ends with its
 	// activation: it must find the page cache of the files the box shares
 	// kept.
-	keepPageCache(ctx, c.q, c.box.Name)
+	keepPageCache(ctx, c.q, c.box.Name, false)
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err

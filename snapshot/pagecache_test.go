@@ -29,3 +29,19 @@ func TestReopenOptions(t *testing.T) {
 		t.Errorf("reopenOptions changed the options it was given")
 	}
 }
+
+func TestOpenedNodes(t *testing.T) {
+	opened := map[string]map[string]any{
+		"libvirt-2-storage": {"driver": "file", "filename": "/img/disk.qcow2", "node-name": "libvirt-2-storage"},
+		"libvirt-2-format":  {"driver": "qcow2", "node-name": "libvirt-2-format", "file": "libvirt-2-storage"},
+		"libvirt-1-storage": {"driver": "file", "filename": "/box/disk.qcow2", "node-name": "libvirt-1-storage"},
+	}
+	got := reopenOptions(opened, openedNodes(opened))
+	want := []map[string]any{
+		{"driver": "file", "filename": "/box/disk.qcow2", "node-name": "libvirt-1-storage", "drop-cache": false},
+		{"driver": "file", "filename": "/img/disk.qcow2", "node-name": "libvirt-2-storage", "drop-cache": false},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("reopenOptions(openedNodes):\n got %v\nwant %v", got, want)
+	}
+}
