@@ -7,12 +7,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
 	"os"
 	"os/signal"
-	"sort"
+	"slices"
 	"strings"
 	"time"
 
@@ -144,12 +145,13 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 	return nil
 }
 
-func median(ds []time.Duration) time.Duration {
-	if len(ds) == 0 {
-		return 0
+func median[T cmp.Ordered](xs []T) T {
+	if len(xs) == 0 {
+		var zero T
+		return zero
 	}
-	s := append([]time.Duration(nil), ds...)
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	s := slices.Clone(xs)
+	slices.Sort(s)
 	return s[len(s)/2]
 }
 
