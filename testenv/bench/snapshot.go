@@ -390,7 +390,7 @@ func (k *kvSnaps) print(what string) {
 		}
 		return strings.Join(s, "/")
 	}
-	fmt.Printf("  runs: pause %s ms, ping gap %s ms, total %s ms\n", runs(k.pause), runs(k.gap), runs(k.total))
+	fmt.Printf("  runs: pause %s ms (QEMU stopped, kvbox not yet: %s), ping gap %s ms, total %s ms\n", runs(k.pause), runs(k.switchover), runs(k.gap), runs(k.total))
 	if k.memory != "" {
 		fmt.Printf("  %s\n", k.memory)
 	}
