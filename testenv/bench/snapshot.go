@@ -273,9 +273,11 @@ type kvSnaps struct {
 	// its reference must meet the same disk.
 	write  []time.Duration
 	sizes  []int64 // each snapshot's
-	size   int64   // the first's
 	memory string  // what the host's memory did
 }
+
+// size is the first snapshot's size.
+func (k *kvSnaps) size() int64 { return k.sizes[0] }
 
 // takeAll takes snapRuns snapshots of box, named prefix0, prefix1, ...,
 // and notes the host's memory around the first (resident says what the
@@ -289,7 +291,7 @@ func (k *kvSnaps) takeAll(ctx context.Context, e *env, st snapshot.Store, box, i
 		if i == 0 {
 			m := hostMemory(box)
 			k.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), QEMU resident (VmRSS: %s) %s -> %s",
-				domain.FormatSize(before.cached), domain.FormatSize(m.cached), domain.FormatSize(k.size),
+				domain.FormatSize(before.cached), domain.FormatSize(m.cached), domain.FormatSize(k.size()),
 				resident, domain.FormatSize(before.qemu), domain.FormatSize(m.qemu))
 		}
 		w, err := writeTime(e.stateDir, k.sizes[i])
@@ -340,9 +342,6 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 	k.pause = append(k.pause, res.Pause)
 	k.total = append(k.total, t1.Sub(t0))
 	k.gap = append(k.gap, gap)
-	if k.size == 0 {
-		k.size = res.Snapshot.SizeBytes // the first's
-	}
 	k.sizes = append(k.sizes, res.Snapshot.SizeBytes)
 	if k.steps == nil {
 		k.steps = map[string][]time.Duration{}
@@ -367,28 +366,26 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 // (75 MB took 58-348 ms within one set, 1.4 GB 2.0-10.6 s), the median of
 // five says what writing that size costs here.
 func (k *kvSnaps) printRatio() {
-	var writes []string
-	for _, w := range k.write {
-		writes = append(writes, fmt.Sprintf("%.0f", ms(w)))
-	}
-	w := float64(max(median(k.write), 1))
+	w := max(median(k.write), 1)
 	fmt.Printf("  writing each one's size to this disk and syncing, right after it: %s ms (median %.0f); total / that median: first %.1f, later ones (median) %.1f (target <= 2)\n",
-		strings.Join(writes, "/"), w/1e6, float64(k.total[0])/w, float64(median(k.total[1:]))/w)
+		runs(k.write), ms(w), float64(k.total[0])/float64(w), float64(median(k.total[1:]))/float64(w))
+}
+
+// runs lists durations in ms, each run's: "12/15/11".
+func runs(ds []time.Duration) string {
+	var s []string
+	for _, d := range ds {
+		s = append(s, fmt.Sprintf("%.0f", ms(d)))
+	}
+	return strings.Join(s, "/")
 }
 
 func (k *kvSnaps) print(what string) {
 	fmt.Printf("%-43s pause %6.0f ms   ping gap %6.0f ms   total %6.0f ms   (size %s)\n",
-		what, ms(median(k.pause)), ms(median(k.gap)), ms(median(k.total)), domain.FormatSize(k.size))
+		what, ms(median(k.pause)), ms(median(k.gap)), ms(median(k.total)), domain.FormatSize(k.size()))
 	if len(k.pause) > 1 {
 		fmt.Printf("  first: pause %.0f ms, ping gap %.0f ms; later ones: pause %.0f ms, ping gap %.0f ms\n",
 			ms(k.pause[0]), ms(k.gap[0]), ms(median(k.pause[1:])), ms(median(k.gap[1:])))
-	}
-	runs := func(ds []time.Duration) string {
-		var s []string
-		for _, d := range ds {
-			s = append(s, fmt.Sprintf("%.0f", ms(d)))
-		}
-		return strings.Join(s, "/")
 	}
 	fmt.Printf("  runs: pause %s ms (QEMU stopped, kvbox not yet: %s), ping gap %s ms, total %s ms\n", runs(k.pause), runs(k.switchover), runs(k.gap), runs(k.total))
 	if k.memory != "" {
