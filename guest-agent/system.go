@@ -144,16 +144,17 @@ func (s *LinuxSystem) ApplyIdentity(id Identity) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	names := make(chan error, 1)
-	go func() {
-		if id.Hostname != "" {
-			if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
-				names <- fmt.Errorf("sethostname: %w", err)
-				return
-			}
+	// The hostname and the network are the calling thread's namespaces':
+	// one set in a guest, a test's own where a test moved its thread into
+	// fresh ones. Only the files, which name no namespace, are written on
+	// another goroutine meanwhile.
+	if id.Hostname != "" {
+		if err := unix.Sethostname([]byte(id.Hostname)); err != nil {
+			return fmt.Errorf("sethostname: %w", err)
 		}
-		names <- applyFiles(s.Root, id)
-	}()
+	}
+	files := make(chan error, 1)
+	go func() { files <- applyFiles(s.Root, id) }()
 	var err error
 	if id.MAC != "" || id.Address != "" {
 		err = s.net.apply(id)
@@ -161,7 +162,7 @@ func (s *LinuxSystem) ApplyIdentity(id Identity) error {
 			s.hasLink.Store(true)
 		}
 	}
-	return errors.Join(err, <-names)
+	return errors.Join(err, <-files)
 }
 
 // primaryLink is the first non-loopback ethernet link by index.

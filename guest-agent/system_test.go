@@ -1,12 +1,12 @@
 package agent
 
 import (
-	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -78,86 +78,112 @@ func TestApplyFiles(t *testing.T) {
 	}
 }
 
-// inNamespaces runs f on a thread moved into fresh network and UTS
-// namespaces, so the real LinuxSystem can change "the" network and hostname
-// without touching the test host's. The thread is never reused.
-func inNamespaces(t *testing.T, f func() error) error {
+// nsChildEnv names the test a child process runs inside its own namespaces
+// (inNamespaces).
+const nsChildEnv = "KVBOX_TEST_NAMESPACE_CHILD"
+
+// inNamespaces runs the calling test again in a child process made in fresh
+// network, UTS and mount namespaces, so that the real LinuxSystem changes
+// "the" network and hostname of that child only. Every thread of the child
+// is in them: no goroutine of the code under test can reach the host's,
+// whichever thread it runs on. It returns true in the child, where the
+// test's body runs; in the parent it waits for the child, fails the test
+// with its output unless the child ran the test and passed, and returns
+// false.
+func inNamespaces(t *testing.T) bool {
 	t.Helper()
-	gate.Root(t) // for unshare
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // and never unlock: the thread dies with the goroutine
-		if err := unix.Unshare(unix.CLONE_NEWNET | unix.CLONE_NEWUTS); err != nil {
-			errc <- err
-			return
-		}
-		errc <- f()
-	}()
-	return <-errc
+	if os.Getenv(nsChildEnv) == t.Name() {
+		return true
+	}
+	gate.Root(t) // for the namespaces
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), nsChildEnv+"="+t.Name())
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET | syscall.CLONE_NEWUTS | syscall.CLONE_NEWNS}
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
+		t.Fatalf("%s in its own namespaces: %v\n%s", t.Name(), err, out)
+	}
+	return false
 }
 
+// hostname is the name of the UTS namespace of the calling thread.
+func hostname(t *testing.T) string {
+	t.Helper()
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		t.Fatal(err)
+	}
+	return unix.ByteSliceToString(u.Nodename[:])
+}
+
+// The identity changes the network and hostname of the namespaces it runs
+// in, and nothing of the host's: the child's hostname is the new one, the
+// parent's (the host's) the one it had.
 func TestLinuxSystemApplyIdentity(t *testing.T) {
+	const newName = "kvbox-test-clone7"
+	if host := hostname(t); !inNamespaces(t) {
+		if now := hostname(t); now != host {
+			t.Fatalf("this machine's hostname changed from %q to %q", host, now)
+		}
+		if host == newName {
+			t.Fatalf("this machine is called %q already: the test cannot tell its namespace from the host's", host)
+		}
+		return
+	}
 	root := t.TempDir()
 	os.MkdirAll(filepath.Join(root, "etc"), 0o755)
 	s := &LinuxSystem{Root: root}
-	id := Identity{Hostname: "clone7", MAC: "52:54:00:aa:bb:07", Address: "172.30.0.7/24", Gateway: "172.30.0.1"}
-	var got struct {
-		mac, addr, gw, host string
-		caps                Capabilities
+	id := Identity{Hostname: newName, MAC: "52:54:00:aa:bb:07", Address: "172.30.0.7/24", Gateway: "172.30.0.1"}
+	// The "guest NIC", carrying the source box's identity (this host's
+	// kernel has veth but no dummy).
+	la := netlink.NewLinkAttrs()
+	la.Name = "eth0"
+	la.HardwareAddr, _ = net.ParseMAC("52:54:00:aa:bb:01")
+	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: la, PeerName: "peer0"}); err != nil {
+		t.Fatal(err)
 	}
-	err := inNamespaces(t, func() error {
-		// The "guest NIC", carrying the source box's identity (this
-		// host's kernel has veth but no dummy).
-		la := netlink.NewLinkAttrs()
-		la.Name = "eth0"
-		la.HardwareAddr, _ = net.ParseMAC("52:54:00:aa:bb:01")
-		if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: la, PeerName: "peer0"}); err != nil {
-			return err
-		}
-		l, err := primaryLink()
-		if err != nil {
-			return err
-		}
-		name := l.Attrs().Name
-		old, _ := netlink.ParseAddr("172.30.0.1/24")
-		netlink.AddrAdd(l, old)
-		got.caps = s.Capabilities()
-		// First the source's own identity, then the clone's from the
-		// link and netlink socket the first one kept.
-		if err := s.ApplyIdentity(Identity{Hostname: "source", MAC: "52:54:00:aa:bb:02", Address: "172.30.0.2/24", Gateway: "172.30.0.1"}); err != nil {
-			return err
-		}
-		if s.net.link == nil || s.net.mac.String() != "52:54:00:aa:bb:02" {
-			return fmt.Errorf("after the first identity: link %v, mac %s", s.net.link, s.net.mac)
-		}
-		if err := s.ApplyIdentity(id); err != nil {
-			return err
-		}
-		l, err = netlink.LinkByName(name)
-		if err != nil {
-			return err
-		}
-		got.mac = l.Attrs().HardwareAddr.String()
-		addrs, _ := netlink.AddrList(l, netlink.FAMILY_V4)
-		for _, a := range addrs {
-			got.addr += a.IPNet.String() + " "
-		}
-		routes, _ := netlink.RouteList(l, netlink.FAMILY_V4)
-		for _, r := range routes {
-			if r.Dst == nil || r.Dst.IP.IsUnspecified() {
-				got.gw = r.Gw.String()
-			}
-		}
-		got.host, _ = os.Hostname()
-		return nil
-	})
+	l, err := primaryLink()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.mac != id.MAC || got.addr != "172.30.0.7/24 " || got.gw != id.Gateway || got.host != "clone7" || !got.caps.Identify {
-		t.Errorf("after ApplyIdentity: %+v", got)
+	name := l.Attrs().Name
+	old, _ := netlink.ParseAddr("172.30.0.1/24")
+	netlink.AddrAdd(l, old)
+	if !s.Capabilities().Identify {
+		t.Fatal("Capabilities: cannot identify")
 	}
-	if b, _ := os.ReadFile(filepath.Join(root, "etc/hostname")); string(b) != "clone7\n" {
+	// First the source's own identity, then the clone's from the link and
+	// netlink socket the first one kept.
+	if err := s.ApplyIdentity(Identity{Hostname: "source", MAC: "52:54:00:aa:bb:02", Address: "172.30.0.2/24", Gateway: "172.30.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	if s.net.link == nil || s.net.mac.String() != "52:54:00:aa:bb:02" {
+		t.Fatalf("after the first identity: link %v, mac %s", s.net.link, s.net.mac)
+	}
+	if err := s.ApplyIdentity(id); err != nil {
+		t.Fatal(err)
+	}
+	if l, err = netlink.LinkByName(name); err != nil {
+		t.Fatal(err)
+	}
+	var addr, gw string
+	addrs, _ := netlink.AddrList(l, netlink.FAMILY_V4)
+	for _, a := range addrs {
+		addr += a.IPNet.String() + " "
+	}
+	routes, _ := netlink.RouteList(l, netlink.FAMILY_V4)
+	for _, r := range routes {
+		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+			gw = r.Gw.String()
+		}
+	}
+	if mac := l.Attrs().HardwareAddr.String(); mac != id.MAC || addr != "172.30.0.7/24 " || gw != id.Gateway {
+		t.Errorf("after ApplyIdentity: mac %s, addresses %q, gateway %s", mac, addr, gw)
+	}
+	if h := hostname(t); h != newName {
+		t.Errorf("hostname %q, want %q", h, newName)
+	}
+	if b, _ := os.ReadFile(filepath.Join(root, "etc/hostname")); string(b) != newName+"\n" {
 		t.Errorf("/etc/hostname = %q", b)
 	}
 }
