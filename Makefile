@@ -6,6 +6,12 @@ export PATH := /usr/local/go/bin:$(PATH)
 
 .PHONY: build testenv test unit e2e check bench demo docs clean
 
+# guarded CMD: runs CMD between two readings of the host's own state
+# (testenv/hostguard.sh: hostname, links, addresses, routes, sysctls,
+# rulesets, /etc files, mounts) and fails, naming what changed, if CMD
+# changed any of it. Tests never touch the machine they run on.
+guarded = g=$$(mktemp) && bash testenv/hostguard.sh record $$g && { $(1); rc=$$?; bash testenv/hostguard.sh check $$g || rc=1; rm -f $$g; exit $$rc; }
+
 build:
 	mkdir -p bin
 	$(GO) build -o bin/kvbox ./cmd/kvbox
@@ -21,12 +27,12 @@ check:
 	$(GO) vet ./...
 
 unit:
-	$(GO) test ./...
+	$(call guarded,$(GO) test ./...)
 
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
 # every packet to a guest stays in that namespace.
 e2e:
-	ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv
+	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv)
 
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
@@ -36,12 +42,12 @@ test: testenv check unit e2e
 # The README's main job: set-up, then the warm-pool story on the Debian image,
 # all inside the kvbox-test network namespace.
 demo: testenv build
-	bash testenv/demo.sh
+	$(call guarded,bash testenv/demo.sh)
 
 # Benchmarks are a program, not timed assertions in tests: one run, medians
 # and ratios (cold boot, snapshot pause, warm clone step by step).
 bench: testenv build
-	ip netns exec $(NS) $(GO) run ./testenv/bench $(BENCH)
+	$(call guarded,ip netns exec $(NS) $(GO) run ./testenv/bench $(BENCH))
 
 # The command reference in docs/reference, from the commands themselves
 # (TestDocsMatchCommands, part of make unit, fails when it is out of date).
