@@ -47,5 +47,8 @@ pids_by_comm() {
 	return 0
 }
 
+# parent_comm PID: the command name of PID's parent.
+parent_comm() { cat "/proc/$(awk '/^PPid:/{print $2}' "/proc/$1/status" 2>/dev/null)/comm" 2>/dev/null; }
+
 # netns_of PID: name of the named netns PID runs in ("" = root/unnamed).
 netns_of() { ip netns identify "$1" 2>/dev/null; }

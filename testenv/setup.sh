@@ -83,7 +83,7 @@ stage_netns() {
 
 # ensure_daemon NAME: NAME running inside the namespace; refuse one running elsewhere.
 ensure_daemon() {
-	local name=$1 pid ns inns="" other=""
+	local name=$1 pid ns inns="" other="" why
 	for pid in $(pids_by_comm "$name"); do
 		ns=$(netns_of "$pid")
 		if [ "$ns" = "$KVBOX_TESTENV_NS" ]; then inns="$inns $pid"; else other="$other $pid(${ns:-root or unnamed netns})"; fi
@@ -99,8 +99,15 @@ ensure_daemon() {
 		# daemon started before it was mounted has its own copy of the mount table without it.
 		# Restarting libvirtd leaves running domains alone.
 		for pid in $inns; do
+			why=""
 			if ! grep -q " $SMALL_FS " "/proc/$pid/mountinfo" 2>/dev/null; then
-				log "$name (pid $pid) was started before $SMALL_FS was mounted: restarting it"
+				why="was started before $SMALL_FS was mounted"
+			elif [ "$name" = libvirtd ] && [ "$(parent_comm "$pid")" != tini ]; then
+				# QEMU must be reaped as a host's init would: see libvirtd.sh.
+				why="does not run under tini -s (its QEMUs would wait on this machine's PID 1 to be reaped)"
+			fi
+			if [ -n "$why" ]; then
+				log "$name (pid $pid) $why: restarting it"
 				kill "$pid"
 				for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 				kill -0 "$pid" 2>/dev/null && { warn "$name (pid $pid) did not exit within 60s"; return 1; }

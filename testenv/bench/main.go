@@ -141,8 +141,46 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 			return fmt.Errorf("%s: %w", sec.name, err)
 		}
 		fmt.Printf("(section %s took %.1f s)\n", sec.name, time.Since(t0).Seconds())
+		if !saidReaper {
+			saidReaper = sayReaper()
+		}
 	}
 	return nil
+}
+
+// saidReaper is set once the bench said what reaps QEMU.
+var saidReaper bool
+
+// sayReaper prints which process reaps a box's QEMU, if one runs: its
+// parent, the nearest child subreaper above libvirtd or else PID 1. libvirt's
+// destroy and kvbox rm wait until the QEMU they killed is reaped, so the rm
+// and job-cycle figures hold for a host whose reaper is as quick as this one
+// (a host's systemd reaps at once; this test machine's PID 1 did not, which
+// is why testenv/libvirtd.sh runs libvirtd under tini -s).
+func sayReaper() bool {
+	ds, _ := os.ReadDir("/proc")
+	for _, d := range ds {
+		comm, err := os.ReadFile("/proc/" + d.Name() + "/comm")
+		if err != nil || !strings.HasPrefix(string(comm), "qemu-system") {
+			continue
+		}
+		ppid := procField(d.Name(), "PPid")
+		parent, _ := os.ReadFile("/proc/" + ppid + "/comm")
+		fmt.Printf("QEMU (pid %s) is reaped by its parent %s (pid %s)\n", d.Name(), strings.TrimSpace(string(parent)), ppid)
+		return true
+	}
+	return false
+}
+
+// procField is a field of /proc/PID/status.
+func procField(pid, name string) string {
+	b, _ := os.ReadFile("/proc/" + pid + "/status")
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, name+":"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
 }
 
 func median[T cmp.Ordered](xs []T) T {
