@@ -151,9 +151,9 @@ func (a *app) newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:   "kvbox",
 		Short: "Ready machines in well under a second: boxes, snapshots and warm clones on libvirt",
-		Long: `kvbox runs boxes: libvirt domains with a guest agent, an address on the kvbox
-bridge and their RAM in a file, so a running box can be frozen into a
-snapshot and cloned warm.`,
+		Long: `kvbox runs boxes: libvirt domains with a guest agent and an address on the
+kvbox bridge. A running box can be frozen into a snapshot (memory, CPU state
+and disk) while it runs on, and cloned warm from it.`,
 		Example: `  kvbox new dev
   kvbox exec dev -- uname -a
   kvbox connect dev
