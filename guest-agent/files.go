@@ -2,6 +2,7 @@ package agent
 
 import (
 	"archive/tar"
+	"bytes"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -19,23 +20,26 @@ import (
 // Files: kvbox cp moves a tar stream (archive/tar, PAX) through an exec of
 // the agent's own binary (FilesHelper), so a copy gets exec's flow control,
 // process-group abort and exit status, and the guest's side runs in its own
-// process. Both ends use WriteTree and ExtractTree: the same rules whichever
-// way a copy goes.
+// process. WriteTree writes the stream on either side; the side that
+// receives it extracts it: ExtractTree in the box, whose stream is the
+// host's, and ExtractFromBox on the host, whose stream is a box's and so
+// untrusted input (its rules are on ExtractFromBox).
 //
 // What a copy keeps: regular files, directories and symlinks (never
-// followed, the top one included, as cp -a does), permission bits with
-// setuid/setgid/sticky, modification and access times. Not kept: owners
+// followed, the top one included, as cp -a does), modification and access
+// times, and permission bits: into a box with setuid/setgid/sticky, out of
+// one without them and without group or world write. Not kept: owners
 // (the extracting side, root on both, owns what it writes), hard links
 // (each becomes its own file), xattrs/ACLs. Devices, fifos and sockets are
-// skipped with a warning.
+// skipped with a warning. Runs of zeroes are written as holes.
 //
 // Nothing half-written is left at the destination: a file is written under
 // a temporary name next to its final one and renamed when complete; a new
 // tree is built in a temporary directory beside its destination and
 // renamed into place when complete, so it appears whole or not at all. A
-// tree copied onto an existing directory merges into it (as cp -r does):
-// a failure then leaves the files completed so far, each whole, and none
-// half-written.
+// tree copied into a box onto an existing directory merges into it (as
+// cp -r does): a failure then leaves the files completed so far, each
+// whole, and none half-written. A tree out of a box never merges.
 
 func init() { registerFeature(FeatureFiles) }
 
@@ -185,10 +189,99 @@ func statError(p string, err error) error {
 }
 
 // ExtractTree reads a tar stream made by WriteTree (one top entry) from r
-// and puts that entry at dst, with cp's rules: into dst when dst is an
-// existing directory, else as dst (whose parent must exist). It returns
-// the path it wrote.
+// and puts that entry at dst, with cp's rules: into dst, under the name
+// the stream gives it, when dst is an existing directory, else as dst
+// (whose parent must exist); a tree onto an existing directory is merged
+// into it. It returns the path it wrote. It trusts the stream (the
+// guest's side of a copy into a box, whose stream is the host's);
+// ExtractFromBox is the host's side of a copy out of a box.
 func ExtractTree(r io.Reader, dst string) (string, error) {
+	return extractTree(r, dst, nil)
+}
+
+// FromBox is how the host takes a copy out of a box: its stream is
+// untrusted input, and the host decides every name and mode.
+type FromBox struct {
+	// Name is the copy's name in DST when DST is an existing directory:
+	// the base name of the SRC the user typed. The name the stream gives
+	// its top entry is never used.
+	Name string
+	// MaxBytes bounds what the copy may write: the sizes its files claim
+	// (holes included) and 512 bytes for each entry. 0 is
+	// DefaultMaxCopy.
+	MaxBytes int64
+	// Warn gets one line for each entry skipped; it may be nil.
+	Warn func(string)
+}
+
+// DefaultMaxCopy is what a copy out of a box may write unless the user
+// says otherwise: twice a new box's default disk.
+const DefaultMaxCopy int64 = 16 << 30
+
+// entryCost is what every entry of a copy out of a box counts towards
+// its bound besides its size: a tar header's block, about what its inode
+// and directory entry cost.
+const entryCost = 512
+
+// TooBigError is a copy out of a box that would write more than its
+// bound (FromBox.MaxBytes).
+type TooBigError struct {
+	Limit int64
+	At    string // the path whose entry passed the bound
+}
+
+func (e *TooBigError) Error() string {
+	return fmt.Sprintf("%s: the copy would write more than %d bytes", e.At, e.Limit)
+}
+
+// ErrExists is wrapped when a tree out of a box would land on something
+// that exists.
+var ErrExists = errors.New("exists")
+
+// maxWarnings is how many skipped entries of one copy are named; the
+// rest are counted.
+const maxWarnings = 10
+
+// ExtractFromBox reads the stream of a copy out of a box (WriteTree's, in
+// the box) from r and puts its top entry at dst: as dst/o.Name when dst is
+// an existing directory, else as dst, whose parent must exist. It returns
+// the path it wrote. The box is not trusted:
+//
+//   - The host names the copy (o.Name or dst); the box only supplies what
+//     is below it. Every entry must be below the stream's first one, with
+//     a plain relative name (no "..", no leading "/"), else the copy is
+//     refused.
+//   - A tree is never merged into, nor chmodded onto, an existing
+//     directory: a tree whose name exists is refused, whatever its type.
+//     A file replaces an existing file (the user named it), never a
+//     directory.
+//   - Modes keep read and execute bits and the owner's write bit: no
+//     setuid, setgid or sticky bit, no group or world write. The owner is
+//     whoever runs this (kvbox: root).
+//   - Symlinks are kept only when they point inside the copy: relative,
+//     with their ".." leading and no more of them than the link is deep.
+//     Others are skipped with a warning; a copy that is only such a link
+//     is refused. No entry may lie below a link of the stream.
+//   - Hard links, devices, FIFOs and every other tar type are refused
+//     (WriteTree never sends them).
+//   - What the copy writes is bounded (o.MaxBytes): an entry that would
+//     pass the bound is refused before its data is written. Runs of zeroes
+//     are written as holes, so a sparse entry of a few KB writes a few KB.
+//
+// Whatever fails, nothing is left at dst: the copy is built in a
+// temporary directory beside its destination (mode 0700) and renamed into
+// place, a tree without replacing anything (RENAME_NOREPLACE).
+func ExtractFromBox(r io.Reader, dst string, o FromBox) (string, error) {
+	if o.Name == "" || o.Name == "." || o.Name == ".." || strings.ContainsRune(o.Name, '/') {
+		return "", fmt.Errorf("the copy's name %q is not a file name", o.Name)
+	}
+	if o.MaxBytes <= 0 {
+		o.MaxBytes = DefaultMaxCopy
+	}
+	return extractTree(r, dst, &o)
+}
+
+func extractTree(r io.Reader, dst string, box *FromBox) (string, error) {
 	tr := tar.NewReader(r)
 	h, err := tr.Next()
 	if err == io.EOF {
@@ -198,12 +291,19 @@ func ExtractTree(r io.Reader, dst string) (string, error) {
 		return "", fmt.Errorf("read the copy's stream: %w", err)
 	}
 	top, _, _ := strings.Cut(strings.TrimPrefix(path.Clean(h.Name), "/"), "/")
-	if !filepath.IsLocal(top) || top == "." || path.Clean(h.Name) != top {
+	if !filepath.IsLocal(top) || top == "." || path.Clean(h.Name) != top || (box != nil && !plainName(h.Name)) {
 		return "", fmt.Errorf("the copy's stream starts with %q, not its top entry", h.Name)
 	}
 	topDir := h.Typeflag == tar.TypeDir
+	name := top
+	if box != nil {
+		name = box.Name
+		if h.Typeflag == tar.TypeSymlink {
+			return "", fmt.Errorf("the copy is a symlink (to %q): kvbox cp writes no link from a box that points outside what it copies (copy what it points to, or kvbox cp BOX:SRC - | tar -x)", h.Linkname)
+		}
+	}
 
-	final, err := resolveDest(dst, top, topDir)
+	final, err := resolveDest(dst, name, topDir)
 	if err != nil {
 		return "", err
 	}
@@ -213,6 +313,8 @@ func ExtractTree(r io.Reader, dst string) (string, error) {
 	switch {
 	case ferr != nil && !errors.Is(ferr, fs.ErrNotExist):
 		return "", statError(final, ferr)
+	case exists && topDir && box != nil:
+		return "", fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
 	case exists && topDir && !fst.IsDir():
 		return "", fmt.Errorf("%s: exists and is not a directory", final)
 	case exists && !topDir && fst.IsDir():
@@ -220,7 +322,8 @@ func ExtractTree(r io.Reader, dst string) (string, error) {
 	}
 
 	if exists && topDir {
-		// Merge into the existing directory, each file whole.
+		// Merge into the existing directory, each file whole (a copy into
+		// a box only: the stream is the host's).
 		root, err := os.OpenRoot(final)
 		if err != nil {
 			return "", statError(final, err)
@@ -244,14 +347,33 @@ func ExtractTree(r io.Reader, dst string) (string, error) {
 		return "", err
 	}
 	defer root.Close()
-	x := &extractor{root: root, base: tmp, strip: top, as: "t"}
+	x := &extractor{root: root, base: tmp, strip: top, as: "t", shown: final}
+	if box != nil {
+		x.box, x.limit, x.warn, x.links = true, box.MaxBytes, box.Warn, map[string]bool{}
+	}
 	if err := x.run(h, tr); err != nil {
 		return "", err
 	}
-	if err := os.Rename(filepath.Join(tmp, "t"), final); err != nil {
-		return "", fmt.Errorf("put %s in place: %w", final, err)
+	from := filepath.Join(tmp, "t")
+	if topDir && box != nil {
+		err = unix.Renameat2(unix.AT_FDCWD, from, unix.AT_FDCWD, final, unix.RENAME_NOREPLACE)
+		if errors.Is(err, unix.EEXIST) {
+			return "", fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
+		}
+	} else {
+		err = os.Rename(from, final)
+	}
+	if err != nil {
+		return "", fmt.Errorf("put %s in place: %w", final, unwrapPath(err))
 	}
 	return final, nil
+}
+
+// plainName reports a tar entry name as WriteTree writes them: relative,
+// no ".", ".." or empty component (a directory's trailing "/" aside).
+func plainName(name string) bool {
+	n := strings.TrimSuffix(name, "/")
+	return filepath.IsLocal(n) && path.Clean(n) == n
 }
 
 // ExtractStream reads any tar stream (kvbox cp - BOX:DIR) into the existing
@@ -330,11 +452,23 @@ type extractor struct {
 	// below it, and it is written as as ("" meaning root itself).
 	strip string
 	as    string
+	shown string        // when set, the path as stands for in messages
 	dirs  []*tar.Header // directories, their modes and times set last
 	buf   []byte
+
+	// box: the stream comes from a box (ExtractFromBox's rules).
+	box    bool
+	limit  int64 // the most the copy may write
+	used   int64
+	warn   func(string)
+	warned int
+	links  map[string]bool // the symlinks written so far, by rel
 }
 
 func (x *extractor) rel(name string) (string, error) {
+	if x.box && !plainName(name) {
+		return "", fmt.Errorf("the copy's stream names %q, not a plain path below its top entry", name)
+	}
 	n := path.Clean(strings.TrimPrefix(name, "/"))
 	if !filepath.IsLocal(n) {
 		return "", fmt.Errorf("the copy's stream names %q, outside the destination", name)
@@ -358,6 +492,19 @@ func (x *extractor) rel(name string) (string, error) {
 	return path.Join(x.as, rest), nil
 }
 
+// path is where rel will be once the copy is in place, for messages.
+func (x *extractor) path(rel string) string {
+	if x.shown != "" && x.as != "" {
+		if rel == x.as {
+			return x.shown
+		}
+		if rest, ok := strings.CutPrefix(rel, x.as+"/"); ok {
+			return filepath.Join(x.shown, rest)
+		}
+	}
+	return filepath.Join(x.base, rel)
+}
+
 func (x *extractor) run(h *tar.Header, tr *tar.Reader) error {
 	x.buf = make([]byte, 1<<20)
 	for {
@@ -373,11 +520,14 @@ func (x *extractor) run(h *tar.Header, tr *tar.Reader) error {
 			return fmt.Errorf("read the copy's stream: %w", err)
 		}
 	}
+	if n := x.warned - maxWarnings; n > 0 && x.warn != nil {
+		x.warn(fmt.Sprintf("skipped %d more symlinks pointing outside the copy", n))
+	}
 	// Deepest first, so setting a directory's time is the last change in it.
 	for i := len(x.dirs) - 1; i >= 0; i-- {
 		h := x.dirs[i]
 		rel, _ := x.rel(h.Name)
-		if err := x.root.Chmod(rel, h.FileInfo().Mode()&(fs.ModePerm|fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky)); err != nil {
+		if err := x.root.Chmod(rel, x.mode(h)); err != nil {
 			return err
 		}
 		if err := x.root.Chtimes(rel, atime(h), h.ModTime); err != nil {
@@ -385,6 +535,20 @@ func (x *extractor) run(h *tar.Header, tr *tar.Reader) error {
 		}
 	}
 	return nil
+}
+
+// mode is the mode an entry is given: the stream's, with setuid, setgid
+// and sticky; from a box, read and execute bits and the owner's write
+// bit only. A box's file lands in the group of whoever runs kvbox (root's
+// on a host), which the box knows nothing of: group write would let that
+// group's members change a file root may later run, as world write would
+// let anyone.
+func (x *extractor) mode(h *tar.Header) fs.FileMode {
+	m := h.FileInfo().Mode() & (fs.ModePerm | fs.ModeSetuid | fs.ModeSetgid | fs.ModeSticky)
+	if x.box {
+		m &= 0o755
+	}
+	return m
 }
 
 func atime(h *tar.Header) time.Time {
@@ -401,12 +565,62 @@ func tmpName(rel string) string {
 	return path.Join(path.Dir(rel), fmt.Sprintf("%s%x-%s", tmpPrefix, b, path.Base(rel)))
 }
 
+// check applies a box's rules to an entry before anything of it is
+// written: not below a link, within the copy's bound.
+func (x *extractor) check(h *tar.Header, rel string) error {
+	for p := path.Dir(rel); p != "." && p != "/"; p = path.Dir(p) {
+		if x.links[p] {
+			return fmt.Errorf("the copy's stream puts %q below a symlink it holds", h.Name)
+		}
+	}
+	size := int64(0)
+	if h.Typeflag == tar.TypeReg || h.Typeflag == tar.TypeGNUSparse {
+		size = max(h.Size, 0)
+	}
+	if size > x.limit || x.used+size+entryCost > x.limit {
+		return &TooBigError{Limit: x.limit, At: x.path(rel)}
+	}
+	x.used += size + entryCost
+	return nil
+}
+
+// linkInside reports whether a symlink depth directories below the
+// copy's top that points to target stays inside the copy when followed:
+// target is relative, its ".." components all lead (a ".." after a name
+// would climb from wherever that name, itself perhaps a link, leads) and
+// climb no higher than the top. With no entry below a link, every link of
+// the copy obeying this keeps every path through links inside it.
+func linkInside(depth int, target string) bool {
+	if target == "" || strings.HasPrefix(target, "/") {
+		return false
+	}
+	up, named := 0, false
+	for _, c := range strings.Split(target, "/") {
+		switch c {
+		case "", ".":
+		case "..":
+			if named {
+				return false
+			}
+			up++
+		default:
+			named = true
+		}
+	}
+	return up <= depth
+}
+
 func (x *extractor) entry(h *tar.Header, tr *tar.Reader) error {
 	rel, err := x.rel(h.Name)
 	if err != nil {
 		return err
 	}
-	mode := h.FileInfo().Mode() & (fs.ModePerm | fs.ModeSetuid | fs.ModeSetgid | fs.ModeSticky)
+	if x.box {
+		if err := x.check(h, rel); err != nil {
+			return err
+		}
+	}
+	mode := x.mode(h)
 	switch h.Typeflag {
 	case tar.TypeDir:
 		if rel != "." {
@@ -420,20 +634,20 @@ func (x *extractor) entry(h *tar.Header, tr *tar.Reader) error {
 			case err != nil:
 				return err
 			case !st.IsDir():
-				return fmt.Errorf("%s: exists and is not a directory", filepath.Join(x.base, rel))
+				return fmt.Errorf("%s: exists and is not a directory", x.path(rel))
 			}
 		}
 		x.dirs = append(x.dirs, h)
-	case tar.TypeReg, tar.TypeRegA:
+	case tar.TypeReg, tar.TypeGNUSparse:
 		if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
-			return fmt.Errorf("%s: is a directory (a file cannot replace it)", filepath.Join(x.base, rel))
+			return fmt.Errorf("%s: is a directory (a file cannot replace it)", x.path(rel))
 		}
 		tmp := tmpName(rel)
 		f, err := x.root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 		if err != nil {
 			return err
 		}
-		_, err = io.CopyBuffer(f, tr, x.buf)
+		err = writeHoles(f, tr, h.Size, x.buf)
 		if err == nil {
 			err = f.Chmod(mode)
 		}
@@ -448,11 +662,22 @@ func (x *extractor) entry(h *tar.Header, tr *tar.Reader) error {
 		}
 		if err != nil {
 			x.root.Remove(tmp)
-			return fmt.Errorf("write %s: %w", filepath.Join(x.base, rel), unwrapPath(err))
+			return fmt.Errorf("write %s: %w", x.path(rel), unwrapPath(err))
 		}
+		delete(x.links, rel)
 	case tar.TypeSymlink:
+		if x.box {
+			depth := strings.Count(rel, "/") - 1 // rel is "t/…/name"
+			if !linkInside(depth, h.Linkname) {
+				x.warned++
+				if x.warned <= maxWarnings && x.warn != nil {
+					x.warn(fmt.Sprintf("skipped %s: a symlink to %q, outside the copy", x.path(rel), h.Linkname))
+				}
+				return nil
+			}
+		}
 		if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
-			return fmt.Errorf("%s: is a directory (a symlink cannot replace it)", filepath.Join(x.base, rel))
+			return fmt.Errorf("%s: is a directory (a symlink cannot replace it)", x.path(rel))
 		}
 		tmp := tmpName(rel)
 		if err := x.root.Symlink(h.Linkname, tmp); err != nil {
@@ -467,11 +692,60 @@ func (x *extractor) entry(h *tar.Header, tr *tar.Reader) error {
 			x.root.Remove(tmp)
 			return err
 		}
+		if x.links != nil {
+			x.links[rel] = true
+		}
 	default:
 		// Hard links, devices, fifos: WriteTree never sends them.
 		return fmt.Errorf("the copy's stream holds %q of tar type %q, which kvbox cp does not copy", h.Name, h.Typeflag)
 	}
 	return nil
+}
+
+// holeBlock is the unit writeHoles looks for zeroes in: a filesystem
+// block.
+const holeBlock = 4096
+
+var zeroBlock [holeBlock]byte
+
+// writeHoles writes the size bytes of r to the empty file f, leaving each
+// block of zeroes a hole (seeking past it, as cp --sparse=always does):
+// a sparse tar entry, whose holes a tar reader returns as zeroes, writes
+// only its data, and so does any run of zeroes in a file. A stream that
+// ends early is an error.
+func writeHoles(f *os.File, r io.Reader, size int64, buf []byte) error {
+	var off int64
+	for off < size {
+		n, err := io.ReadFull(r, buf[:min(int64(len(buf)), size-off)])
+		b := buf[:n]
+		for i := 0; i < len(b); {
+			j := min(i+holeBlock, len(b))
+			if bytes.Equal(b[i:j], zeroBlock[:j-i]) {
+				i = j
+				continue
+			}
+			k := j
+			for k < len(b) {
+				e := min(k+holeBlock, len(b))
+				if bytes.Equal(b[k:e], zeroBlock[:e-k]) {
+					break
+				}
+				k = e
+			}
+			if _, werr := f.WriteAt(b[i:k], off+int64(i)); werr != nil {
+				return werr
+			}
+			i = k
+		}
+		off += int64(n)
+		if err != nil {
+			if err == io.EOF || err == io.ErrUnexpectedEOF {
+				return fmt.Errorf("the copy's stream ends %d bytes into a file of %d: %w", off, size, io.ErrUnexpectedEOF)
+			}
+			return err
+		}
+	}
+	return f.Truncate(size)
 }
 
 func unwrapPath(err error) error {

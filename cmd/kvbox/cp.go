@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -20,17 +21,30 @@ import (
 )
 
 func (a *app) newCmdCp() *cobra.Command {
-	return &cobra.Command{
+	var maxSize string
+	c := &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy a file or a tree into or out of a box, through its agent",
 		Long: `Copy a file or a whole tree into or out of a box. One side is BOX:PATH.
 
 The copy goes through the box's agent, so it works with no network in the box.
-It keeps modes (setuid/setgid/sticky too), modification and access times and
-symlinks (never followed, the top one included, as cp -a does); owners are not
-kept (the side that writes owns the files). A directory destination receives
-SRC under its own name; otherwise SRC is written as DST, whose parent must
-exist. A tree copied onto an existing directory is merged into it.
+A directory destination receives SRC under its own name; otherwise SRC is
+written as DST, whose parent must exist. Modification and access times are
+kept, owners are not (the side that writes owns the files). Into a box, modes
+(setuid/setgid/sticky too) and symlinks are kept (never followed, the top one
+included, as cp -a does), and a tree copied onto an existing directory is
+merged into it.
+
+Out of a box, what the box sends is untrusted input (the box may be hostile,
+and kvbox runs as root). The name written on the host is DST, or SRC's base
+name as typed here, never one the box chooses. A tree is never merged into
+what exists on the host: a tree whose name exists is refused (a file replaces
+a file). Modes lose setuid, setgid, sticky, group and world write. Symlinks
+pointing outside the copy are skipped with a warning, and a copy that is only
+such a link is refused; hard links, devices and fifos are refused. The copy
+writes at most --max-size (its files' sizes, holes included, plus 512 bytes an
+entry), and runs of zeroes are written as holes, so that a sparse entry
+claiming gigabytes writes none of them.
 
 Nothing half-written is left at the destination: each file is written under a
 temporary name (.kvbox-cp-…) beside it and renamed when complete, and a new
@@ -39,19 +53,28 @@ kvbox killed mid-copy (SIGKILL, or the box's side killed) can leave such a
 temporary name behind, never a partial file under the final name.
 
 SRC - reads a tar stream from stdin and extracts it into the directory
-BOX:DST; DST - writes BOX:SRC to stdout as a tar stream.`,
+BOX:DST; DST - writes BOX:SRC to stdout as a tar stream, as the box sends it
+(the rules above are then those of whatever reads it).`,
 		Example: `  kvbox cp ./repo dev:/srv/
   kvbox cp dev:/srv/out/report.json .
+  kvbox cp --max-size 64G dev:/srv/dataset ./data
   tar -C src -c . | kvbox cp - dev:/srv/app
   kvbox cp dev:/var/log - | tar -t`,
 		Args: exactArgs(2, "a source and a destination (kvbox cp ./repo dev:/srv/)"),
 		RunE: func(c *cobra.Command, args []string) error {
-			return a.runCp(c.Context(), args[0], args[1])
+			maxBytes, err := domain.ParseSize(maxSize)
+			if err != nil {
+				return fmt.Errorf("%w: --max-size %q is not a size like 16G", errUsage, maxSize)
+			}
+			return a.runCp(c.Context(), args[0], args[1], maxBytes)
 		},
 		ValidArgsFunction: func(c *cobra.Command, args []string, prefix string) ([]string, cobra.ShellCompDirective) {
 			return nil, cobra.ShellCompDirectiveDefault
 		},
 	}
+	c.Flags().StringVar(&maxSize, "max-size", envOr("KVBOX_CP_MAX_SIZE", fmt.Sprintf("%dG", agent.DefaultMaxCopy>>30)),
+		"the most a copy out of a box may write on the host, like 64G (KVBOX_CP_MAX_SIZE)")
+	return c
 }
 
 // splitBoxPath splits "BOX:PATH"; ok is false for a local path (no colon
@@ -64,7 +87,7 @@ func splitBoxPath(s string) (box, path string, ok bool) {
 	return s[:i], s[i+1:], true
 }
 
-func (a *app) runCp(ctx context.Context, src, dst string) error {
+func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error {
 	sbox, spath, sremote := splitBoxPath(src)
 	dbox, dpath, dremote := splitBoxPath(dst)
 	switch {
@@ -104,7 +127,7 @@ func (a *app) runCp(ctx context.Context, src, dst string) error {
 	prog := a.newCopyProgress()
 	defer prog.stop()
 	if sremote {
-		err = a.copyOut(ctx, client, prog, spath, dst)
+		err = a.copyOut(ctx, client, prog, spath, dst, maxBytes)
 	} else {
 		err = a.copyIn(ctx, client, prog, src, dpath)
 	}
@@ -136,14 +159,24 @@ func cpError(box string, err error) error {
 	if errors.Is(err, agent.ErrPathNotFound) {
 		return fmt.Errorf("%w: %w", err, domain.ErrNotFound)
 	}
+	var big *agent.TooBigError
+	if errors.As(err, &big) {
+		at := ""
+		if big.At != "" {
+			at = " (at " + big.At + ")"
+		}
+		return fmt.Errorf("box %q: the copy would write more than --max-size %s on the host%s; nothing was written (a larger --max-size or KVBOX_CP_MAX_SIZE lets it through)", box, domain.FormatSize(big.Limit), at)
+	}
 	if errors.Is(err, agent.ErrTooOld) {
 		return fmt.Errorf("box %q: %w", box, err)
 	}
 	return err
 }
 
-// copyOut copies BOX:src to the local dst (or stdout for -).
-func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgress, src, dst string) error {
+// copyOut copies BOX:src to the local dst (or stdout for -). A copy to a
+// file or tree is untrusted input (agent.ExtractFromBox) named after src,
+// as typed, and bounded by maxBytes; one to stdout goes as the box sends it.
+func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgress, src, dst string, maxBytes int64) error {
 	if dst != "-" {
 		// Fail before any byte moves when dst's directory is missing.
 		if err := localDestOK(dst); err != nil {
@@ -154,11 +187,22 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 	// not stop it: a Go program ignores a SIGPIPE it did not cause).
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// The box says first how much it will send: more than maxBytes is refused
+	// before a byte is written (the extractor bounds what it is sent
+	// whatever the box said).
+	var tooBig atomic.Bool
+	total := func(n int64) {
+		prog.setTotal(n)
+		if dst != "-" && n > maxBytes {
+			tooBig.Store(true)
+			cancel()
+		}
+	}
 	pr, pw := io.Pipe()
 	var guestDone atomic.Bool
 	gerrc := make(chan error, 1)
 	go func() {
-		err := client.CopyOut(ctx, src, prog.count(pw), prog.setTotal, a.cpWarn)
+		err := client.CopyOut(ctx, src, prog.count(pw), total, a.cpWarn)
 		guestDone.Store(true)
 		pw.CloseWithError(err)
 		gerrc <- err
@@ -167,7 +211,7 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 	if dst == "-" {
 		_, lerr = io.Copy(a.io.Out, pr)
 	} else {
-		_, lerr = agent.ExtractTree(pr, dst)
+		_, lerr = agent.ExtractFromBox(pr, dst, agent.FromBox{Name: boxBase(src), MaxBytes: maxBytes, Warn: a.cpWarn})
 	}
 	guestFirst := guestDone.Load()
 	if lerr != nil {
@@ -176,12 +220,25 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 	pr.CloseWithError(errors.Join(lerr, io.ErrClosedPipe))
 	gerr := <-gerrc
 	switch {
+	case tooBig.Load():
+		return &agent.TooBigError{Limit: maxBytes, At: src + " in the box"}
 	case gerr != nil && (guestFirst || lerr == nil):
 		return gerr
 	case lerr != nil:
 		return lerr
 	}
 	return nil
+}
+
+// boxBase is the name a copy of the box's path p gets in a host
+// directory: its base name as the user typed it ("root" for /), as
+// WriteTree names its top entry.
+func boxBase(p string) string {
+	b := path.Base(path.Clean(p))
+	if b == "/" || b == "." {
+		return "root"
+	}
+	return b
 }
 
 // localDestOK reports a destination whose directory is missing.

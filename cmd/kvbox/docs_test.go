@@ -16,7 +16,7 @@ const docsDir = "../../docs/reference"
 // genDocs writes the markdown and man reference of every command into dir,
 // with the defaults a host without KVBOX_* or LIBVIRT_DEFAULT_URI set sees.
 func genDocs(t *testing.T, dir string) {
-	for _, k := range []string{"LIBVIRT_DEFAULT_URI", "KVBOX_STATE_DIR", "KVBOX_BRIDGE", "KVBOX_SUBNET", "KVBOX_TEMPLATE", "KVBOX_DOMAIN_TYPE"} {
+	for _, k := range []string{"LIBVIRT_DEFAULT_URI", "KVBOX_STATE_DIR", "KVBOX_BRIDGE", "KVBOX_SUBNET", "KVBOX_TEMPLATE", "KVBOX_DOMAIN_TYPE", "KVBOX_CP_MAX_SIZE"} {
 		t.Setenv(k, "")
 	}
 	root := (&app{}).newRoot()

@@ -35,6 +35,8 @@ func TestBadInputNeedsNoHost(t *testing.T) {
 		{[]string{"new", "--count", "2", strings.Repeat("x", 62)}, "characters long"},
 		{[]string{"new", "--count", "2", "a/b"}, "may only hold"},
 		{[]string{"exec", "dev"}, "a box name and a command"},
+		{[]string{"cp", "--max-size", "0", "dev:/x", "."}, "--max-size \"0\" is not a size"},
+		{[]string{"cp", "--max-size", "lots", "dev:/x", "."}, "--max-size \"lots\" is not a size"},
 		{[]string{"ls", "extra"}, "takes no arguments"},
 		{[]string{"ls", "--bogus"}, "unknown flag"},
 		{[]string{"images", "import", "x"}, "an image name and a disk file"},
