@@ -11,6 +11,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"sort"
 	"strings"
 	"time"
 
@@ -88,69 +89,101 @@ func TreeSize(src string) (files int, bytes int64, err error) {
 // WriteTree writes src (a file, a directory tree or a symlink) to w as a
 // tar stream whose entries are named under src's base name. warn receives
 // one line per skipped entry; it may be nil.
+//
+// The tree is walked from directory handles: each entry is looked at and
+// opened relative to its directory's descriptor, never through a link
+// (O_NOFOLLOW), so a user who may write to part of the tree cannot make
+// the walk leave it by swapping a directory or a file for a link while it
+// runs (kvbox cp runs as root). An entry that is swapped between the look
+// and the open fails the copy; one swapped before the look is sent as
+// what it then is (a link is sent as a link). Only src itself is found by
+// its path, and its last component is not followed either.
 func WriteTree(w io.Writer, src string, warn func(string)) error {
 	src = filepath.Clean(src)
-	if _, err := os.Lstat(src); err != nil {
-		return statError(src, err)
-	}
 	top := filepath.Base(src)
 	if top == "/" || top == "." {
 		top = "root"
 	}
-	tw := tar.NewWriter(w)
-	buf := make([]byte, 1<<20)
-	err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+	t := &treeWriter{tw: tar.NewWriter(w), buf: make([]byte, 1<<20), warn: warn}
+	if err := t.entry(unix.AT_FDCWD, src, src, top, true); err != nil {
+		return err
+	}
+	return t.tw.Close()
+}
+
+type treeWriter struct {
+	tw   *tar.Writer
+	buf  []byte
+	warn func(string)
+}
+
+// entry writes name, relative to the directory dirfd, as the tar entry
+// tarName and, for a directory, everything below it. p is its path, for
+// messages.
+func (t *treeWriter) entry(dirfd int, name, p, tarName string, top bool) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if top {
+			return statError(p, err)
+		}
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFLNK:
+		link, err := readlinkat(dirfd, name)
 		if err != nil {
+			return changedError(p, "a symlink", err)
+		}
+		h := tarHeader(tarName, &st)
+		h.Typeflag, h.Linkname = tar.TypeSymlink, link
+		return t.tw.WriteHeader(h)
+	case unix.S_IFDIR:
+		fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return changedError(p, "a directory", err)
+		}
+		d := os.NewFile(uintptr(fd), p)
+		defer d.Close()
+		// The header is the opened directory's, not what the look saw.
+		if err := unix.Fstat(fd, &st); err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+		h := tarHeader(tarName+"/", &st)
+		h.Typeflag = tar.TypeDir
+		if err := t.tw.WriteHeader(h); err != nil {
 			return err
 		}
-		rel, err := filepath.Rel(src, p)
+		names, err := d.Readdirnames(-1)
 		if err != nil {
-			return err
+			return fmt.Errorf("%s: %w", p, unwrapPath(err))
 		}
-		name := path.Join(top, filepath.ToSlash(rel))
-		fi, err := d.Info()
-		if err != nil {
-			return err
-		}
-		link := ""
-		switch {
-		case fi.Mode()&fs.ModeSymlink != 0:
-			if link, err = os.Readlink(p); err != nil {
+		sort.Strings(names)
+		for _, n := range names {
+			if err := t.entry(fd, n, filepath.Join(p, n), tarName+"/"+n, false); err != nil {
 				return err
 			}
-		case fi.Mode().IsRegular(), fi.IsDir():
-		default:
-			if warn != nil {
-				warn(fmt.Sprintf("skipped %s: a %s, not a file, directory or symlink", p, fileKind(fi.Mode())))
-			}
-			return nil
 		}
-		h, err := tar.FileInfoHeader(fi, link)
+		return nil
+	case unix.S_IFREG:
+		// O_NONBLOCK: a file swapped for a FIFO does not hang the open.
+		fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return err
+			return changedError(p, "a file", err)
 		}
-		h.Name = name
-		if fi.IsDir() {
-			h.Name += "/"
-		}
-		h.Format = tar.FormatPAX
-		h.Uid, h.Gid, h.Uname, h.Gname = 0, 0, "", ""
-		h.ChangeTime = time.Time{}
-		if st, ok := fi.Sys().(*unix.Stat_t); ok {
-			h.AccessTime = time.Unix(st.Atim.Unix())
-		}
-		if err := tw.WriteHeader(h); err != nil {
-			return err
-		}
-		if !fi.Mode().IsRegular() {
-			return nil
-		}
-		f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW, 0)
-		if err != nil {
-			return err
-		}
+		f := os.NewFile(uintptr(fd), p)
 		defer f.Close()
-		n, err := io.CopyBuffer(tw, io.LimitReader(f, h.Size), buf)
+		if err := unix.Fstat(fd, &st); err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFREG {
+			return fmt.Errorf("%s: changed while being copied (was a file)", p)
+		}
+		h := tarHeader(tarName, &st)
+		h.Typeflag, h.Size = tar.TypeReg, st.Size
+		if err := t.tw.WriteHeader(h); err != nil {
+			return err
+		}
+		n, err := io.CopyBuffer(t.tw, io.LimitReader(f, h.Size), t.buf)
 		if err != nil {
 			return err
 		}
@@ -158,11 +191,58 @@ func WriteTree(w io.Writer, src string, warn func(string)) error {
 			return fmt.Errorf("%s: shrank from %d to %d bytes while being copied", p, h.Size, n)
 		}
 		return nil
-	})
-	if err != nil {
-		return err
+	default:
+		if t.warn != nil {
+			t.warn(fmt.Sprintf("skipped %s: a %s, not a file, directory or symlink", p, fileKind(modeType(st.Mode))))
+		}
+		return nil
 	}
-	return tw.Close()
+}
+
+// tarHeader is the header of an entry of WriteTree: permission bits with
+// setuid/setgid/sticky, times; no owner (the extracting side owns what it
+// writes).
+func tarHeader(name string, st *unix.Stat_t) *tar.Header {
+	return &tar.Header{
+		Name:       name,
+		Mode:       int64(st.Mode & 0o7777),
+		ModTime:    time.Unix(st.Mtim.Unix()),
+		AccessTime: time.Unix(st.Atim.Unix()),
+		Format:     tar.FormatPAX,
+	}
+}
+
+func modeType(m uint32) fs.FileMode {
+	switch m & unix.S_IFMT {
+	case unix.S_IFIFO:
+		return fs.ModeNamedPipe
+	case unix.S_IFSOCK:
+		return fs.ModeSocket
+	case unix.S_IFBLK, unix.S_IFCHR:
+		return fs.ModeDevice
+	}
+	return fs.ModeIrregular
+}
+
+// changedError is an open that found something else than the look did.
+func changedError(p, was string, err error) error {
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("%s: changed while being copied (was %s)", p, was)
+	}
+	return fmt.Errorf("%s: %w", p, err)
+}
+
+func readlinkat(dirfd int, name string) (string, error) {
+	for n := 256; ; n *= 2 {
+		b := make([]byte, n)
+		m, err := unix.Readlinkat(dirfd, name, b)
+		if err != nil {
+			return "", err
+		}
+		if m < n {
+			return string(b[:m]), nil
+		}
+	}
 }
 
 func fileKind(m fs.FileMode) string {
