@@ -4,7 +4,7 @@ GO      ?= go
 NS      ?= kvbox-test
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: build testenv test unit e2e check bench demo docs clean
+.PHONY: build testenv test unit fuzz e2e check bench demo docs clean
 
 # guarded CMD: runs CMD between two readings of the host's own state
 # (testenv/hostguard.sh: hostname, links, addresses, routes, sysctls,
@@ -29,6 +29,18 @@ check:
 unit:
 	$(call guarded,$(GO) test ./...)
 
+# Fuzz targets, PACKAGE:TARGET, one a line: each decoder of bytes from a
+# guest or an artifact. make fuzz runs each for FUZZTIME (go test -fuzz
+# takes one target a run); their seeds already run in make unit. Inputs
+# that find new code are minimized for at most a second, so that the time
+# goes to fuzzing; a failing input is kept in PACKAGE/testdata/fuzz.
+FUZZTIME ?= 20s
+FUZZ_TARGETS = \
+	./guest-agent:FuzzExtractFromBox
+
+fuzz:
+	$(call guarded,(for t in $(FUZZ_TARGETS); do $(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 1s "$${t%%:*}" || exit 1; done))
+
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
 # every packet to a guest stays in that namespace.
 e2e:
@@ -37,7 +49,7 @@ e2e:
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
 test: export KVBOX_TEST_STRICT := 1
-test: testenv check unit e2e
+test: testenv check unit fuzz e2e
 
 # The README's main job: set-up, then the warm-pool story on the Debian image,
 # all inside the kvbox-test network namespace.

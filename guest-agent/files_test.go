@@ -34,7 +34,7 @@ func mkTree(t *testing.T, dir string) string {
 	return src
 }
 
-func tarOf(t *testing.T, src string) []byte {
+func tarOf(t testing.TB, src string) []byte {
 	var b bytes.Buffer
 	if err := WriteTree(&b, src, nil); err != nil {
 		t.Fatal(err)
