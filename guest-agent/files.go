@@ -318,6 +318,10 @@ func (e *TooBigError) Error() string {
 // that exists.
 var ErrExists = errors.New("exists")
 
+// maxTrailer is what a stream from a box may hold after its end: tar's
+// padding to its record size.
+const maxTrailer = 1 << 20
+
 // maxWarnings is how many skipped entries of one copy are named; the
 // rest are counted.
 const maxWarnings = 10
@@ -433,6 +437,20 @@ func extractTree(r io.Reader, dst string, box *FromBox) (string, error) {
 	}
 	if err := x.run(h, tr); err != nil {
 		return "", err
+	}
+	if box != nil {
+		// The stream is read to its end before the copy is put in place:
+		// a box's side that fails after the last entry leaves nothing,
+		// and the zeroes tar pads a stream with to its record size (GNU
+		// tar: 10 KiB) are taken. More than maxTrailer after the end is
+		// refused.
+		n, err := io.Copy(io.Discard, io.LimitReader(r, maxTrailer+1))
+		if err != nil {
+			return "", fmt.Errorf("read the copy's stream: %w", err)
+		}
+		if n > maxTrailer {
+			return "", fmt.Errorf("the copy's stream goes on for more than %d bytes after its end", maxTrailer)
+		}
 	}
 	from := filepath.Join(tmp, "t")
 	if topDir && box != nil {

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"testing/iotest"
 	"time"
 )
 
@@ -510,5 +512,34 @@ func TestFromBoxLinks(t *testing.T) {
 		if ents, _ := os.ReadDir(out); len(ents) != 0 {
 			t.Errorf("%s: left %v", what, ents)
 		}
+	}
+}
+
+// A stream as GNU tar writes it, padded with zeroes to its record size,
+// is read to its end; one that goes on after its end is refused; one
+// whose reader fails after its end (the box's side failed) leaves nothing.
+func TestFromBoxStreamEnd(t *testing.T) {
+	dst := t.TempDir()
+	s := mkStream(t, dirEnt("t/", 0o755), fileEnt("t/f", 0o644, "x"))
+	r := bytes.NewReader(append(append([]byte{}, s...), make([]byte, 10240-len(s)%10240)...))
+	if _, err := ExtractFromBox(r, dst, FromBox{Name: "padded"}); err != nil || r.Len() != 0 {
+		t.Errorf("a padded stream: %v, %d bytes left unread", err, r.Len())
+	}
+	long := append(append([]byte{}, s...), make([]byte, maxTrailer+1)...)
+	if _, err := ExtractFromBox(bytes.NewReader(long), dst, FromBox{Name: "long"}); err == nil || !strings.Contains(err.Error(), "goes on for more than") {
+		t.Errorf("a stream going on after its end: %v", err)
+	}
+	failing := io.MultiReader(bytes.NewReader(s), iotest.ErrReader(errors.New("the box's side failed")))
+	if _, err := ExtractFromBox(failing, dst, FromBox{Name: "failed"}); err == nil || !strings.Contains(err.Error(), "the box's side failed") {
+		t.Errorf("a stream whose reader fails after its end: %v", err)
+	}
+	if got := strings.Join(func() (n []string) {
+		ents, _ := os.ReadDir(dst)
+		for _, e := range ents {
+			n = append(n, e.Name())
+		}
+		return
+	}(), " "); got != "padded" {
+		t.Errorf("the destination holds %s, want padded", got)
 	}
 }
