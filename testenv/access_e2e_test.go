@@ -90,7 +90,7 @@ func TestExecOptions(t *testing.T) {
 }
 
 // kvbox cp of a tree (modes, times, a symlink, a 200 MB file) both ways,
-// checksums equal; tar streams with -; one-line refusals; nothing left
+// checksums equal (out of a box without setuid); tar streams with -; one-line refusals; nothing left
 // behind by a failed copy.
 func TestCopy(t *testing.T) {
 	n := name(t, "cp")
@@ -160,7 +160,11 @@ func TestCopy(t *testing.T) {
 		t.Fatalf("cp out: %s", r)
 	}
 	t.Logf("cp out of the tree (200 MB): %s", time.Since(start).Round(time.Millisecond))
+	// Out of a box, modes lose setuid (the box is untrusted input).
 	for p, w := range want {
+		if p == "suid" {
+			w = strings.Replace(w, "4751 ", "751 ", 1)
+		}
 		if got := localView(t, filepath.Join(back, p)); got != w {
 			t.Errorf("back on the host, %s: %q, want %q", p, got, w)
 		}
