@@ -23,10 +23,10 @@ func ValidGroup(group string) error { return ValidName(group) }
 // groupOf is the network of the group box b is in.
 func groupOf(b Box) (network.Config, error) {
 	gw, err := netip.ParseAddr(b.Gateway)
-	if err != nil || b.Prefix <= 0 || b.Bridge != network.GroupBridge(b.Group) {
+	if err != nil || b.Prefix <= 0 || (b.Bridge != network.GroupBridge(b.Group) && b.Bridge != network.LegacyGroupBridge(b.Group)) {
 		return network.Config{}, fmt.Errorf("box %q: its metadata holds no network for group %q (gateway %q/%d, bridge %q)", b.Name, b.Group, b.Gateway, b.Prefix, b.Bridge)
 	}
-	return network.GroupConfig(b.Group, netip.PrefixFrom(gw, b.Prefix)), nil
+	return network.GroupConfig(b.Group, b.Bridge, netip.PrefixFrom(gw, b.Prefix)), nil
 }
 
 // GroupNetwork is the network a new box of group goes on, set up: the main
@@ -62,12 +62,28 @@ func (h *Host) GroupNetwork(group string) (network.Config, error) {
 		}
 		taken = append(taken, nc.Subnet)
 	}
+	br := network.GroupBridge(group)
+	if err := bridgeFree(boxes, group, br); err != nil {
+		return network.Config{}, err
+	}
 	sub, err := network.GroupSubnet(taken)
 	if err != nil {
 		return network.Config{}, err
 	}
-	nc := network.GroupConfig(group, sub)
+	nc := network.GroupConfig(group, br, sub)
 	return nc, nc.EnsureGroup(h.Net)
+}
+
+// bridgeFree refuses a new group whose bridge name a box of another group
+// is on already: two groups never share a bridge (they would reach each
+// other, and removing one would take the other's firewall).
+func bridgeFree(boxes []Box, group, bridge string) error {
+	for _, b := range boxes {
+		if b.Group != group && b.Bridge == bridge {
+			return fmt.Errorf("%w: group %q: its bridge %s is group %q's already (box %s; their names' bridge names agree): choose another group name", ErrInvalid, group, bridge, b.Group, b.Name)
+		}
+	}
+	return nil
 }
 
 // EnsureBoxNetwork sets up the network box b is on before it starts: the

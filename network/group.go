@@ -2,9 +2,11 @@ package network
 
 import (
 	"crypto/sha256"
+	"encoding/base32"
 	"encoding/hex"
 	"fmt"
 	"net/netip"
+	"strings"
 
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
@@ -19,9 +21,20 @@ import (
 // same port filter (each box its own MAC and address only), whose ports are
 // not isolated: the boxes of a group reach each other and no other box.
 
-// GroupBridge is the bridge of group: "kvbg" and 8 hex digits of the
-// group's name (an interface name has at most 15 characters).
+// GroupBridge is the bridge of group: "kvbg" and 11 characters of the
+// base32 of the SHA-256 of its name, 55 bits (an interface name has at most
+// 15 characters). Two groups never share a bridge: a group whose bridge
+// name another group's bridge already has is refused (Config.claim on the
+// bridge, the domain package on boxes' metadata).
 func GroupBridge(group string) string {
+	sum := sha256.Sum256([]byte(group))
+	return GroupBridgePrefix + strings.ToLower(base32.StdEncoding.EncodeToString(sum[:]))[:11]
+}
+
+// LegacyGroupBridge is the bridge an older kvbox gave group: 8 hex digits,
+// 32 bits, which two group names found in a few seconds share. Boxes it
+// made keep theirs while their group has boxes.
+func LegacyGroupBridge(group string) string {
 	sum := sha256.Sum256([]byte(group))
 	return GroupBridgePrefix + hex.EncodeToString(sum[:4])
 }
@@ -29,12 +42,37 @@ func GroupBridge(group string) string {
 // GroupBridgePrefix begins the name of every group's bridge.
 const GroupBridgePrefix = "kvbg"
 
+// groupAlias is the interface alias that marks a group's bridge as that
+// group's.
+func groupAlias(group string) string { return "kvbox group " + group }
+
+// claim makes sure a group's bridge is its group's, and marks it so: a
+// bridge marked with another group's name (their bridge names agree) is
+// refused, one not marked (made just now, or by an older kvbox) is marked.
+// kvbox's main bridge is no group's.
+func (c Config) claim(link netlink.Link) error {
+	if c.Group == "" {
+		return nil
+	}
+	switch want, have := groupAlias(c.Group), link.Attrs().Alias; {
+	case have == want:
+		return nil
+	case have == "":
+		if err := netlink.LinkSetAlias(link, want); err != nil {
+			return fmt.Errorf("bridge %s: mark it as group %q's: %w", c.Bridge, c.Group, err)
+		}
+		return nil
+	default:
+		return fmt.Errorf("group %q: its bridge %s is already %s (the two names' bridge names agree): choose another group name", c.Group, c.Bridge, strings.TrimPrefix(have, "kvbox "))
+	}
+}
+
 // GroupPool is where group subnets are taken from, a /24 each.
 var GroupPool = netip.MustParsePrefix("172.30.0.0/16")
 
-// GroupConfig is the network of group on subnet.
-func GroupConfig(group string, subnet netip.Prefix) Config {
-	return Config{Bridge: GroupBridge(group), Subnet: subnet.Masked(), Group: group}
+// GroupConfig is the network of group on bridge and subnet.
+func GroupConfig(group, bridge string, subnet netip.Prefix) Config {
+	return Config{Bridge: bridge, Subnet: subnet.Masked(), Group: group}
 }
 
 // GroupSubnet picks a /24 of GroupPool for a new group: one that overlaps

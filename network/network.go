@@ -74,6 +74,9 @@ func (c Config) ensure(nat bool) error {
 	if link.Type() != "bridge" {
 		return fmt.Errorf("%s exists and is a %s, not a bridge", c.Bridge, link.Type())
 	}
+	if err := c.claim(link); err != nil {
+		return err
+	}
 	gw := &netlink.Addr{IPNet: &net.IPNet{IP: c.Gateway().AsSlice(), Mask: net.CIDRMask(c.Subnet.Bits(), 32)}}
 	if err := netlink.AddrAdd(link, gw); err != nil && !errors.Is(err, os.ErrExist) {
 		return fmt.Errorf("add %s to %s: %w", gw.IPNet, c.Bridge, err)

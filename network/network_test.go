@@ -3,7 +3,10 @@ package network
 import (
 	"bytes"
 	"net/netip"
+	"strings"
 	"testing"
+
+	"github.com/vishvananda/netlink"
 )
 
 func TestAllocate(t *testing.T) {
@@ -122,5 +125,45 @@ func TestPortKey(t *testing.T) {
 		if _, err := portKey(bad.tap, bad.mac, netip.MustParseAddr(bad.ip)); err == nil {
 			t.Errorf("portKey(%q, %q, %s) = nil error", bad.tap, bad.mac, bad.ip)
 		}
+	}
+}
+
+// Two groups never share a bridge. Under the old naming (32 bits of the
+// name's SHA-256) these two names, found by trying names in turn, shared
+// kvbg3b889255; now each has its own, within IFNAMSIZ.
+func TestGroupBridgeNames(t *testing.T) {
+	a, b := "group-22235", "group-30796"
+	if LegacyGroupBridge(a) != LegacyGroupBridge(b) {
+		t.Fatalf("the old names differ (%s, %s): the pair shows nothing", LegacyGroupBridge(a), LegacyGroupBridge(b))
+	}
+	if GroupBridge(a) == GroupBridge(b) {
+		t.Errorf("groups %q and %q share bridge %s", a, b, GroupBridge(a))
+	}
+	for _, g := range []string{a, b, "web", "x"} {
+		br := GroupBridge(g)
+		if len(br) != 15 || !strings.HasPrefix(br, GroupBridgePrefix) || strings.Trim(br[4:], "abcdefghijklmnopqrstuvwxyz234567") != "" {
+			t.Errorf("GroupBridge(%q) = %q", g, br)
+		}
+		if br == LegacyGroupBridge(g) || br != GroupBridge(g) {
+			t.Errorf("GroupBridge(%q) = %q", g, br)
+		}
+	}
+}
+
+// A group's bridge marked as another group's is refused with one line; one
+// marked as its own is taken.
+func TestGroupBridgeClaim(t *testing.T) {
+	c := GroupConfig("web", GroupBridge("web"), netip.MustParsePrefix("172.30.5.0/24"))
+	mine := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge, Alias: "kvbox group web"}}
+	if err := c.claim(mine); err != nil {
+		t.Errorf("its own bridge: %v", err)
+	}
+	other := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge, Alias: "kvbox group db"}}
+	err := c.claim(other)
+	if err == nil || !strings.Contains(err.Error(), `group "web"`) || !strings.Contains(err.Error(), "group db") || strings.Contains(err.Error(), "\n") {
+		t.Errorf("another group's bridge: %v", err)
+	}
+	if err := Default.claim(other); err != nil {
+		t.Errorf("the main bridge is no group's: %v", err)
 	}
 }
