@@ -14,6 +14,8 @@ import (
 
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
 )
 
 // Config describes kvbox's network.
@@ -77,6 +79,11 @@ func (c Config) ensure(nat bool) error {
 	if err := c.claim(link); err != nil {
 		return err
 	}
+	if b, ok := link.(*netlink.Bridge); !ok || b.GroupFwdMask == nil || *b.GroupFwdMask != groupFwdMask {
+		if err := setGroupFwdMask(link.Attrs().Index, groupFwdMask); err != nil {
+			return fmt.Errorf("bridge %s: forward link-local group addresses: %w", c.Bridge, err)
+		}
+	}
 	gw := &netlink.Addr{IPNet: &net.IPNet{IP: c.Gateway().AsSlice(), Mask: net.CIDRMask(c.Subnet.Bits(), 32)}}
 	if err := netlink.AddrAdd(link, gw); err != nil && !errors.Is(err, os.ErrExist) {
 		return fmt.Errorf("add %s to %s: %w", gw.IPNet, c.Bridge, err)
@@ -121,6 +128,29 @@ func (c Config) ensure(nat bool) error {
 		return c.ensureNAT(ipt)
 	}
 	return nil
+}
+
+// groupFwdMask has a bridge forward (through its forwarding path, where
+// kvbox's port filter drops them) every reserved link-local group address
+// 01:80:c2:00:00:0X it may: all but 00 (forwarded anyway without STP),
+// 01 (pause frames, dropped) and 02 (never forwarded: kvbox's input chain
+// drops it), which the kernel refuses in the mask. See portfilter.go.
+const groupFwdMask uint16 = 0xfff8
+
+// setGroupFwdMask sets a bridge's group_fwd_mask, and nothing else of it
+// (netlink.LinkModify would send every attribute of the link again).
+func setGroupFwdMask(index int, mask uint16) error {
+	req := nl.NewNetlinkRequest(unix.RTM_NEWLINK, unix.NLM_F_ACK)
+	msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+	msg.Index = int32(index)
+	req.AddData(msg)
+	info := nl.NewRtAttr(unix.IFLA_LINKINFO, nil)
+	info.AddRtAttr(nl.IFLA_INFO_KIND, nl.NonZeroTerminated("bridge"))
+	data := info.AddRtAttr(nl.IFLA_INFO_DATA, nil)
+	data.AddRtAttr(nl.IFLA_BR_GROUP_FWD_MASK, nl.Uint16Attr(mask))
+	req.AddData(info)
+	_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+	return err
 }
 
 // Status is what `kvbox network show` reports.

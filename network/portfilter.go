@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/google/nftables"
@@ -68,56 +69,234 @@ func portKey(tap, mac string, ip netip.Addr) ([]byte, error) {
 }
 
 func filterTable() *nftables.Table {
-	return &nftables.Table{Family: nftables.TableFamilyBridge, Name: "kvbox"}
+	return &nftables.Table{Family: nftables.TableFamilyBridge, Name: tableName}
 }
 
 func portSet(t *nftables.Table) *nftables.Set {
 	return &nftables.Set{Table: t, Name: "ports", KeyType: portKeyType, Concatenation: true}
 }
 
-// EnsurePortFilter makes kvbox's table unless it is there, and says
-// whether it made it (then no box is in it yet: after a host reboot, or on
-// kvbox's first use).
+// The reserved link-local group addresses 01:80:c2:00:00:0X are not
+// forwarded by a Linux bridge: a frame to one of them goes up its port's own
+// stack (the tap's, an interface of the host), past every rule of the
+// bridge's forwarding path. The kernel (net/bridge/br_input.c) runs the
+// bridge family's input hook, with the port as input device, for most of
+// them; for 01:80:c2:00:00:0e (LLDP), and for 01:80:c2:00:00:00 on a bridge
+// with STP, it runs no hook at all. Left open, that path lets a box reach
+// host UDP sockets on every address of the host (IPv4 with its own or a
+// spoofed address, IPv6 to the tap's link-local one), put its MAC in the
+// host's neighbour tables, teach the bridge a spoofed MAC on its port, and
+// with one router advertisement give the host an IPv6 default route through
+// the box, an address, a hop limit and an MTU. Three locks, each keyed by
+// names and kinds that hold before any tap exists, so a tap is covered from
+// the moment libvirt makes it:
+//   - every kvbox bridge forwards every link-local group address the kernel
+//     lets it (groupFwdMask), so those frames take the bridge's forwarding
+//     path, where the port filter drops them from a box's port first of all;
+//   - the bridge table's input chain drops the rest (01:80:c2:00:00:02,
+//     which the kernel never forwards) before the bridge passes it up;
+//   - a box's tap is no interface of the host's at all: kvbox's inet and arp
+//     tables drop IPv4, IPv6 and ARP that arrive on one or leave through one
+//     (a tap is "kvb*" of kind tun; the bridges, also "kvb*", are not
+//     tun), whatever path brought them there: a bridge quirk, a tap left up
+//     outside its bridge, a kernel that adds another exception.
+// Nothing else on the host is touched: no sysctl of the host's, no rule
+// outside kvbox's tables.
+
+// tableName names each of kvbox's nftables tables (bridge, inet, arp).
+const tableName = "kvbox"
+
+// chainSpec is one base chain of kvbox's with its rules.
+type chainSpec struct {
+	chain *nftables.Chain
+	rules [][]expr.Any
+}
+
+func baseChain(t *nftables.Table, name string, hook *nftables.ChainHook, prio *nftables.ChainPriority) *nftables.Chain {
+	accept := nftables.ChainPolicyAccept
+	return &nftables.Chain{Name: name, Table: t, Type: nftables.ChainTypeFilter, Hooknum: hook, Priority: prio, Policy: &accept}
+}
+
+// portChains are the chains of kvbox's bridge table.
+func portChains(set *nftables.Set) []chainSpec {
+	t, prio := set.Table, nftables.ChainPriorityRef(-200)
+	return []chainSpec{
+		{baseChain(t, "from-boxes", nftables.ChainHookPrerouting, prio), fromBoxRules(set)},
+		{baseChain(t, "to-boxes", nftables.ChainHookPostrouting, prio), toBoxRules()},
+		{baseChain(t, "to-host", nftables.ChainHookInput, prio), toHostRules()},
+	}
+}
+
+// tapStackChains are the chains of kvbox's inet and arp tables, which keep
+// a box's tap out of the host's own IP and ARP stacks.
+func tapStackChains() []chainSpec {
+	inet := &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}
+	arp := &nftables.Table{Family: nftables.TableFamilyARP, Name: tableName}
+	prio := nftables.ChainPriorityFilter
+	drop := func(dirs ...bool) [][]expr.Any {
+		var r [][]expr.Any
+		for _, in := range dirs {
+			r = append(r, append(tapDevice(in), verdict(expr.VerdictDrop)))
+		}
+		return r
+	}
+	return []chainSpec{
+		// Locally delivered with a tap as input device: only what went up
+		// the tap's own stack (with br_netfilter, what the bridge passes
+		// up has the bridge as input device here).
+		{baseChain(inet, "input", nftables.ChainHookInput, prio), drop(true)},
+		// Routed by the host from or to a tap (not bridged: with
+		// br_netfilter, bridged frames have the bridge as devices here).
+		{baseChain(inet, "forward", nftables.ChainHookForward, prio), drop(true, false)},
+		// The host's own packets sent on a tap, past the bridge and its
+		// port filter: its IPv6 chatter (solicitations, reports).
+		{baseChain(inet, "output", nftables.ChainHookOutput, prio), drop(false)},
+		{baseChain(arp, "input", nftables.ChainHookRef(nfARPIn), prio), drop(true)},
+		{baseChain(arp, "output", nftables.ChainHookRef(nfARPOut), prio), drop(false)},
+	}
+}
+
+// nft_meta's interface kind keys (linux/netfilter/nf_tables.h), which
+// golang.org/x/sys does not name: dev->rtnl_link_ops->kind, "tun" for a
+// tap, "bridge" for a bridge.
+const (
+	metaIIFKind expr.MetaKey = 26
+	metaOIFKind expr.MetaKey = 27
+)
+
+// The arp family's hooks (linux/netfilter_arp.h).
+const (
+	nfARPIn  nftables.ChainHook = 0
+	nfARPOut nftables.ChainHook = 1
+)
+
+// tapDevice matches a packet whose input (or output) device is a box's tap.
+func tapDevice(in bool) []expr.Any {
+	name, kind := expr.MetaKeyIIFNAME, metaIIFKind
+	if !in {
+		name, kind = expr.MetaKeyOIFNAME, metaOIFKind
+	}
+	return []expr.Any{
+		&expr.Meta{Key: name, Register: reg}, cmp(expr.CmpOpEq, []byte(tapPrefix)...),
+		&expr.Meta{Key: kind, Register: reg}, cmp(expr.CmpOpEq, 't', 'u', 'n', 0),
+	}
+}
+
+// EnsurePortFilter makes kvbox's tables, or adds what an older kvbox's
+// lack, and says whether it made the bridge table afresh (then no box is in
+// it yet: after a host reboot, or on kvbox's first use).
 func EnsurePortFilter() (created bool, err error) {
 	conn, err := nftables.New()
 	if err != nil {
 		return false, fmt.Errorf("port filter: %w", err)
 	}
-	t := filterTable()
-	tables, err := conn.ListTablesOfFamily(nftables.TableFamilyBridge)
+	if missing, err := missingChains(conn); err != nil || len(missing) == 0 {
+		return false, err
+	}
+	// Two kvbox commands setting the filter up at once would both make
+	// the table and append its rules twice.
+	unlock, err := lockNetwork("port-filter")
 	if err != nil {
-		return false, fmt.Errorf("port filter: list tables: %w", err)
-	}
-	for _, x := range tables {
-		if x.Name == t.Name {
-			return false, nil
-		}
-	}
-	conn.AddTable(t)
-	set := portSet(t)
-	if err := conn.AddSet(set, nil); err != nil {
 		return false, fmt.Errorf("port filter: %w", err)
 	}
-	accept := nftables.ChainPolicyAccept
-	in := conn.AddChain(&nftables.Chain{Name: "from-boxes", Table: t, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(-200), Policy: &accept})
-	for _, r := range fromBoxRules(set) {
-		conn.AddRule(&nftables.Rule{Table: t, Chain: in, Exprs: r})
+	defer unlock()
+	missing, err := missingChains(conn)
+	if err != nil || len(missing) == 0 {
+		return false, err
 	}
-	out := conn.AddChain(&nftables.Chain{Name: "to-boxes", Table: t, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityRef(-200), Policy: &accept})
-	for _, r := range toBoxRules() {
-		conn.AddRule(&nftables.Rule{Table: t, Chain: out, Exprs: r})
-	}
-	// One batch: the table appears whole or not at all. Two kvbox commands
-	// may race to make it: the loser finds it made.
-	if err := conn.Flush(); err != nil {
-		if errors.Is(err, os.ErrExist) {
-			return false, nil
+	t := filterTable()
+	set := portSet(t)
+	switch {
+	case missing["from-boxes"]:
+		// No table: the whole of it, no box in it yet.
+		conn.AddTable(t)
+		if err := conn.AddSet(set, nil); err != nil {
+			return false, fmt.Errorf("port filter: %w", err)
 		}
-		return false, fmt.Errorf("port filter: make table %s: %w", t.Name, err)
+		for _, c := range portChains(set) {
+			addChain(conn, c)
+		}
+		created = true
+	case missing["to-host"]:
+		// An older kvbox's table: its set and the boxes in it stay; its
+		// chains are refilled with this kvbox's rules, in the same batch.
+		for _, c := range portChains(set) {
+			if !missing[c.chain.Name] {
+				conn.FlushChain(c.chain)
+			}
+			addChain(conn, c)
+		}
 	}
-	return true, nil
+	for _, fam := range []nftables.TableFamily{nftables.TableFamilyINet, nftables.TableFamilyARP} {
+		specs := familyChains(tapStackChains(), fam)
+		if !slices.ContainsFunc(specs, func(c chainSpec) bool { return missing[chainKey(c.chain)] }) {
+			continue
+		}
+		t := specs[0].chain.Table
+		if !slices.ContainsFunc(specs, func(c chainSpec) bool { return !missing[chainKey(c.chain)] }) {
+			conn.AddTable(t)
+		} else {
+			// Part of it: made again whole (it holds no state).
+			conn.DelTable(t)
+			conn.AddTable(t)
+		}
+		for _, c := range specs {
+			addChain(conn, c)
+		}
+	}
+	// One batch: every table appears whole or not at all.
+	if err := conn.Flush(); err != nil {
+		return false, fmt.Errorf("port filter: make kvbox's tables: %w", err)
+	}
+	return created, nil
+}
+
+func addChain(conn *nftables.Conn, c chainSpec) {
+	conn.AddChain(c.chain)
+	for _, r := range c.rules {
+		conn.AddRule(&nftables.Rule{Table: c.chain.Table, Chain: c.chain, Exprs: r})
+	}
+}
+
+func familyChains(specs []chainSpec, fam nftables.TableFamily) []chainSpec {
+	var r []chainSpec
+	for _, c := range specs {
+		if c.chain.Table.Family == fam {
+			r = append(r, c)
+		}
+	}
+	return r
+}
+
+// chainKey names a chain of the bridge table by its name, those of the
+// other tables by family and name.
+func chainKey(c *nftables.Chain) string {
+	if c.Table.Family == nftables.TableFamilyBridge {
+		return c.Name
+	}
+	return fmt.Sprintf("%d/%s", c.Table.Family, c.Name)
+}
+
+// missingChains lists, by chainKey, the chains of kvbox's tables that are
+// not in the kernel.
+func missingChains(conn *nftables.Conn) (map[string]bool, error) {
+	chains, err := conn.ListChains()
+	if err != nil {
+		return nil, fmt.Errorf("port filter: list chains: %w", err)
+	}
+	have := map[string]bool{}
+	for _, c := range chains {
+		if c.Table.Name == tableName {
+			have[chainKey(c)] = true
+		}
+	}
+	missing := map[string]bool{}
+	for _, c := range append(portChains(portSet(filterTable())), tapStackChains()...) {
+		if !have[chainKey(c.chain)] {
+			missing[chainKey(c.chain)] = true
+		}
+	}
+	return missing, nil
 }
 
 // Registers: NFT_REG_1 (16 bytes) for plain matches; a concatenation is
@@ -159,7 +338,7 @@ func fromBoxRules(set *nftables.Set) [][]expr.Any {
 			&expr.Lookup{SourceRegister: regTap, SetName: set.Name, SetID: set.ID},
 		}
 	}
-	rules := [][]expr.Any{otherPorts(expr.MetaKeyIIFNAME)}
+	rules := [][]expr.Any{otherPorts(expr.MetaKeyIIFNAME), dropLinkLocal()}
 	// No DHCP server on a box (boxes have static addresses).
 	rules = append(rules, append(etherType(unix.ETH_P_IP),
 		load(expr.PayloadBaseNetworkHeader, 9, 1, reg), cmp(expr.CmpOpEq, unix.IPPROTO_UDP),
@@ -178,6 +357,27 @@ func fromBoxRules(set *nftables.Set) [][]expr.Any {
 	// Everything else: spoofed IPv4 or ARP, RARP, all IPv6 (router
 	// advertisements, neighbour spoofing), any other ethertype.
 	return append(rules, []expr.Any{verdict(expr.VerdictDrop)})
+}
+
+// dropLinkLocal drops a frame to a reserved link-local group address
+// (01:80:c2:00:00:00 to 01:80:c2:00:00:0f): nothing a box needs, and the
+// bridge would hand it up the tap's own stack.
+func dropLinkLocal() []expr.Any {
+	return []expr.Any{
+		load(expr.PayloadBaseLLHeader, 0, 6, reg),
+		&expr.Bitwise{SourceRegister: reg, DestRegister: reg, Len: 6,
+			Mask: []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xf0}, Xor: make([]byte, 6)},
+		cmp(expr.CmpOpEq, 0x01, 0x80, 0xc2, 0, 0, 0),
+		verdict(expr.VerdictDrop),
+	}
+}
+
+// toHostRules: what the bridge passes up from a box's port. Frames it
+// forwarded passed the port filter on their way in; a frame to a reserved
+// link-local group address did not, and is dropped here before the bridge
+// hands it up the tap's stack (and learns its source MAC).
+func toHostRules() [][]expr.Any {
+	return [][]expr.Any{otherPorts(expr.MetaKeyIIFNAME), dropLinkLocal()}
 }
 
 // toBoxRules: frames to a box: IPv4 and ARP only.
@@ -230,24 +430,35 @@ func portElement(tap, mac string, ip netip.Addr, add bool) error {
 	return nil
 }
 
-// removePortFilter deletes kvbox's table once no box is in it (network rm
-// of the last bridge with boxes).
+// removePortFilter deletes kvbox's tables once no box is in its port
+// filter (network rm of the last bridge with boxes).
 func removePortFilter() error {
 	conn, err := nftables.New()
 	if err != nil {
 		return fmt.Errorf("port filter: %w", err)
 	}
 	t := filterTable()
-	set, err := conn.GetSetByName(t, portSet(t).Name)
+	if set, err := conn.GetSetByName(t, portSet(t).Name); err == nil {
+		if els, err := conn.GetSetElements(set); err != nil || len(els) > 0 {
+			return err
+		}
+	}
+	tables, err := conn.ListTables()
 	if err != nil {
-		return nil // no table
+		return fmt.Errorf("port filter: list tables: %w", err)
 	}
-	if els, err := conn.GetSetElements(set); err != nil || len(els) > 0 {
-		return err
+	del := false
+	for _, x := range tables {
+		if x.Name == tableName && (x.Family == nftables.TableFamilyBridge || x.Family == nftables.TableFamilyINet || x.Family == nftables.TableFamilyARP) {
+			conn.DelTable(x)
+			del = true
+		}
 	}
-	conn.DelTable(t)
+	if !del {
+		return nil
+	}
 	if err := conn.Flush(); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("port filter: remove table: %w", err)
+		return fmt.Errorf("port filter: remove kvbox's tables: %w", err)
 	}
 	return nil
 }

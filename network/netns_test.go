@@ -1,0 +1,212 @@
+package network
+
+import (
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/testenv/gate"
+)
+
+// nsChildEnv names the test a child process runs inside its own namespaces
+// (inNamespaces).
+const nsChildEnv = "KVBOX_TEST_NAMESPACE_CHILD"
+
+// inNamespaces runs the calling test again in a child process made in a
+// fresh network and mount namespace, with a /run of its own, so that
+// kvbox's real bridge, tables and lock files are the child's only. It
+// returns true in the child, where the test's body runs; in the parent it
+// waits for the child, fails the test with its output unless the child ran
+// the test and passed, and returns false.
+func inNamespaces(t *testing.T) bool {
+	t.Helper()
+	if os.Getenv(nsChildEnv) == t.Name() {
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+			t.Fatalf("make / private in the child's mount namespace: %v", err)
+		}
+		if err := unix.Mount("tmpfs", "/run", "tmpfs", 0, ""); err != nil {
+			t.Fatalf("a /run of the child's own: %v", err)
+		}
+		return true
+	}
+	gate.Root(t) // for the namespaces
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), nsChildEnv+"="+t.Name())
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET | syscall.CLONE_NEWNS}
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
+		t.Fatalf("%s in its own namespaces: %v\n%s", t.Name(), err, out)
+	}
+	return false
+}
+
+// kvboxChains lists the chains of kvbox's tables in this namespace, by
+// chainKey.
+func kvboxChains(t *testing.T) map[string]bool {
+	t.Helper()
+	conn, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	chains, err := conn.ListChains()
+	if err != nil {
+		t.Fatal(err)
+	}
+	have := map[string]bool{}
+	for _, c := range chains {
+		if c.Table.Name == tableName {
+			have[chainKey(c)] = true
+		}
+	}
+	return have
+}
+
+// kvbox's tables, made on a host without them, made again whole after a
+// reboot, and completed on a host an older kvbox set up (its bridge table
+// without the input chain, no inet or arp table) without losing a box's
+// port; removed with the last box.
+func TestEnsurePortFilter(t *testing.T) {
+	if !inNamespaces(t) {
+		return
+	}
+	all := len(append(portChains(portSet(filterTable())), tapStackChains()...))
+	created, err := EnsurePortFilter()
+	if err != nil || !created {
+		t.Fatalf("first EnsurePortFilter: created %v, %v", created, err)
+	}
+	if have := kvboxChains(t); len(have) != all {
+		t.Fatalf("chains after the first EnsurePortFilter: %v", have)
+	}
+	if created, err := EnsurePortFilter(); err != nil || created {
+		t.Fatalf("second EnsurePortFilter: created %v, %v", created, err)
+	}
+	ip := netip.MustParseAddr("172.30.0.9")
+	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
+		t.Fatal(err)
+	}
+
+	// What an older kvbox left: no input chain, its own rules in the
+	// others, no inet or arp table.
+	conn, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.DelChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
+	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "from-boxes"})
+	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyINet, Name: tableName})
+	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyARP, Name: tableName})
+	if err := conn.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if created, err := EnsurePortFilter(); err != nil || created {
+		t.Fatalf("EnsurePortFilter on an older table: created %v, %v", created, err)
+	}
+	if have := kvboxChains(t); len(have) != all {
+		t.Errorf("chains after completing an older table: %v", have)
+	}
+	rules, err := conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "from-boxes"})
+	if err != nil || len(rules) != len(fromBoxRules(portSet(filterTable()))) {
+		t.Errorf("from-boxes after completing an older table: %d rules, %v", len(rules), err)
+	}
+	set, err := conn.GetSetByName(filterTable(), "ports")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if els, err := conn.GetSetElements(set); err != nil || len(els) != 1 {
+		t.Errorf("the box's port after completing an older table: %d elements, %v", len(els), err)
+	}
+
+	// Part of the inet table: made again whole.
+	conn.DelChain(&nftables.Chain{Table: &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}, Name: "output"})
+	if err := conn.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := EnsurePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if have := kvboxChains(t); len(have) != all {
+		t.Errorf("chains after completing the inet table: %v", have)
+	}
+
+	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != all {
+		t.Errorf("removed with a box in the filter: %v, %v", err, kvboxChains(t))
+	}
+	if err := ForgetPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
+		t.Fatal(err)
+	}
+	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != 0 {
+		t.Errorf("left after the last box: %v, %v", err, kvboxChains(t))
+	}
+}
+
+// A bridge kvbox makes forwards the link-local group addresses it may
+// before any port is on it, and one an older kvbox made gets the same; a
+// group's bridge is marked with its group's name and refused to another
+// group.
+func TestBridgeSetUp(t *testing.T) {
+	if !inNamespaces(t) {
+		return
+	}
+	mask := func(name string) uint16 {
+		t.Helper()
+		l, err := netlink.LinkByName(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, ok := l.(*netlink.Bridge)
+		if !ok || b.GroupFwdMask == nil {
+			t.Fatalf("%s: %T without group_fwd_mask", name, l)
+		}
+		return *b.GroupFwdMask
+	}
+	c, err := Parse("kvbt0", "172.30.40.0/24")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.ensure(false); err != nil {
+		t.Fatal(err)
+	}
+	if m := mask(c.Bridge); m != groupFwdMask {
+		t.Errorf("a new bridge's group_fwd_mask: %#x", m)
+	}
+	old := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "kvbt1"}}
+	if err := netlink.LinkAdd(old); err != nil {
+		t.Fatal(err)
+	}
+	c1, _ := Parse("kvbt1", "172.30.41.0/24")
+	if err := c1.ensure(false); err != nil {
+		t.Fatal(err)
+	}
+	if m := mask("kvbt1"); m != groupFwdMask {
+		t.Errorf("an older bridge's group_fwd_mask: %#x", m)
+	}
+
+	web := GroupConfig("web", GroupBridge("web"), netip.MustParsePrefix("172.30.42.0/24"))
+	if err := web.ensure(false); err != nil {
+		t.Fatal(err)
+	}
+	if l, _ := netlink.LinkByName(web.Bridge); l == nil || l.Attrs().Alias != "kvbox group web" {
+		t.Fatalf("group web's bridge is not marked: %+v", l)
+	}
+	if err := web.ensure(false); err != nil {
+		t.Errorf("group web's bridge, again: %v", err)
+	}
+	// Another group whose bridge name came out the same.
+	db := GroupConfig("db", web.Bridge, netip.MustParsePrefix("172.30.43.0/24"))
+	if err := db.ensure(false); err == nil || !strings.Contains(err.Error(), "group web") {
+		t.Errorf("group db on group web's bridge: %v", err)
+	}
+	addrs, _ := netlink.AddrList(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: web.Bridge}}, netlink.FAMILY_V4)
+	for _, a := range addrs {
+		if a.IP.String() == db.Gateway().String() {
+			t.Errorf("group db's gateway was put on group web's bridge")
+		}
+	}
+}
