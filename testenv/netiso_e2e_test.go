@@ -491,3 +491,28 @@ func TestNetworkGroups(t *testing.T) {
 		}
 	})
 }
+
+// Two groups never share a bridge: group-22235 and group-30796, whose
+// bridges had one name under the old naming (32 bits of a hash of the
+// group's name), get one each, marked with their group's name, and their
+// boxes do not reach each other.
+func TestGroupBridgesApart(t *testing.T) {
+	g1, g2 := "group-22235", "group-30796"
+	if network.LegacyGroupBridge(g1) != network.LegacyGroupBridge(g2) {
+		t.Fatalf("the old bridge names of %s and %s differ: the pair shows nothing", g1, g2)
+	}
+	a := newBox(t, name(t, "gapa"), "--network", "group:"+g1)
+	b := newBox(t, name(t, "gapb"), "--network", "group:"+g2)
+	if a.Bridge == b.Bridge || a.Bridge != network.GroupBridge(g1) || b.Bridge != network.GroupBridge(g2) {
+		t.Fatalf("group %s is on %s, group %s on %s", g1, a.Bridge, g2, b.Bridge)
+	}
+	for _, x := range []box{a, b} {
+		out, err := exec.Command("ip", "-d", "link", "show", x.Bridge).CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "alias kvbox group "+x.Group) {
+			t.Errorf("bridge %s is not marked as group %s's: %v\n%s", x.Bridge, x.Group, err, out)
+		}
+	}
+	if boxPings(t, a.Name, b.IP) || boxPings(t, b.Name, a.IP) {
+		t.Errorf("boxes of groups %s and %s reach each other", g1, g2)
+	}
+}
