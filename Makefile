@@ -30,13 +30,19 @@ unit:
 	$(call guarded,$(GO) test ./...)
 
 # Fuzz targets, PACKAGE:TARGET, one a line: each decoder of bytes from a
-# guest or an artifact. make fuzz runs each for FUZZTIME (go test -fuzz
+# guest or a pulled artifact. make fuzz runs each for FUZZTIME (go test -fuzz
 # takes one target a run); their seeds already run in make unit. Inputs
 # that find new code are minimized for at most a second, so that the time
 # goes to fuzzing; a failing input is kept in PACKAGE/testdata/fuzz.
 FUZZTIME ?= 20s
 FUZZ_TARGETS = \
-	./guest-agent:FuzzExtractFromBox
+	./guest-agent:FuzzExtractFromBox \
+	./registry:FuzzManifest \
+	./registry:FuzzSnapshotJSON \
+	./registry:FuzzImageJSON \
+	./registry:FuzzDecodeSparse \
+	./snapshot:FuzzPulledXML \
+	./overlay:FuzzQCOW2Header
 
 fuzz:
 	$(call guarded,(for t in $(FUZZ_TARGETS); do $(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 1s "$${t%%:*}" || exit 1; done))

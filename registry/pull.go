@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -93,6 +94,10 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	if err := compat.Check(conn, o.DomainType); err != nil {
 		return res, err
 	}
+	p, err := checkManifest(m)
+	if err != nil {
+		return res, fmt.Errorf("pull of %s refused: %w", refStr, err)
+	}
 	ref, _ := o.ref(refStr)
 	var cnt counter
 	ropts := o.remote(ctx, &cnt)
@@ -100,32 +105,77 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	if err := os.MkdirAll(c.dir, 0o700); err != nil {
 		return res, err
 	}
+	// The snapshot's metadata first: what it says bounds the rest.
+	var small, rest []part
+	var smallBytes int64
+	for _, t := range p.titles {
+		if slices.Contains(metaParts, t) {
+			small = append(small, p.parts[t])
+			smallBytes += p.parts[t].desc.Size
+		} else {
+			rest = append(rest, p.parts[t])
+		}
+	}
+	if err := checkSpace(stateDir, smallBytes); err != nil {
+		return res, fmt.Errorf("pull of %s refused: %w", refStr, err)
+	}
 	t0 := time.Now()
-	for _, l := range m.Layers {
-		if c.verify(l.Digest, l.Size) {
-			res.Cached++
-			o.logf("  %-24s cached", l.Annotations[AnnotTitle])
-			continue
+	get := func(ps []part) error {
+		for _, pt := range ps {
+			l := pt.desc
+			if c.verify(l.Digest, l.Size) {
+				res.Cached++
+				o.logf("  %-24s cached", pt.title)
+				continue
+			}
+			if err := fetch(ctx, c, ref.Context().Digest(l.Digest.String()), l, ropts, o.Progress); err != nil {
+				return fmt.Errorf("%s: %w", pt.title, err)
+			}
+			o.logf("  %-24s %s fetched and verified", pt.title, human(l.Size))
 		}
-		if err := fetch(ctx, c, ref.Context().Digest(l.Digest.String()), l, ropts, o.Progress); err != nil {
-			return res, fmt.Errorf("%s: %w", l.Annotations[AnnotTitle], err)
+		return nil
+	}
+	if err := get(small); err != nil {
+		return res, err
+	}
+	in, err := prepare(c, st, stateDir, name, p, o)
+	if err != nil {
+		return res, refusal(refStr, err)
+	}
+	var toFetch int64
+	for _, pt := range rest {
+		if !c.verify(pt.desc.Digest, pt.desc.Size) {
+			toFetch += pt.desc.Size
 		}
-		o.logf("  %-24s %s fetched and verified", l.Annotations[AnnotTitle], human(l.Size))
+	}
+	if err := in.checkSpace(toFetch); err != nil {
+		return res, refusal(refStr, err)
+	}
+	if err := get(rest); err != nil {
+		return res, err
 	}
 	res.Transfer = time.Since(t0)
 	res.Received = cnt.recv.Load()
 
 	t1 := time.Now()
-	s, reused, err := install(ctx, c, st, stateDir, name, m)
+	s, err := in.install(ctx)
 	if err != nil {
-		return res, err
+		return res, refusal(refStr, err)
 	}
 	res.Decode = time.Since(t1)
-	res.Snapshot, res.ImageReuse = s, reused
+	res.Snapshot, res.ImageReuse = s, in.reuse
 	for _, l := range m.Layers { // the snapshot now holds the bytes
 		os.Remove(c.blob(l.Digest))
 	}
 	return res, nil
+}
+
+// refusal says which pull an artifact's refusal is of.
+func refusal(ref string, err error) error {
+	if errors.Is(err, domain.ErrInvalid) {
+		return fmt.Errorf("pull of %s refused: %w", ref, err)
+	}
+	return err
 }
 
 // fetch downloads one blob into the cache, hashing as it goes: a blob
@@ -164,12 +214,6 @@ func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropt
 
 func isVerifyErr(err error) bool {
 	return err != nil && (strings.Contains(err.Error(), "error verifying") || strings.Contains(err.Error(), "digest"))
-}
-
-func apparent(l v1.Descriptor) int64 {
-	var n int64
-	fmt.Sscan(l.Annotations[AnnotApparent], &n)
-	return n
 }
 
 func syncDir(dir string) error {

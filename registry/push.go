@@ -59,6 +59,10 @@ type Options struct {
 	// DomainType is the libvirt domain type kvbox uses on this host, for
 	// the compatibility check of a pull.
 	DomainType string
+	// Emulator is the <emulator> this host gives kvbox's boxes
+	// (domain.Host.Emulator; "" for libvirt's default): a pulled
+	// snapshot's clones run it, whatever the artifact named.
+	Emulator string
 }
 
 func (o Options) ref(s string) (name.Reference, error) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 
+	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 )
 
@@ -84,55 +85,141 @@ func encodeSparse(path string, w io.Writer) (size, data int64, err error) {
 	return size, data, zw.Close()
 }
 
-// decodeSparse writes the file encoded in r to path (created, holes kept).
-func decodeSparse(r io.Reader, path string) error {
-	zr, err := zstd.NewReader(r, zstd.WithDecoderConcurrency(1))
+// maxWindow bounds the memory a part's zstd stream may ask the decoder
+// for: kvbox's encoder (SpeedFastest) uses a 4 MiB window, the zstd
+// decoder's default allows 512 MiB.
+const maxWindow = 32 << 20
+
+// newDecoder reads a part's zstd stream; small: for a small part, with
+// buffers sized to it.
+func newDecoder(r io.Reader, small bool) (*zstd.Decoder, error) {
+	return zstd.NewReader(r, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(maxWindow), zstd.WithDecoderLowmem(small))
+}
+
+// readPartHeader reads a part's extent map and checks it against the
+// sizes the manifest declared for it (apparent, data): the file it encodes
+// is exactly that large, with exactly that much data, before a byte of it
+// is written.
+func readPartHeader(br io.Reader, apparent, data int64) ([]extent, error) {
+	var hdr [24]byte
+	if _, err := io.ReadFull(br, hdr[:]); err != nil {
+		return nil, fmt.Errorf("not a kvbox part: %w", err)
+	}
+	if [8]byte(hdr[:8]) != sparseMagic {
+		return nil, errors.New("not a kvbox part (bad magic)")
+	}
+	size := int64(binary.BigEndian.Uint64(hdr[8:]))
+	n := binary.BigEndian.Uint64(hdr[16:])
+	if size != apparent {
+		return nil, fmt.Errorf("the part is a file of %d bytes, its manifest says %d: %w", uint64(size), apparent, domain.ErrInvalid)
+	}
+	// An extent holds at least 512 bytes of data after a hole of at least
+	// as much: a map longer than that is no file's.
+	if n > maxExtents || n > uint64(size/512+1) {
+		return nil, fmt.Errorf("kvbox part: bad header (size %d, %d extents): %w", size, n, domain.ErrInvalid)
+	}
+	ex := make([]extent, n)
+	var prev, total int64
+	for i := range ex {
+		var b [16]byte
+		if _, err := io.ReadFull(br, b[:]); err != nil {
+			return nil, fmt.Errorf("kvbox part: extent map: %w", err)
+		}
+		e := extent{Off: int64(binary.BigEndian.Uint64(b[:8])), Len: int64(binary.BigEndian.Uint64(b[8:]))}
+		if e.Off < prev || e.Len < 0 || e.Off+e.Len > size || e.Off+e.Len < e.Off {
+			return nil, fmt.Errorf("kvbox part: extent %d out of order or out of range: %w", i, domain.ErrInvalid)
+		}
+		prev = e.Off + e.Len
+		total += e.Len
+		ex[i] = e
+	}
+	if total != data {
+		return nil, fmt.Errorf("the part holds %d bytes of data, its manifest says %d: %w", total, data, domain.ErrInvalid)
+	}
+	return ex, nil
+}
+
+// decodeSparse writes the file encoded in r to path (created, holes kept)
+// if it is the file the manifest declared: apparent bytes large, data
+// bytes of it outside holes. Runs of zeroes are left as holes too.
+func decodeSparse(r io.Reader, path string, apparent, data int64) error {
+	zr, err := newDecoder(r, false)
 	if err != nil {
 		return err
 	}
 	defer zr.Close()
 	br := bufio.NewReaderSize(zr, 1<<20)
-	var hdr [24]byte
-	if _, err := io.ReadFull(br, hdr[:]); err != nil {
-		return fmt.Errorf("not a kvbox part: %w", err)
-	}
-	if [8]byte(hdr[:8]) != sparseMagic {
-		return errors.New("not a kvbox part (bad magic)")
-	}
-	size := int64(binary.BigEndian.Uint64(hdr[8:]))
-	n := binary.BigEndian.Uint64(hdr[16:])
-	if size < 0 || n > maxExtents {
-		return fmt.Errorf("kvbox part: bad header (size %d, %d extents)", size, n)
-	}
-	ex := make([]extent, n)
-	var prev int64
-	for i := range ex {
-		var b [16]byte
-		if _, err := io.ReadFull(br, b[:]); err != nil {
-			return fmt.Errorf("kvbox part: extent map: %w", err)
-		}
-		e := extent{Off: int64(binary.BigEndian.Uint64(b[:8])), Len: int64(binary.BigEndian.Uint64(b[8:]))}
-		if e.Off < prev || e.Len < 0 || e.Off+e.Len > size || e.Off+e.Len < e.Off {
-			return fmt.Errorf("kvbox part: extent %d out of order or out of range", i)
-		}
-		prev = e.Off + e.Len
-		ex[i] = e
+	ex, err := readPartHeader(br, apparent, data)
+	if err != nil {
+		return err
 	}
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o640)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	if err := f.Truncate(size); err != nil {
+	if err := f.Truncate(apparent); err != nil {
 		return err
 	}
+	buf := make([]byte, 1<<20)
 	for _, e := range ex {
-		if _, err := io.CopyN(io.NewOffsetWriter(f, e.Off), br, e.Len); err != nil {
-			return fmt.Errorf("kvbox part: extent at %d: %w", e.Off, err)
+		for off, end := e.Off, e.Off+e.Len; off < end; {
+			n := int(min(int64(len(buf)), end-off))
+			if _, err := io.ReadFull(br, buf[:n]); err != nil {
+				return fmt.Errorf("kvbox part: extent at %d: %w", e.Off, err)
+			}
+			if !allZero(buf[:n]) {
+				if _, err := f.WriteAt(buf[:n], off); err != nil {
+					return err
+				}
+			}
+			off += int64(n)
 		}
 	}
 	if extra, _ := br.Read(make([]byte, 1)); extra != 0 {
 		return errors.New("kvbox part: trailing data")
 	}
 	return f.Sync()
+}
+
+// decodeSmall returns the file encoded in r, which the manifest declared
+// to be apparent bytes, data of them outside holes (a small file: the
+// caller bounds apparent).
+func decodeSmall(r io.Reader, apparent, data int64) ([]byte, error) {
+	zr, err := newDecoder(r, true)
+	if err != nil {
+		return nil, err
+	}
+	defer zr.Close()
+	br := bufio.NewReader(zr)
+	ex, err := readPartHeader(br, apparent, data)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]byte, apparent)
+	for _, e := range ex {
+		if _, err := io.ReadFull(br, out[e.Off:e.Off+e.Len]); err != nil {
+			return nil, fmt.Errorf("kvbox part: extent at %d: %w", e.Off, err)
+		}
+	}
+	if extra, _ := br.Read(make([]byte, 1)); extra != 0 {
+		return nil, errors.New("kvbox part: trailing data")
+	}
+	return out, nil
+}
+
+// allZero reports whether b holds only zero bytes.
+func allZero(b []byte) bool {
+	for len(b) >= 8 {
+		if binary.LittleEndian.Uint64(b) != 0 {
+			return false
+		}
+		b = b[8:]
+	}
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }

@@ -46,7 +46,7 @@ func TestSparseRoundTrip(t *testing.T) {
 		t.Error("two encodings of the same file differ: a re-push would upload it again")
 	}
 	dst := filepath.Join(dir, "out")
-	if err := decodeSparse(bytes.NewReader(a.Bytes()), dst); err != nil {
+	if err := decodeSparse(bytes.NewReader(a.Bytes()), dst, apparent, data); err != nil {
 		t.Fatal(err)
 	}
 	want, _ := os.ReadFile(src)
@@ -57,7 +57,7 @@ func TestSparseRoundTrip(t *testing.T) {
 	if du, _ := duBytes(dst); du > 4<<20 {
 		t.Errorf("decoded file takes %d bytes on disk: holes filled", du)
 	}
-	if err := decodeSparse(bytes.NewReader(a.Bytes()), dst); err == nil {
+	if err := decodeSparse(bytes.NewReader(a.Bytes()), dst, apparent, data); err == nil {
 		t.Error("decode over an existing file succeeded")
 	}
 }
@@ -67,7 +67,8 @@ func TestSparseDecodeBad(t *testing.T) {
 	src := filepath.Join(dir, "f")
 	writeSparse(t, src, 1<<20, map[int64][]byte{4096: []byte("hello")})
 	var enc bytes.Buffer
-	if _, _, err := encodeSparse(src, &enc); err != nil {
+	apparent, data, err := encodeSparse(src, &enc)
+	if err != nil {
 		t.Fatal(err)
 	}
 	for name, in := range map[string][]byte{
@@ -75,12 +76,24 @@ func TestSparseDecodeBad(t *testing.T) {
 		"not zstd":  []byte("hello world"),
 		"truncated": enc.Bytes()[:enc.Len()/2],
 	} {
-		if err := decodeSparse(bytes.NewReader(in), filepath.Join(dir, name)); err == nil {
+		if err := decodeSparse(bytes.NewReader(in), filepath.Join(dir, name), apparent, data); err == nil {
 			t.Errorf("%s: decoded", name)
+		}
+	}
+	// The whole part, but not the sizes its manifest declared.
+	for name, sz := range map[string][2]int64{"larger": {apparent + 1, data}, "smaller": {apparent - 1, data}, "more data": {apparent, data + 1}} {
+		if err := decodeSparse(bytes.NewReader(enc.Bytes()), filepath.Join(dir, name), sz[0], sz[1]); err == nil {
+			t.Errorf("%s than declared: decoded", name)
+		}
+		if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
+			t.Errorf("%s than declared: a file was written", name)
 		}
 	}
 }
 
+// FuzzDecodeSparse: a part decodes to the file its manifest declared or
+// not at all. decodeSmall and decodeSparse read the same header
+// (readPartHeader); the fuzzer runs the one that writes no file.
 func FuzzDecodeSparse(f *testing.F) {
 	dir := f.TempDir()
 	src := filepath.Join(dir, "f")
@@ -95,8 +108,9 @@ func FuzzDecodeSparse(f *testing.F) {
 		}
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
-		out := filepath.Join(t.TempDir(), "o")
-		_ = decodeSparse(bytes.NewReader(in), out)
+		if b, err := decodeSmall(bytes.NewReader(in), 1<<16, 4096); err == nil && len(b) != 1<<16 {
+			t.Fatalf("decoded %d bytes, declared %d", len(b), 1<<16)
+		}
 	})
 }
 

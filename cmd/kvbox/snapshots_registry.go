@@ -140,6 +140,9 @@ parts it verified and fetches only the rest when run again.`,
 			if o.DomainType, err = h.DomainType(); err != nil {
 				return err
 			}
+			if o.Emulator, err = h.Emulator(); err != nil {
+				return err
+			}
 			done := a.progress(&o)
 			res, err := registry.Pull(c.Context(), h.Conn, a.stateDir, args[0], args[1], o)
 			done()
