@@ -92,7 +92,7 @@ func TestRegistryPushPull(t *testing.T) {
 	inBox(t, srcName, "mkdir -p /www && echo reg-"+srcName+" > /www/index.html && "+
 		"setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1; sleep 0.3; netstat -ltn | grep -q :8080")
 	newSnapshot(t, srcName, snapName)
-	ref := testRegistry + "/kvbox-e2e/" + runID + ":v1"
+	ref := testRegistry + "/" + registryRepo + "/" + runID + ":v1"
 
 	first := push(t, nil, snapName, ref)
 	var blobs int64
@@ -118,7 +118,7 @@ func TestRegistryPushPull(t *testing.T) {
 	t.Logf("encode: first push %v (%d parts known before), second %v", time.Duration(first.Encode), first.Known, time.Duration(again.Encode))
 	// On a terminal (script(1) gives kvbox one), a push to another
 	// repository (nothing there yet) draws each part's progress.
-	tty := exec.Command("script", "-qec", kvboxBin+" snapshots push --insecure "+snapName+" "+testRegistry+"/kvbox-e2e/"+runID+"-tty:v1", "/dev/null")
+	tty := exec.Command("script", "-qec", kvboxBin+" snapshots push --insecure "+snapName+" "+testRegistry+"/"+registryRepo+"/"+runID+"-tty:v1", "/dev/null")
 	if out, err := tty.CombinedOutput(); err != nil || !strings.Contains(string(out), "snapshot/state ") || !strings.Contains(string(out), "% of ") || !strings.Contains(string(out), "✓ pushed") {
 		t.Errorf("push on a terminal shows no progress per part: %v\n%q", err, out)
 	}
@@ -126,7 +126,7 @@ func TestRegistryPushPull(t *testing.T) {
 	inBox(t, srcName, "echo changed > /www/changed.html; sync")
 	snap2 := name(t, "rwarm2")
 	newSnapshot(t, srcName, snap2)
-	second := push(t, nil, snap2, testRegistry+"/kvbox-e2e/"+runID+":v2")
+	second := push(t, nil, snap2, testRegistry+"/"+registryRepo+"/"+runID+":v2")
 	known := map[string]bool{}
 	for _, p := range first.Parts {
 		known[p.Digest] = true
@@ -349,7 +349,7 @@ func TestRegistryPushPull(t *testing.T) {
 			odd[tc.field] = tc.value
 			b, _ := json.Marshal(odd)
 			os.WriteFile(filepath.Join(dst, "compat.json"), b, 0o644)
-			oref := testRegistry + "/kvbox-e2e/" + runID + "-odd:latest"
+			oref := testRegistry + "/" + registryRepo + "/" + runID + "-odd:latest"
 			push(t, []string{"--state-dir", other}, "odd", oref)
 			h5 := host2(t, "d", "172.31.253.0/24")
 			r := kvbox(t, append(h5, "snapshots", "pull", "--insecure", oref, name(t, "rodd"))...)
