@@ -121,7 +121,13 @@ func (a *app) newCmdSnapshotsPull() *cobra.Command {
 (domain type, machine type, QEMU version, CPU): a snapshot it cannot restore is
 refused before anything is downloaded. Every part is verified against its
 digest; the snapshot is listed only once complete. An interrupted pull keeps the
-parts it verified and fetches only the rest when run again.`,
+parts it verified and fetches only the rest when run again.
+
+A pulled snapshot is untrusted input: its domain is kvbox's own template with
+the machine, CPU, sizes and device addresses it carries, and one that asks for
+anything more (QEMU arguments, other devices, host files, a disk that names
+another file, more bytes than it declared or than the disk has free) is
+refused in one line, leaving nothing behind. Its clones join no box group.`,
 		Example: `  kvbox snapshots pull registry.example:5000/team/warm:v3 warm
   kvbox new --from warm agent-1`,
 		Args: exactArgs(2, "a registry reference and a snapshot name"),
