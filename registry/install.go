@@ -209,7 +209,11 @@ func (in *installer) install(ctx context.Context) (snapshot.Snapshot, error) {
 		if imgTmp, err = os.MkdirTemp(in.imgTop, "."+in.p.version+".pulling-"); err != nil {
 			return snapshot.Snapshot{}, err
 		}
-		os.Chmod(imgTmp, 0o750)
+		// MkdirTemp's 0700, but the setgid bit it inherited kept: the
+		// files in it are QEMU's group's, as in a folder made with Mkdir.
+		if fi, err := os.Stat(imgTmp); err == nil {
+			os.Chmod(imgTmp, 0o750|fi.Mode()&os.ModeSetgid)
+		}
 		defer os.RemoveAll(imgTmp)
 		if err := in.writeImage(ctx, imgTmp); err != nil {
 			return snapshot.Snapshot{}, err

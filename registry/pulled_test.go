@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -180,10 +181,20 @@ func (a *artifact) manifest(c cache) *v1.Manifest {
 	return m
 }
 
+// qemuGID stands for QEMU's group in the tests' state dirs.
+const qemuGID = 64123
+
 // pull installs the artifact into a fresh state dir as snapshot "pulled".
+// Its images/ and snapshots/ are setgid to qemuGID, as kvbox makes them.
 func (a *artifact) pull() (string, snapshot.Snapshot, error) {
 	a.t.Helper()
 	stateDir := a.t.TempDir()
+	for _, d := range []string{"images", "snapshots"} {
+		p := filepath.Join(stateDir, d)
+		os.Mkdir(p, 0o750)
+		os.Chown(p, 0, qemuGID)
+		os.Chmod(p, 0o750|os.ModeSetgid)
+	}
 	c := cache{CacheDir(stateDir)}
 	os.MkdirAll(c.dir, 0o700)
 	m := a.manifest(c)
@@ -227,6 +238,14 @@ func TestPullInstallsHonestArtifact(t *testing.T) {
 		b, _ := os.ReadFile(s.Path(f))
 		if bytes.Contains(b, []byte(srcState)) {
 			t.Errorf("%s names the pushing host's state dir:\n%s", f, b)
+		}
+	}
+	// QEMU reads the base image and the snapshot through its group.
+	if os.Geteuid() == 0 {
+		for _, f := range []string{filepath.Join(filepath.Dir(s.BaseDisk), "vmlinuz"), s.BaseDisk, s.Path("state"), s.Path("disk.qcow2")} {
+			if fi, err := os.Stat(f); err != nil || fi.Sys().(*syscall.Stat_t).Gid != qemuGID {
+				t.Errorf("%s is not in QEMU's group (%v)", f, err)
+			}
 		}
 	}
 	img, _ := os.ReadFile(filepath.Join(stateDir, "images/tiny/image.json"))
