@@ -399,9 +399,9 @@ func TestPullBoundsSizes(t *testing.T) {
 	// refused before a byte is written.
 	a = honest(t)
 	free := freeBytes(t, t.TempDir())
-	disk := (2*free>>30 + 1) << 30
+	disk := (4*free>>30 + 1) << 30 // twice the free space: other processes may free some meanwhile
 	a.json("snapshot/snapshot.json", func(m map[string]any) { m["disk_bytes"] = disk })
-	a.files["snapshot/disk.qcow2"].ann = map[string]string{AnnotApparent: strconv.FormatInt(free+1<<30, 10), AnnotDataBytes: strconv.FormatInt(free+1<<30, 10)}
+	a.files["snapshot/disk.qcow2"].ann = map[string]string{AnnotApparent: strconv.FormatInt(2*free, 10), AnnotDataBytes: strconv.FormatInt(2*free, 10)}
 	a.refused("free")
 }
 
