@@ -111,13 +111,19 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 			return fmt.Errorf("no section %q (sections: %s)", s, sectionNames())
 		}
 	}
+	// The bridge and subnet kvbox's own commands read, so that a bench
+	// run beside other kvbox users keeps to its own network.
+	nc, err := network.Parse(envOr("KVBOX_BRIDGE", network.Default.Bridge), envOr("KVBOX_SUBNET", network.Default.Subnet.String()))
+	if err != nil {
+		return err
+	}
 	conn, err := domain.Connect(domain.DefaultURI())
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	e := &env{conn: conn, stateDir: stateDir, n: n, boots: boots,
-		h: &domain.Host{Conn: conn, URI: domain.DefaultURI(), StateDir: stateDir, Net: network.Default, Template: templates.Box}}
+		h: &domain.Host{Conn: conn, URI: domain.DefaultURI(), StateDir: stateDir, Net: nc, Template: templates.Box}}
 	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}
