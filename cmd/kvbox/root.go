@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -216,10 +217,43 @@ func envOr(k, def string) string {
 	return def
 }
 
+// absPaths makes --state-dir and --template absolute: what kvbox starts
+// (reapers, port holders) runs in / and is given them.
+func (a *app) absPaths() error {
+	for _, p := range []struct {
+		flag string
+		v    *string
+	}{{"--state-dir", &a.stateDir}, {"--template", &a.template}} {
+		if *p.v == "" || filepath.IsAbs(*p.v) {
+			continue
+		}
+		abs, err := filepath.Abs(*p.v)
+		if err != nil {
+			return fmt.Errorf("%w: %s %q is relative and the working directory cannot be read (%v): give an absolute path", errUsage, p.flag, *p.v, err)
+		}
+		*p.v = abs
+	}
+	return nil
+}
+
+// absOr is p made absolute, or p when that fails (absPaths has said so).
+func absOr(p string) string {
+	if p == "" || filepath.IsAbs(p) {
+		return p
+	}
+	if abs, err := filepath.Abs(p); err == nil {
+		return abs
+	}
+	return p
+}
+
 // Host connects to libvirt on first use.
 func (a *app) Host() (*domain.Host, error) {
 	if a.host != nil {
 		return a.host, nil
+	}
+	if err := a.absPaths(); err != nil {
+		return nil, err
 	}
 	nc, err := network.Parse(a.bridge, a.subnet)
 	if err != nil {

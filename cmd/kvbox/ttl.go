@@ -185,9 +185,12 @@ func (a *app) reaperCommand(kind, name, id string) *exec.Cmd {
 	if err != nil {
 		exe = os.Args[0]
 	}
-	args := []string{"--connect", a.uri, "--state-dir", a.stateDir, "--bridge", a.bridge, "--subnet", a.subnet}
-	if a.template != "" {
-		args = append(args, "--template", a.template)
+	// The reaper runs in /: a path given relative to this command's
+	// working directory would name another folder there.
+	stateDir, template := absOr(a.stateDir), absOr(a.template)
+	args := []string{"--connect", a.uri, "--state-dir", stateDir, "--bridge", a.bridge, "--subnet", a.subnet}
+	if template != "" {
+		args = append(args, "--template", template)
 	}
 	if a.domType != "" {
 		args = append(args, "--domain-type", a.domType)

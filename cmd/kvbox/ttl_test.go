@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"path/filepath"
 	"testing"
 	"time"
 )
@@ -55,5 +56,34 @@ func TestTTLLeft(t *testing.T) {
 		if got := ttlLeft(c.at); got != c.want {
 			t.Errorf("ttlLeft(%v) = %q, want %q", c.at, got, c.want)
 		}
+	}
+}
+
+// A reaper runs in /: the state dir and template it is given must not be
+// relative to the working directory of the command that started it.
+func TestReaperCommandPathsAbsolute(t *testing.T) {
+	dir := t.TempDir()
+	t.Chdir(dir)
+	a := &app{uri: "qemu:///system", stateDir: "state", template: "tmpl/box.xml", bridge: "kvbox0", subnet: "172.30.0.0/24"}
+	cmd := a.reaperCommand("box", "b1", "uuid")
+	if cmd.Dir != "/" {
+		t.Errorf("reaper dir %q", cmd.Dir)
+	}
+	want := map[string]string{"--state-dir": filepath.Join(dir, "state"), "--template": filepath.Join(dir, "tmpl/box.xml")}
+	for i, arg := range cmd.Args {
+		if w, ok := want[arg]; ok {
+			if i+1 >= len(cmd.Args) || cmd.Args[i+1] != w {
+				t.Errorf("reaper %s %q, want %q (args %q)", arg, cmd.Args[i+1], w, cmd.Args)
+			}
+			delete(want, arg)
+		}
+	}
+	if len(want) > 0 {
+		t.Errorf("reaper args %q lack %v", cmd.Args, want)
+	}
+	// absPaths does the same for the command itself (and so for the port
+	// holders it starts).
+	if err := a.absPaths(); err != nil || a.stateDir != filepath.Join(dir, "state") || a.template != filepath.Join(dir, "tmpl/box.xml") {
+		t.Errorf("absPaths: %v, %q %q", err, a.stateDir, a.template)
 	}
 }
