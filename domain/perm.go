@@ -21,7 +21,7 @@ const (
 	StateDirMode   = 0o710 // root:QEMU group: QEMU traverses, nobody lists
 	SharedDirMode  = 0o750 // root:QEMU group: boxes/, snapshots/, images/ and their sealed folders
 	SharedFileMode = 0o440 // root:QEMU group: sealed snapshot files and base images, read-only to QEMU
-	PrivateDirMode = 0o700 // locks/, logs/, registry-cache/
+	PrivateDirMode = 0o700 // locks/, logs/, registry-cache/, publish/
 )
 
 // QEMUGID is the group QEMU runs as (libvirt's DAC base label), or 0
@@ -107,7 +107,7 @@ func (h *Host) SecureStateDir() error {
 			return err
 		}
 	}
-	for _, sub := range []string{"locks", "logs", "registry-cache"} {
+	for _, sub := range []string{"locks", "logs", "registry-cache", "publish"} {
 		p := filepath.Join(h.StateDir, sub)
 		if st, err := os.Lstat(p); err == nil && st.IsDir() {
 			if err := os.Chmod(p, PrivateDirMode); err != nil {

@@ -229,7 +229,7 @@ func (a *app) newCmdLs() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				return a.printJSON(withPublished(boxes))
+				return a.printJSON(a.withPublished(boxes))
 			}
 			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE", "TTL")
 			for _, b := range boxes {
@@ -331,7 +331,7 @@ func (a *app) newCmdStop() *cobra.Command {
 			}
 			for _, n := range args {
 				if b, err := h.Get(n); err == nil {
-					if err := stopPublish(b); err != nil {
+					if err := a.stopPublish(b); err != nil {
 						return err
 					}
 				}

@@ -8,10 +8,13 @@ package main
 // with nothing created) and hands them to the child, which then only has
 // to reach the agent. The child writes "ok" on a pipe once it carries
 // traffic; a child that cannot reach the agent fails `new`, which removes
-// the box. The child's pid and the ports are in publish.json in the box's
-// folder: `ls --json` lists them, `rm` and `stop` end the child first. The
-// child also ends on its own when the box's agent channel closes (QEMU
-// gone: virsh destroy, a crash).
+// the box. The child's pid, the ports and the box's UUID are in
+// publish/NAME.json under the state dir, root's alone (and its log beside
+// it): `ls --json` lists them, `rm` and `stop` end the child first, `start`
+// binds the ports again. Not in the box's folder, which QEMU's user can
+// write: a QEMU the box took over would choose what ports `start` binds
+// and what root reads and follows. The child also ends on its own when the
+// box's agent channel closes (QEMU gone: virsh destroy, a crash).
 
 import (
 	"bufio"
@@ -19,6 +22,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -31,23 +35,70 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
 )
 
-const publishFile = "publish.json"
+// legacyPublishFile is where an earlier kvbox kept the record: in the
+// box's folder, which QEMU's user can write. It is read only to end a
+// holder such a kvbox started (its pid is checked to be that holder's),
+// never followed, never waited on, and its ports are never bound.
+const legacyPublishFile = "publish.json"
 
-// publishRecord is publish.json.
+// publishRecord is a box's publish/NAME.json.
 type publishRecord struct {
+	UUID  string     `json:"uuid"` // the box's: a record of an earlier box of the name is not this one's
 	PID   int        `json:"pid"`
 	Ports []portSpec `json:"ports"`
 }
 
-func readPublish(dir string) (publishRecord, bool) {
-	var r publishRecord
-	b, err := os.ReadFile(filepath.Join(dir, publishFile))
-	if err != nil || json.Unmarshal(b, &r) != nil {
-		return r, false
+// maxPublishRecord bounds what is read of a record (a few ports' worth).
+const maxPublishRecord = 64 << 10
+
+// publishPath is box name's record (ext ".json") or its holder's log
+// (".log"), root's alone.
+func (a *app) publishPath(name, ext string) string {
+	return filepath.Join(a.stateDir, "publish", name+ext)
+}
+
+// readPublish is box b's record; ok is false when it has none (or one of
+// an earlier box of its name).
+func (a *app) readPublish(b domain.Box) (r publishRecord, ok bool) {
+	data, err := readBounded(a.publishPath(b.Name, ".json"), maxPublishRecord)
+	if err != nil || json.Unmarshal(data, &r) != nil || r.UUID == "" || r.UUID != b.UUID {
+		return publishRecord{}, false
 	}
 	return r, true
+}
+
+// legacyHolder is the pid of a live holder an earlier kvbox recorded in
+// box b's folder, or 0.
+func legacyHolder(b domain.Box) int {
+	if b.Dir == "" {
+		return 0
+	}
+	data, err := readBounded(filepath.Join(b.Dir, legacyPublishFile), maxPublishRecord)
+	var r publishRecord
+	if err != nil || json.Unmarshal(data, &r) != nil || !holderAlive(r.PID, b.Name) {
+		return 0
+	}
+	return r.PID
+}
+
+// readBounded reads at most max bytes of path, a plain file it does not
+// follow a link to nor wait on (domain.OpenNoFollow).
+func readBounded(path string, max int64) ([]byte, error) {
+	f, err := domain.OpenNoFollow(path, os.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, max))
+}
+
+// forgetPublish drops the record and log of a removed box.
+func (a *app) forgetPublish(name string) {
+	os.Remove(a.publishPath(name, ".json"))
+	os.Remove(a.publishPath(name, ".log"))
 }
 
 // holderAlive reports whether pid is the port-forward child of box name.
@@ -69,8 +120,8 @@ func holderAlive(pid int, name string) bool {
 }
 
 // publishedPorts is what ls shows: the ports of a live holder.
-func publishedPorts(b domain.Box) []portSpec {
-	r, ok := readPublish(b.Dir)
+func (a *app) publishedPorts(b domain.Box) []portSpec {
+	r, ok := a.readPublish(b)
 	if !ok || !holderAlive(r.PID, b.Name) {
 		return nil
 	}
@@ -103,8 +154,16 @@ func (a *app) startPublish(b domain.Box, specs []portSpec, ls []*net.TCPListener
 	}
 	defer rp.Close()
 	files = append(files, wp)
-	logf, err := os.OpenFile(filepath.Join(b.Dir, "publish.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND|unix.O_NOFOLLOW, 0o600)
+	if err := os.MkdirAll(filepath.Dir(a.publishPath(b.Name, "")), domain.PrivateDirMode); err != nil {
+		return err
+	}
+	logPath := a.publishPath(b.Name, ".log")
+	logf, err := domain.OpenNoFollow(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND)
 	if err != nil {
+		return err
+	}
+	if err := logf.Chmod(0o600); err != nil {
+		logf.Close()
 		return err
 	}
 	files = append(files, logf)
@@ -137,7 +196,7 @@ func (a *app) startPublish(b domain.Box, specs []portSpec, ls []*net.TCPListener
 		cmd.Wait()
 		why, ok := strings.CutPrefix(line, "error: ")
 		if !ok {
-			logged, _ := os.ReadFile(filepath.Join(b.Dir, "publish.log"))
+			logged, _ := readBounded(logPath, 4<<10)
 			why = strings.TrimSpace(string(bytes.TrimPrefix(logged, []byte("kvbox: "))))
 		}
 		if why == "" {
@@ -145,8 +204,8 @@ func (a *app) startPublish(b domain.Box, specs []portSpec, ls []*net.TCPListener
 		}
 		return fmt.Errorf("publish ports of box %q: %s", b.Name, why)
 	}
-	rec, _ := json.Marshal(publishRecord{PID: cmd.Process.Pid, Ports: specs})
-	if err := os.WriteFile(filepath.Join(b.Dir, publishFile), rec, 0o600); err != nil {
+	rec, _ := json.Marshal(publishRecord{UUID: b.UUID, PID: cmd.Process.Pid, Ports: specs})
+	if err := overlay.WriteFileAtomic(a.publishPath(b.Name, ".json"), rec, 0o600); err != nil {
 		cmd.Process.Kill()
 		cmd.Wait()
 		return err
@@ -157,19 +216,24 @@ func (a *app) startPublish(b domain.Box, specs []portSpec, ls []*net.TCPListener
 
 // stopPublish ends box b's port holder, if it has one, and waits until its
 // sockets are closed.
-func stopPublish(b domain.Box) error {
-	r, ok := readPublish(b.Dir)
-	if !ok || !holderAlive(r.PID, b.Name) {
+func (a *app) stopPublish(b domain.Box) error {
+	pid := 0
+	if r, ok := a.readPublish(b); ok && holderAlive(r.PID, b.Name) {
+		pid = r.PID
+	} else {
+		pid = legacyHolder(b)
+	}
+	if pid == 0 {
 		return nil
 	}
-	unix.Kill(r.PID, unix.SIGTERM)
+	unix.Kill(pid, unix.SIGTERM)
 	deadline := time.Now().Add(3 * time.Second)
-	for holderAlive(r.PID, b.Name) {
+	for holderAlive(pid, b.Name) {
 		if time.Now().After(deadline) {
-			unix.Kill(r.PID, unix.SIGKILL)
+			unix.Kill(pid, unix.SIGKILL)
 		}
 		if time.Now().After(deadline.Add(2 * time.Second)) {
-			return fmt.Errorf("box %q: its port holder (pid %d) does not end", b.Name, r.PID)
+			return fmt.Errorf("box %q: its port holder (pid %d) does not end", b.Name, pid)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -220,10 +284,10 @@ type boxJSON struct {
 	Published []portSpec `json:"published,omitempty"`
 }
 
-func withPublished(boxes []domain.Box) []boxJSON {
+func (a *app) withPublished(boxes []domain.Box) []boxJSON {
 	out := make([]boxJSON, 0, len(boxes))
 	for _, b := range boxes {
-		out = append(out, boxJSON{Box: b, Published: publishedPorts(b)})
+		out = append(out, boxJSON{Box: b, Published: a.publishedPorts(b)})
 	}
 	return out
 }
@@ -231,7 +295,7 @@ func withPublished(boxes []domain.Box) []boxJSON {
 // republish starts the holder of a box started again after stop with the
 // ports it was created with.
 func (a *app) republish(b domain.Box) error {
-	r, ok := readPublish(b.Dir)
+	r, ok := a.readPublish(b)
 	if !ok || len(r.Ports) == 0 || holderAlive(r.PID, b.Name) {
 		return nil
 	}

@@ -116,7 +116,7 @@ func (a *app) removeBox(ctx context.Context, h *domain.Host, name string, force 
 	b, err := h.Get(name)
 	var base string // the image version a box made from an image builds on
 	if err == nil {
-		if err := stopPublish(b); err != nil {
+		if err := a.stopPublish(b); err != nil {
 			return err
 		}
 		if b.Snapshot == "" && b.Dir != "" {
@@ -126,6 +126,7 @@ func (a *app) removeBox(ctx context.Context, h *domain.Host, name string, force 
 	if err := h.Remove(ctx, name, force); err != nil {
 		return err
 	}
+	a.forgetPublish(name)
 	if b.Snapshot != "" {
 		a.reapSnapshotIfDue(ctx, h, b.Snapshot)
 	}
