@@ -30,6 +30,27 @@ import (
 // while it lives: a second reaper of the same thing exits at once, and
 // kvbox tells whether one is alive without trusting a pid.
 
+// ErrNotDue is a TTL's removal refused under the lock: the box (or
+// snapshot) of that name is not the one whose deadline passed (it was
+// removed and the name reused) or its deadline is no longer past (kvbox ttl
+// changed it). Nothing is removed.
+var ErrNotDue = errors.New("not due")
+
+// DueBox is RemoveIf's check for a TTL: the box is the one with uuid (its
+// libvirt UUID, which a new box of the same name does not have) and its
+// deadline has passed.
+func DueBox(uuid string) func(Box) error {
+	return func(b Box) error {
+		if uuid == "" || b.UUID != uuid {
+			return fmt.Errorf("box %q is another box now (UUID %s, not %s): %w", b.Name, b.UUID, uuid, ErrNotDue)
+		}
+		if b.Expires == nil || time.Now().Before(*b.Expires) {
+			return fmt.Errorf("box %q has no past deadline any more: %w", b.Name, ErrNotDue)
+		}
+		return nil
+	}
+}
+
 // ReaperRecheck is the longest a reaper sleeps before reading its deadline
 // again.
 const ReaperRecheck = 30 * time.Second

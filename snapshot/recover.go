@@ -115,6 +115,12 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 // Remove deletes a snapshot. It refuses while boxes depend on it: clones
 // map its memory file and their disks are overlays on its disk.
 func Remove(h *domain.Host, st Store, name string) error {
+	return RemoveIf(h, st, name, nil)
+}
+
+// RemoveIf is Remove of the snapshot called name as it is under the host
+// lock: check (nil: none) gets it first, and an error from it leaves it.
+func RemoveIf(h *domain.Host, st Store, name string, check func(Snapshot) error) error {
 	// Under the host lock: a clone being defined right now holds it, so
 	// it is either listed below or sees the snapshot gone.
 	unlock, err := h.Lock()
@@ -125,6 +131,11 @@ func Remove(h *domain.Host, st Store, name string) error {
 	s, err := st.Get(name)
 	if err != nil {
 		return err
+	}
+	if check != nil {
+		if err := check(s); err != nil {
+			return err
+		}
 	}
 	users, err := Clones(h, name)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/step"
 )
 
 // parseTTL reads a --ttl or `kvbox ttl` duration: a Go duration (30s, 30m,
@@ -113,22 +115,33 @@ func (a *app) setBoxTTL(ctx context.Context, h *domain.Host, name string, at tim
 // goes, and the snapshot it was cloned from with it when that snapshot's own
 // TTL has passed and this was its last clone.
 func (a *app) removeBox(ctx context.Context, h *domain.Host, name string, force bool) error {
-	b, err := h.Get(name)
+	return a.removeBoxIf(ctx, h, name, force, nil)
+}
+
+// removeBoxIf is removeBox of the box as it is under its lock, if check
+// (nil: none) passes it (domain.RemoveIf): a TTL's removal checks the box
+// is the one that expired.
+func (a *app) removeBoxIf(ctx context.Context, h *domain.Host, name string, force bool, check func(domain.Box) error) error {
+	var b domain.Box
 	var base string // the image version a box made from an image builds on
-	if err == nil {
-		if err := a.stopPublish(b); err != nil {
-			return err
+	err := h.RemoveIf(ctx, name, force, func(cur domain.Box) error {
+		if check != nil {
+			if err := check(cur); err != nil {
+				return err
+			}
 		}
-		if b.Snapshot == "" && b.Dir != "" {
-			base, _ = overlay.BackingFile(b.Disk())
+		b = cur
+		if cur.Snapshot == "" && cur.Dir != "" {
+			base, _ = overlay.BackingFile(cur.Disk())
 		}
-	}
-	if err := h.Remove(ctx, name, force); err != nil {
+		return a.stopPublish(cur)
+	})
+	if err != nil {
 		return err
 	}
 	a.forgetPublish(name)
 	if b.Snapshot != "" {
-		a.reapSnapshotIfDue(ctx, h, b.Snapshot)
+		a.reapSnapshotIfDue(ctx, h, b.Snapshot, "")
 	}
 	a.pruneImageVersion(ctx, h, base)
 	return nil
@@ -147,13 +160,19 @@ func (a *app) pruneImageVersion(ctx context.Context, h *domain.Host, disk string
 }
 
 // reapSnapshotIfDue removes an expired snapshot no box is cloned from any
-// more; removed says it did.
-func (a *app) reapSnapshotIfDue(ctx context.Context, h *domain.Host, name string) (removed bool, clones []string, err error) {
+// more, if it is the one id names (snapshotID; "" for any); removed says it
+// did. Its deadline and identity are checked again under the host lock,
+// where the removal happens: a snapshot made since under its name is not
+// the one that expired.
+func (a *app) reapSnapshotIfDue(ctx context.Context, h *domain.Host, name, id string) (removed bool, clones []string, err error) {
 	s, err := a.snapshots().Get(name)
 	if err != nil || s.Expires == nil || time.Now().Before(*s.Expires) {
 		return false, nil, nil
 	}
-	err = snapshot.Remove(h, a.snapshots(), name)
+	err = snapshot.RemoveIf(h, a.snapshots(), name, dueSnapshot(id))
+	if errors.Is(err, domain.ErrNotDue) || errors.Is(err, domain.ErrNotFound) {
+		return false, nil, nil
+	}
 	if errors.Is(err, domain.ErrBusy) {
 		clones, _ := snapshot.Clones(h, name)
 		return false, clones, nil
@@ -178,6 +197,20 @@ func (a *app) setSnapshotTTL(h *domain.Host, name string, at time.Time) (snapsho
 
 // snapshotID tells a snapshot from a later one of the same name.
 func snapshotID(s snapshot.Snapshot) string { return s.Created.UTC().Format(time.RFC3339Nano) }
+
+// dueSnapshot is snapshot.RemoveIf's check for a TTL: the snapshot is the
+// one id names ("": any) and its deadline has passed.
+func dueSnapshot(id string) func(snapshot.Snapshot) error {
+	return func(s snapshot.Snapshot) error {
+		if id != "" && snapshotID(s) != id {
+			return fmt.Errorf("snapshot %q is another snapshot now (made %s, not %s): %w", s.Name, snapshotID(s), id, domain.ErrNotDue)
+		}
+		if s.Expires == nil || time.Now().Before(*s.Expires) {
+			return fmt.Errorf("snapshot %q has no past deadline any more: %w", s.Name, domain.ErrNotDue)
+		}
+		return nil
+	}
+}
 
 // reaperCommand re-runs this kvbox, with the global flags it was given, as
 // the reaper of KIND NAME.
@@ -220,14 +253,19 @@ func (a *app) sweepExpired(h *domain.Host) {
 		return
 	}
 	for _, b := range boxes {
-		if b.Expires == nil {
+		// A box of another state dir on the same libvirt has its own
+		// kvbox, reapers and sweep.
+		if b.Expires == nil || filepath.Dir(b.Dir) != h.BoxesDir() {
 			continue
 		}
 		if !time.Now().Before(*b.Expires) {
-			err := a.removeBox(ctx, h, b.Name, true)
+			step.KillPoint("sweep-expired-box")
+			// By identity: a box removed meanwhile may have a successor
+			// of the same name, which this deadline is not.
+			err := a.removeBoxIf(ctx, h, b.Name, true, domain.DueBox(b.UUID))
 			if err == nil {
 				fmt.Fprintf(a.io.Err, "kvbox: removed box %s, whose TTL ended at %s\n", b.Name, b.Expires.Format(time.RFC3339))
-			} else if !errors.Is(err, domain.ErrNotFound) {
+			} else if !errors.Is(err, domain.ErrNotFound) && !errors.Is(err, domain.ErrNotDue) {
 				fmt.Fprintf(a.io.Err, "kvbox: warning: removing expired box %s: %v\n", b.Name, err)
 			}
 			continue
@@ -242,7 +280,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 			continue
 		}
 		if !time.Now().Before(*s.Expires) {
-			if removed, _, err := a.reapSnapshotIfDue(ctx, h, s.Name); removed {
+			if removed, _, err := a.reapSnapshotIfDue(ctx, h, s.Name, snapshotID(s)); removed {
 				fmt.Fprintf(a.io.Err, "kvbox: removed snapshot %s, whose TTL ended at %s\n", s.Name, s.Expires.Format(time.RFC3339))
 			} else if err != nil {
 				fmt.Fprintf(a.io.Err, "kvbox: warning: removing expired snapshot %s: %v\n", s.Name, err)
@@ -318,7 +356,7 @@ func (a *app) runReaper(ctx context.Context, kind, name, id string) error {
 		}
 		left := time.Until(*at)
 		if left <= 0 {
-			return a.reap(ctx, h, kind, name, logf)
+			return a.reap(ctx, h, kind, name, id, logf)
 		}
 		select {
 		case <-ctx.Done():
@@ -351,26 +389,36 @@ func (a *app) deadline(h *domain.Host, kind, name, id string) (at *time.Time, go
 	return s.Expires, snapshotID(s) != id, nil
 }
 
-func (a *app) reap(ctx context.Context, h *domain.Host, kind, name string, logf func(string, ...any)) error {
+// reap removes the box or snapshot whose deadline passed: the one id
+// names, checked again under its lock.
+func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, logf func(string, ...any)) error {
 	if kind == domain.ReapSnapshot {
-		removed, clones, err := a.reapSnapshotIfDue(ctx, h, name)
+		removed, clones, err := a.reapSnapshotIfDue(ctx, h, name, id)
 		switch {
 		case err != nil:
 			logf("removing the expired snapshot: %v", err)
 			return err
 		case removed:
 			logf("removed: its TTL ended")
-		default:
+		case len(clones) > 0:
 			logf("expired, kept until its clones are gone (%s): the last one's removal removes it", strings.Join(clones, ", "))
+		default:
+			logf("nothing to do (gone, made again under its name, or its deadline moved)")
 		}
 		return nil
 	}
-	err := a.removeBox(ctx, h, name, true)
-	if err != nil && !errors.Is(err, domain.ErrNotFound) {
+	err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(id))
+	switch {
+	case errors.Is(err, domain.ErrNotFound):
+		logf("nothing to do (gone)")
+	case errors.Is(err, domain.ErrNotDue):
+		logf("nothing removed: %v", err)
+	case err != nil:
 		logf("removing the expired box: %v", err)
 		return err
+	default:
+		logf("removed: its TTL ended")
 	}
-	logf("removed: its TTL ended")
 	return nil
 }
 
