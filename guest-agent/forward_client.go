@@ -7,14 +7,25 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"time"
 )
 
 // ErrNoForward is returned when the box's agent predates TCP streams.
 var ErrNoForward = errors.New("the guest agent in this box is too old to forward ports (its image or snapshot was built with an older kvbox-agent; rebuild it with this kvbox)")
 
+// DefaultDialDeadline bounds how long Connect waits for the agent to
+// answer a dial (Forwarder.DialDeadline).
+const DefaultDialDeadline = 30 * time.Second
+
 // Forwarder carries many TCP streams over one agent connection at once. It
 // owns the Client from Forward until Close: no other call runs on it.
 type Forwarder struct {
+	// DialDeadline bounds the wait for the agent's answer to a dial: a
+	// guest that never answers must not hold a goroutine and the caller's
+	// connection for ever (a port holder would gather one of each per
+	// connection). Forward sets DefaultDialDeadline.
+	DialDeadline time.Duration
+
 	c   *Client
 	end func(bool)
 
@@ -43,7 +54,7 @@ func (c *Client) Forward(ctx context.Context) (*Forwarder, error) {
 		end(true)
 		return nil, fmt.Errorf("%w (agent %s)", ErrNoForward, in.Version)
 	}
-	f := &Forwarder{c: c, end: end, streams: map[uint32]*stream{}, pending: map[uint32]chan response{}, done: make(chan struct{})}
+	f := &Forwarder{DialDeadline: DefaultDialDeadline, c: c, end: end, streams: map[uint32]*stream{}, pending: map[uint32]chan response{}, done: make(chan struct{})}
 	go f.dispatch()
 	return f, nil
 }
@@ -130,8 +141,18 @@ func (f *Forwarder) shutdown() {
 // each side's EOF is passed on as a half-close (conn should implement
 // CloseWrite, as TCP and unix connections do), and conn is closed when the
 // stream has ended both ways or was reset. The returned channel is closed
-// then. On error conn is left open.
+// then. On error conn is left open. A dial the agent has not answered
+// within DialDeadline fails with a *DialDeadlineError.
 func (f *Forwarder) Connect(ctx context.Context, addr string, conn io.ReadWriteCloser) (<-chan struct{}, error) {
+	if f.DialDeadline > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, f.DialDeadline, &DialDeadlineError{Address: addr, After: f.DialDeadline})
+		defer cancel()
+	}
+	return f.connect(ctx, addr, conn)
+}
+
+func (f *Forwarder) connect(ctx context.Context, addr string, conn io.ReadWriteCloser) (<-chan struct{}, error) {
 	id := f.c.nextID.Add(1)
 	ch := make(chan response, 1)
 	f.mu.Lock()
@@ -144,6 +165,9 @@ func (f *Forwarder) Connect(ctx context.Context, addr string, conn io.ReadWriteC
 	b, _ := json.Marshal(request{Method: methodDial, Params: mustJSON(DialRequest{Address: addr})})
 	if err := f.c.send(ctx, frameRequest, id, b); err != nil {
 		f.forget(id)
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
 		return nil, err
 	}
 	// The stream exists before the answer: data may follow it at once.
@@ -165,7 +189,7 @@ func (f *Forwarder) Connect(ctx context.Context, addr string, conn io.ReadWriteC
 	case resp, ok = <-ch:
 	case <-ctx.Done():
 		f.forget(id)
-		return nil, ctx.Err()
+		return nil, context.Cause(ctx)
 	}
 	if !ok {
 		f.forget(id)
@@ -180,6 +204,16 @@ func (f *Forwarder) Connect(ctx context.Context, addr string, conn io.ReadWriteC
 	}
 	s.start()
 	return ended, nil
+}
+
+// DialDeadlineError is a dial the agent did not answer in time.
+type DialDeadlineError struct {
+	Address string
+	After   time.Duration
+}
+
+func (e *DialDeadlineError) Error() string {
+	return fmt.Sprintf("the box's agent did not answer the connection to %s within %s", e.Address, e.After)
 }
 
 // forget drops a stream that never started (its conn stays open).

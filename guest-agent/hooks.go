@@ -142,10 +142,46 @@ func (e *HookError) Error() string {
 	return e.Msg + "; its output:\n" + strings.TrimRight(e.Output, "\n")
 }
 
-// RunAfterCloneHooks runs the box's after-clone hooks. ran is how many
-// ran; an agent that predates them runs none (ran 0, no error): an image
-// made for it has no hooks kvbox promised to run.
-func (c *Client) RunAfterCloneHooks(ctx context.Context) (ran int, err error) {
+// DefaultHooksDeadline is the host's own bound on a clone's after-clone
+// hooks, all of them: HookTimeout per hook is the guest's word, and a
+// snapshot's guest (or a hook's background child that keeps writing to the
+// hooks' output, which an honest agent then keeps reading) may never end
+// the run.
+const DefaultHooksDeadline = 2 * time.Minute
+
+// HooksDeadlineError is after-clone hooks that did not end within the
+// host's deadline.
+type HooksDeadlineError struct {
+	After  time.Duration
+	Output string // what the hooks printed, the last 16 KiB
+}
+
+func (e *HooksDeadlineError) Error() string {
+	msg := fmt.Sprintf("after-clone hooks did not end within %s, kvbox's deadline for them all (the guest gives each %s)", e.After, HookTimeout)
+	if e.Output == "" {
+		return msg
+	}
+	return msg + "; their output:\n" + strings.TrimRight(e.Output, "\n")
+}
+
+// RunAfterCloneHooks runs the box's after-clone hooks, for at most
+// deadline in all (0: DefaultHooksDeadline): past it the run is killed and
+// a *HooksDeadlineError returned. ran is how many ran; an agent that
+// predates them runs none (ran 0, no error): an image made for it has no
+// hooks kvbox promised to run.
+func (c *Client) RunAfterCloneHooks(ctx context.Context, deadline time.Duration) (ran int, err error) {
+	if deadline <= 0 {
+		deadline = DefaultHooksDeadline
+	}
+	parent := ctx
+	ctx, cancel := context.WithTimeout(ctx, deadline)
+	defer cancel()
+	out := &tailBuffer{max: 16 << 10}
+	defer func() {
+		if err != nil && parent.Err() == nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			err = &HooksDeadlineError{After: deadline, Output: out.String()}
+		}
+	}()
 	if err := c.require(ctx, "after-clone hooks", FeatureAfterClone); err != nil {
 		if errors.Is(err, ErrTooOld) {
 			return 0, nil
@@ -155,7 +191,6 @@ func (c *Client) RunAfterCloneHooks(ctx context.Context) (ran int, err error) {
 	if c.hooksNone() {
 		return 0, nil
 	}
-	out := &tailBuffer{max: 16 << 10}
 	ew := &helperStderr{}
 	req := ExecRequest{Argv: []string{selfArgv0, HooksHelperArg}}
 	code, err := c.Exec(ctx, req, nil, out, ew, nil)

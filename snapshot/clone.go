@@ -28,6 +28,22 @@ import (
 // closing of the port and the loading of the state; the port opens after
 // the identity step, and the definition for the next cold boot comes last.
 func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agentTimeout time.Duration) (domain.Box, step.Timings, error) {
+	return CloneWith(ctx, h, snap, name, CloneOptions{AgentTimeout: agentTimeout})
+}
+
+// CloneOptions are the bounds of a clone's waits.
+type CloneOptions struct {
+	// AgentTimeout bounds the wait for the agent and the identity.
+	AgentTimeout time.Duration
+	// HooksDeadline bounds the after-clone hooks, all of them (0:
+	// agent.DefaultHooksDeadline): a clone whose hooks have not ended by
+	// then fails and is removed, as one whose hook failed.
+	HooksDeadline time.Duration
+}
+
+// CloneWith is Clone with o's bounds.
+func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, o CloneOptions) (domain.Box, step.Timings, error) {
+	agentTimeout := o.AgentTimeout
 	if err := domain.ValidName(name); err != nil {
 		return domain.Box{}, nil, err
 	}
@@ -40,7 +56,8 @@ func Clone(ctx context.Context, h *domain.Host, snap Snapshot, name string, agen
 	}
 	// The clone's agent has its snapshot's token until identify gives it
 	// one of its own.
-	cl := &cloning{snap: snap, srcXML: string(srcXML), c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
+	cl := &cloning{snap: snap, srcXML: string(srcXML), hooksDeadline: o.HooksDeadline,
+		c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
 	return cl.c.Run(ctx, cl.plan())
 }
 
@@ -51,6 +68,8 @@ type cloning struct {
 	srcXML string         // the snapshot's domain XML
 	spec   CloneXMLSpec   // what the clone's XML is made from
 	net    network.Config // the network it is on: the main one or its group's
+
+	hooksDeadline time.Duration // CloneOptions.HooksDeadline
 }
 
 func (cl *cloning) plan() step.Plan {
@@ -260,10 +279,10 @@ func errJoin(err, more error) error {
 }
 
 // hooks runs the box's after-clone hooks (/etc/kvbox/after-clone.d): after
-// re-identification, before the port opens; a failing one fails the clone,
-// which the plan then undoes.
+// re-identification, before the port opens; a failing one, or hooks that
+// outlive the host's deadline, fail the clone, which the plan then undoes.
 func (cl *cloning) hooks(ctx context.Context) error {
-	if _, err := cl.c.Agent.RunAfterCloneHooks(ctx); err != nil {
+	if _, err := cl.c.Agent.RunAfterCloneHooks(ctx, cl.hooksDeadline); err != nil {
 		return fmt.Errorf("clone %q: %w", cl.c.Name, err)
 	}
 	return nil

@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/domain"
+	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -25,10 +26,12 @@ type newOptions struct {
 	memory  string
 	disk    string
 	timeout time.Duration
-	verbose bool
-	count   int
-	asJSON  bool
-	publish []string
+	// hooksTimeout bounds a clone's after-clone hooks, all of them.
+	hooksTimeout time.Duration
+	verbose      bool
+	count        int
+	asJSON       bool
+	publish      []string
 
 	// ports are the bound --publish listeners (publish.go).
 	ports     []portSpec
@@ -68,6 +71,7 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.StringVar(&o.memory, "memory", "4G", "RAM, like 512M or 4G")
 	f.StringVar(&o.disk, "disk", "8G", "disk size, like 8G")
 	f.DurationVar(&o.timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
+	f.DurationVar(&o.hooksTimeout, "hooks-timeout", agent.DefaultHooksDeadline, "with --from: how long the clone's after-clone hooks may run, all of them (the guest gives each 30s); past it the clone fails and is removed")
 	f.BoolVarP(&o.verbose, "verbose", "v", false, "print where the time went, step by step")
 	f.IntVar(&o.count, "count", 0, "start N boxes NAME-1 .. NAME-N in parallel")
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
@@ -88,6 +92,9 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		}
 		t := time.Now().Add(d)
 		o.expires = &t
+	}
+	if o.hooksTimeout <= 0 {
+		return fmt.Errorf("%w: --hooks-timeout %s: give a positive duration", errUsage, o.hooksTimeout)
 	}
 	if c.Flags().Changed("count") || o.asJSON {
 		if len(o.publish) > 0 {
@@ -194,7 +201,7 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 	if err := checkHostFor(h, snap); err != nil {
 		return err
 	}
-	b, tm, err := snapshot.Clone(c.Context(), h, snap, o.name, o.timeout)
+	b, tm, err := snapshot.CloneWith(c.Context(), h, snap, o.name, snapshot.CloneOptions{AgentTimeout: o.timeout, HooksDeadline: o.hooksTimeout})
 	if err != nil {
 		return err
 	}

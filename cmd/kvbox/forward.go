@@ -126,6 +126,11 @@ func (a *app) openForwarder(ctx context.Context, name string, before func(*agent
 	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
 	defer cancel()
 	f, err := client.Forward(dctx)
+	if err == nil {
+		// A connection the guest never answers ends, and with it its
+		// goroutine and socket (a port holder lives as long as the box).
+		f.DialDeadline = a.dialTimeout
+	}
 	if err != nil {
 		client.Close()
 		if errors.Is(err, agent.ErrNoForward) {

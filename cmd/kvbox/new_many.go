@@ -70,7 +70,7 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 			return starter{}, err
 		}
 		return starter{from: "snapshot " + snap.Name, start: func(ctx context.Context, name string) (domain.Box, string, error) {
-			b, tm, err := snapshot.Clone(ctx, h, snap, name, o.timeout)
+			b, tm, err := snapshot.CloneWith(ctx, h, snap, name, snapshot.CloneOptions{AgentTimeout: o.timeout, HooksDeadline: o.hooksTimeout})
 			return b, tm.String(), err
 		}}, nil
 	}
