@@ -22,7 +22,10 @@ import (
 type Progress struct {
 	W   io.Writer // nil: print nothing
 	TTY bool
-	mu  sync.Mutex
+	// Text, if set, is applied to what a tool printed before it is shown
+	// on the status line (the CLI makes it printable).
+	Text func(string) string
+	mu   sync.Mutex
 }
 
 // Stage is one running step of a build.
@@ -64,6 +67,9 @@ func (p *Progress) Start(name string) *Stage {
 			st := s.status
 			s.mu.Unlock()
 			line := fmt.Sprintf("%s %s  %s", spinner[i%len(spinner)], s.name, fmtDur(time.Since(s.start)))
+			if st != "" && p.Text != nil {
+				st = p.Text(st)
+			}
 			if st != "" {
 				line += "  " + st
 			}

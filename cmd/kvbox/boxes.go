@@ -145,7 +145,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 	if errors.Is(err, domain.ErrNotFound) && o.image == image.DefaultImage {
 		// The default image is built on first use, once.
 		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
-		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.io.Err, TTY: a.io.TTY}})
+		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
 	}
 	if err != nil {
 		return err
@@ -240,7 +240,7 @@ func (a *app) newCmdLs() *cobra.Command {
 			}
 			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE", "TTL")
 			for _, b := range boxes {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", b.Name, b.State, b.IP, b.From(), b.CPUs,
+				w.row(b.Name, b.State, b.IP, b.From(), b.CPUs,
 					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created), ttlLeft(b.Expires))
 			}
 			return w.Flush()

@@ -209,7 +209,7 @@ func (a *app) copyOut(ctx context.Context, client *agent.Client, prog *copyProgr
 	}()
 	var lerr error
 	if dst == "-" {
-		_, lerr = io.Copy(a.io.Out, pr)
+		_, lerr = io.Copy(a.raw.Out, pr) // a tar stream, for a program
 	} else {
 		_, lerr = agent.ExtractFromBox(pr, dst, agent.FromBox{Name: boxBase(src), MaxBytes: maxBytes, Warn: a.cpWarn})
 	}
@@ -316,7 +316,7 @@ func (a *app) newCopyProgress() *copyProgress {
 		p.after = d
 	}
 	p.total.Store(-1)
-	if f, ok := a.io.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+	if f, ok := a.raw.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
 		p.w = f
 		p.wg.Add(1)
 		go p.loop()

@@ -124,7 +124,8 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	if err := execCompat(c.Context(), client, &req); err != nil {
 		return fmt.Errorf("exec in box %q: %w", name, err)
 	}
-	code, err := client.Exec(c.Context(), req, a.io.In, a.io.Out, a.io.Err, resize)
+	// The command's bytes, raw: exec and connect are a terminal's own.
+	code, err := client.Exec(c.Context(), req, a.raw.In, a.raw.Out, a.raw.Err, resize)
 	var re *agent.RemoteError
 	var te *agent.TimeoutError
 	if errors.As(err, &te) {

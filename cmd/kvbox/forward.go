@@ -350,7 +350,7 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 				return err
 			}
 			defer f.Close()
-			ended, err := f.Connect(ctx, "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.io.In, a.io.Out})
+			ended, err := f.Connect(ctx, "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.raw.In, a.raw.Out})
 			if err != nil {
 				return fmt.Errorf("box %q port %d: %s", args[0], port, remoteMessage(err))
 			}

@@ -41,7 +41,7 @@ func (a *app) newCmdImagesLs() *cobra.Command {
 				if im.Kernel != "" {
 					boot = "kernel"
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", im.Name, domain.FormatSize(im.VirtualSize),
+				w.row(im.Name, domain.FormatSize(im.VirtualSize),
 					domain.FormatSize(im.SizeBytes), boot, im.Agent, im.Created.Local().Format("2006-01-02 15:04"))
 			}
 			return w.Flush()

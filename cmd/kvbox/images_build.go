@@ -31,7 +31,7 @@ registered unless the whole build succeeds.`,
 			if args[0] != "debian" {
 				return fmt.Errorf("%w: kvbox images build knows one image, debian (got %q); bring others with kvbox images import", errUsage, args[0])
 			}
-			o.Progress = &image.Progress{W: a.io.Out, TTY: a.io.TTY}
+			o.Progress = &image.Progress{W: a.raw.Out, TTY: a.io.TTY, Text: printable}
 			im, built, err := image.BuildDebian(c.Context(), a.images(), o)
 			if err != nil {
 				return err

@@ -85,7 +85,7 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 	im, err := a.images().Get(o.image)
 	if errors.Is(err, domain.ErrNotFound) && o.image == image.DefaultImage {
 		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
-		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.io.Err, TTY: a.io.TTY}})
+		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
 	}
 	if err != nil {
 		return starter{}, err

@@ -22,13 +22,27 @@ func (a *app) printJSON(v any) error {
 	return e.Encode(v)
 }
 
-// table starts a table for people with the given column headers; write
-// rows with tabs between cells and Flush it.
-func (a *app) table(cols ...string) *tabwriter.Writer {
+// table is a table for people: add rows, then Flush it.
+type table struct{ w *tabwriter.Writer }
+
+// table starts a table with the given column headers.
+func (a *app) table(cols ...string) *table {
 	w := tabwriter.NewWriter(a.io.Out, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, strings.Join(cols, "\t"))
-	return w
+	return &table{w}
 }
+
+// row adds a row; each cell is one printable line (printableLine): a cell
+// a pulled snapshot names cannot start a row or a column of its own.
+func (t *table) row(cells ...any) {
+	s := make([]string, len(cells))
+	for i, c := range cells {
+		s[i] = printableLine(fmt.Sprint(c))
+	}
+	fmt.Fprintln(t.w, strings.Join(s, "\t"))
+}
+
+func (t *table) Flush() error { return t.w.Flush() }
 
 // completeBoxes completes box names for the shell.
 func (a *app) completeBoxes(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
@@ -103,10 +117,10 @@ func (a *app) spinStatus(what string) (set func(status string), stop func()) {
 			if st != "" {
 				st = ": " + st
 			}
-			fmt.Fprintf(a.io.Err, "\r%c %s %.1fs%s\x1b[K", `|/-\`[i%4], what, time.Since(start).Seconds(), st)
+			fmt.Fprintf(a.raw.Err, "\r%c %s %.1fs%s\x1b[K", `|/-\`[i%4], printable(what), time.Since(start).Seconds(), printable(st))
 			select {
 			case <-done:
-				fmt.Fprint(a.io.Err, "\r\x1b[K")
+				fmt.Fprint(a.raw.Err, "\r\x1b[K")
 				return
 			case <-t.C:
 			}

@@ -57,7 +57,7 @@ func (p *partProgress) draw() {
 		if v[1] > 0 {
 			pct = int(v[0] * 100 / v[1])
 		}
-		items = append(items, fmt.Sprintf("%s %d%% of %s", t, pct, domain.FormatSize(v[1])))
+		items = append(items, fmt.Sprintf("%s %d%% of %s", printable(t), pct, domain.FormatSize(v[1])))
 	}
 	fmt.Fprint(p.w, "\r\033[K")
 	p.shown = len(items) > 0
@@ -73,7 +73,7 @@ func (p *partProgress) Write(b []byte) (int, error) {
 	if p.shown {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
-	n, err := p.w.Write(b)
+	n, err := printableWriter{p.w}.Write(b)
 	if p.shown {
 		p.draw()
 	}

@@ -35,7 +35,11 @@ func stdio() IO {
 
 // app holds the global flags and the host they open.
 type app struct {
-	io       IO
+	// io is where commands read and print: its Out and Err make what is
+	// written printable (printable.go); raw is the same without that, for
+	// the bytes of exec, connect, ssh-proxy and cp to -, and the cursor
+	// controls of progress lines.
+	io, raw  IO
 	uri      string
 	stateDir string
 	bridge   string
@@ -70,12 +74,12 @@ type exitCodeError struct{ code int }
 func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
 func run(ctx context.Context, args []string, ios IO) int {
-	a := &app{io: ios, interrupt: ctx.Done()}
+	a := &app{io: printableIO(ios), raw: ios, interrupt: ctx.Done()}
 	root := a.newRoot()
 	root.SetArgs(args)
 	root.SetIn(ios.In)
-	root.SetOut(ios.Out)
-	root.SetErr(ios.Err)
+	root.SetOut(a.io.Out)
+	root.SetErr(a.io.Err)
 	err := root.ExecuteContext(ctx)
 	if a.host != nil {
 		a.host.Conn.Close()
@@ -87,7 +91,7 @@ func run(ctx context.Context, args []string, ios IO) int {
 	if errors.As(err, &ec) {
 		return ec.code
 	}
-	fmt.Fprintf(ios.Err, "kvbox: %s\n", message(err))
+	fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
 	return exitCode(err)
 }
 

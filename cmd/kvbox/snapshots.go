@@ -151,7 +151,7 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 				if len(r.Clones) > 0 {
 					clones = strings.Join(r.Clones, ",")
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s ago\t%s\t%s\n", r.Name, r.Box, domain.FormatSize(r.SizeBytes), age(r.Created), clones, snapshotTTL(r))
+				w.row(r.Name, r.Box, domain.FormatSize(r.SizeBytes), age(r.Created)+" ago", clones, snapshotTTL(r))
 			}
 			return w.Flush()
 		},

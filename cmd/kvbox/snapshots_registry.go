@@ -55,11 +55,13 @@ func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 // the per-part log is on): o's log then goes through the status line.
 // The returned func clears it.
 func (a *app) progress(o *registry.Options) (done func()) {
-	f, ok := a.io.Err.(*os.File)
+	f, ok := a.raw.Err.(*os.File)
 	if o.Log == nil || !ok || !term.IsTerminal(int(f.Fd())) {
 		return func() {}
 	}
-	p := newPartProgress(a.io.Err)
+	// Raw for the status line's cursor controls; its text (part titles,
+	// which a pulled artifact names) and the log lines are made printable.
+	p := newPartProgress(a.raw.Err)
 	o.Log, o.Progress = p, p.Update
 	return p.Done
 }
