@@ -297,8 +297,9 @@ func TestPublish(t *testing.T) {
 
 func holderPID(t *testing.T, n string) int {
 	t.Helper()
-	b := getBox(t, n)
-	raw, err := os.ReadFile(filepath.Join(b.Dir, "publish.json"))
+	// Root's, under the state dir: not in the box's folder, which QEMU's
+	// user can write.
+	raw, err := os.ReadFile(filepath.Join(stateDir, "publish", n+".json"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -307,7 +308,7 @@ func holderPID(t *testing.T, n string) int {
 	}
 	json.Unmarshal(raw, &rec)
 	if rec.PID <= 0 {
-		t.Fatalf("publish.json: %s", raw)
+		t.Fatalf("publish/%s.json: %s", n, raw)
 	}
 	return rec.PID
 }
