@@ -49,26 +49,33 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("box %q: %w", b.Name, err)
 	}
-	c, err := h.dialToken(ctx, b, tokens[0], true)
-	if errors.Is(err, agent.ErrUnauthorized) && len(tokens) == 2 {
-		// A kvbox died while it gave the agent a new token: the agent has
-		// one of the two.
-		c, err = h.dialToken(ctx, b, tokens[1], true)
+	var c *agent.Client
+	var took agentToken
+	for _, t := range tokens {
+		c, err = h.dialToken(ctx, b, t.tok, true, t.kind == tokenSnapshot)
+		took = t
+		if !errors.Is(err, agent.ErrUnauthorized) {
+			break
+		}
+		// The agent has another of them: a kvbox died while it gave the
+		// agent a new token, or during a snapshot of the box.
 	}
-	if err == nil && len(tokens) == 2 {
-		settleAgentToken(b.Dir, c.Token)
+	if err == nil && (len(tokens) > 1 || took.kind != tokenCurrent) {
+		h.settleAgentToken(ctx, b, c, took.kind)
 	}
 	return c, err
 }
 
 // dialToken connects to the agent presenting token; without handshake,
-// the connection's first call makes it (agent.OpenSerial).
-func (h *Host) dialToken(ctx context.Context, b Box, token []byte, handshake bool) (*agent.Client, error) {
+// the connection's first call makes it (agent.OpenSerial). A snapshot's
+// token (serial) is presented on a virtio-serial port only: the agent
+// serves it nowhere else.
+func (h *Host) dialToken(ctx context.Context, b Box, token []byte, handshake, serial bool) (*agent.Client, error) {
 	dialVsock, dialSerial := agent.DialVsock, agent.DialSerialToken
 	if !handshake {
 		dialVsock, dialSerial = agent.OpenVsock, agent.OpenSerial
 	}
-	if b.Transport == "vsock" && b.VsockCID > 2 && token != nil {
+	if b.Transport == "vsock" && b.VsockCID > 2 && token != nil && !serial {
 		// Without a token the agent serves nothing over vsock: a box's
 		// first contact is over its serial port.
 		c, err := dialVsock(ctx, b.VsockCID, token)
@@ -135,7 +142,9 @@ func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, 
 		return nil, "", fmt.Errorf("box %q: %w", b.Name, err)
 	}
 	return h.waitAgent(ctx, d, b, func() (*agent.Client, string, bool, error) {
-		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0], false)
+		// A clone's agent has its snapshot's token, which it serves on a
+		// virtio-serial port only.
+		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0].tok, false, newToken)
 		if err != nil {
 			return nil, "", true, err
 		}
@@ -210,30 +219,29 @@ func (h *Host) Identity(b Box) agent.Identity {
 // Reidentify gives the guest its identity, sets its clock to the host's,
 // feeds its RNG fresh entropy and gives its agent the box's token, in one
 // round trip. With newToken (a box's first contact, a clone: its agent has
-// no token, or its snapshot's), the box gets a token of its own: written
-// beside the old one first, then put in its place once the agent took it
-// (ReadAgentToken still finds it if kvbox dies in between).
+// no token, or its snapshot's), or when the agent took a token that was
+// copied (a snapshot's, agent.token.snapshot), the box gets a token of its
+// own: written beside the old one first, then put in its place once the
+// agent took it (Dial still finds it if kvbox dies in between). The caller
+// holds the box's lock.
 func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken bool) error {
 	seed := make([]byte, 64)
 	if _, err := rand.Read(seed); err != nil {
 		return err
 	}
 	token := c.Token
-	if newToken || token == nil {
-		token = make([]byte, agent.TokenSize)
-		if _, err := rand.Read(token); err != nil {
+	if newToken || token == nil || isSnapshotToken(b.Dir, token) {
+		var err error
+		if token, err = newAgentToken(b); err != nil {
 			return err
-		}
-		if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+".new", token, 0o600); err != nil {
-			return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
 		}
 	}
 	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed, token); err != nil {
 		return fmt.Errorf("box %q: %w", b.Name, err)
 	}
 	if !bytes.Equal(token, c.Token) {
-		if err := os.Rename(agentTokenPath(b.Dir)+".new", agentTokenPath(b.Dir)); err != nil {
-			return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
+		if err := keepNewToken(b); err != nil {
+			return err
 		}
 		c.Token = token
 	}
@@ -241,49 +249,206 @@ func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken 
 }
 
 // AgentTokenFile is the name of a box's agent token in its folder (and of
-// a snapshot's, the token of the agent in its memory).
+// a snapshot's, the token of the agent in its memory). Beside it in a box's
+// folder: agent.token.new, a token being given to the agent, and
+// agent.token.snapshot, a token minted for a snapshot of the box, which
+// the agent has from just before the snapshot's memory is copied until
+// kvbox gives it a new one of its own right after. Each is one the agent
+// may have when a kvbox died in between; a box whose agent has the
+// snapshot's token gets a new one at its next contact.
 const AgentTokenFile = "agent.token"
 
 func agentTokenPath(dir string) string { return filepath.Join(dir, AgentTokenFile) }
+
+const (
+	tokenNew      = ".new"
+	tokenSnapshot = ".snapshot"
+	tokenCurrent  = ""
+)
+
+// agentToken is a token the agent may have and which file it is in.
+type agentToken struct {
+	tok  []byte
+	kind string // tokenNew, tokenSnapshot or tokenCurrent
+}
 
 // ReadAgentToken is the token of the agent of the box (or snapshot) in dir;
 // nil when it has none (a box an older kvbox made, or not yet contacted).
 func ReadAgentToken(dir string) ([]byte, error) {
 	ts, err := readAgentTokens(dir)
-	return ts[0], err
+	return ts[0].tok, err
 }
 
-// readAgentTokens are the tokens the agent may have: the box's, or first a
-// new one a kvbox was giving it when it died (agent.token.new) and then
-// the box's. Never empty: [nil] without any.
-func readAgentTokens(dir string) ([][]byte, error) {
+// AgentTokens are the tokens the agent of the box in dir may have, the
+// likeliest first (see AgentTokenFile): for a connection that lost its
+// rights when the box's token changed.
+func AgentTokens(dir string) [][]byte {
+	ts, _ := readAgentTokens(dir)
 	var out [][]byte
-	for _, p := range []string{agentTokenPath(dir) + ".new", agentTokenPath(dir)} {
+	for _, t := range ts {
+		if t.tok != nil {
+			out = append(out, t.tok)
+		}
+	}
+	return out
+}
+
+// readAgentTokens are the tokens the agent may have: a new one a kvbox
+// was giving it, a snapshot's, then the box's. Never empty: [nil] without
+// any.
+func readAgentTokens(dir string) ([]agentToken, error) {
+	var out []agentToken
+	for _, kind := range []string{tokenNew, tokenSnapshot, tokenCurrent} {
+		p := agentTokenPath(dir) + kind
 		b, err := readNoFollow(p)
 		if errors.Is(err, os.ErrNotExist) {
 			continue
 		}
 		if err != nil {
-			return [][]byte{nil}, fmt.Errorf("agent token: %w", err)
+			return []agentToken{{}}, fmt.Errorf("agent token: %w", err)
 		}
 		if len(b) != agent.TokenSize {
-			return [][]byte{nil}, fmt.Errorf("agent token %s: %d bytes, not %d", p, len(b), agent.TokenSize)
+			return []agentToken{{}}, fmt.Errorf("agent token %s: %d bytes, not %d", p, len(b), agent.TokenSize)
 		}
-		out = append(out, b)
+		out = append(out, agentToken{b, kind})
 	}
 	if len(out) == 0 {
-		out = append(out, nil)
+		out = append(out, agentToken{kind: tokenCurrent})
 	}
 	return out, nil
 }
 
-// settleAgentToken keeps the token the agent took and drops the other.
-func settleAgentToken(dir string, took []byte) {
-	if b, err := readNoFollow(agentTokenPath(dir) + ".new"); err == nil && bytes.Equal(b, took) {
-		os.Rename(agentTokenPath(dir)+".new", agentTokenPath(dir))
+// isSnapshotToken reports whether tok is the snapshot's token kept in the
+// box folder dir.
+func isSnapshotToken(dir string, tok []byte) bool {
+	b, err := readNoFollow(agentTokenPath(dir) + tokenSnapshot)
+	return err == nil && tok != nil && bytes.Equal(b, tok)
+}
+
+// newAgentToken mints a token for box b and keeps it beside the box's
+// (agent.token.new) until the agent took it (keepNewToken).
+func newAgentToken(b Box) ([]byte, error) {
+	tok := make([]byte, agent.TokenSize)
+	if _, err := rand.Read(tok); err != nil {
+		return nil, err
+	}
+	if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+tokenNew, tok, 0o600); err != nil {
+		return nil, fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
+	}
+	return tok, nil
+}
+
+// keepNewToken makes the token the agent took (agent.token.new) the box's,
+// and drops a snapshot's.
+func keepNewToken(b Box) error {
+	if err := os.Rename(agentTokenPath(b.Dir)+tokenNew, agentTokenPath(b.Dir)); err != nil {
+		return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
+	}
+	os.Remove(agentTokenPath(b.Dir) + tokenSnapshot)
+	return nil
+}
+
+// renewAgentToken gives box b's agent, through c, a token of its own that
+// has never been anywhere but here: after a snapshot, for an agent that
+// took a snapshot's. The caller holds the box's lock.
+func renewAgentToken(ctx context.Context, c *agent.Client, b Box) error {
+	tok, err := newAgentToken(b)
+	if err != nil {
+		return err
+	}
+	if _, err := c.SetToken(ctx, tok, false); err != nil {
+		if errors.Is(err, agent.ErrNoTokens) {
+			os.Remove(agentTokenPath(b.Dir) + tokenNew)
+			return nil
+		}
+		return fmt.Errorf("box %q: give its agent a new token: %w", b.Name, err)
+	}
+	return keepNewToken(b)
+}
+
+// settleAgentToken tidies the box's token files once its agent took one of
+// them (kind), if no other kvbox holds the box (one that does, a snapshot
+// say, is changing them): a new one becomes the box's, a snapshot's is
+// replaced by a new one at once, and the box's own leaves the others
+// stale.
+func (h *Host) settleAgentToken(ctx context.Context, b Box, c *agent.Client, kind string) {
+	l, err := h.TryLockBox(b.Name)
+	if err != nil {
 		return
 	}
-	os.Remove(agentTokenPath(dir) + ".new")
+	defer l.Unlock()
+	switch kind {
+	case tokenNew:
+		keepNewToken(b)
+	case tokenSnapshot:
+		renewAgentToken(ctx, c, b)
+	default:
+		os.Remove(agentTokenPath(b.Dir) + tokenNew)
+		os.Remove(agentTokenPath(b.Dir) + tokenSnapshot)
+	}
+}
+
+// GiveSnapshotToken mints a token for a snapshot of box b and makes it the
+// agent's through c, before the snapshot copies the box's memory: the
+// token frozen into the snapshot is then one no box keeps (its clones
+// replace it at their first contact, and RenewAgentToken the box's right
+// after the copy), which the snapshot may carry to other hosts. It is kept
+// in b's folder meanwhile, so that the box stays reachable if kvbox dies.
+// The agent's info comes in the same round trip; an agent that predates
+// tokens gives none (nil, no error). The caller holds the box's lock.
+func (h *Host) GiveSnapshotToken(ctx context.Context, c *agent.Client, b Box) ([]byte, agent.Info, error) {
+	tok := make([]byte, agent.TokenSize)
+	if _, err := rand.Read(tok); err != nil {
+		return nil, agent.Info{}, err
+	}
+	if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+tokenSnapshot, tok, 0o600); err != nil {
+		return nil, agent.Info{}, fmt.Errorf("box %q: keep the snapshot's agent token: %w", b.Name, err)
+	}
+	info, err := c.SetToken(ctx, tok, true)
+	if errors.Is(err, agent.ErrNoTokens) {
+		os.Remove(agentTokenPath(b.Dir) + tokenSnapshot)
+		return nil, info, nil
+	}
+	if err != nil {
+		return nil, info, fmt.Errorf("box %q: give its agent the snapshot's token: %w", b.Name, err)
+	}
+	return tok, info, nil
+}
+
+// RenewAgentToken gives box b's agent a new token of its own (after a
+// snapshot of it). The caller holds the box's lock.
+func (h *Host) RenewAgentToken(ctx context.Context, b Box) error {
+	c, err := h.Dial(ctx, b)
+	if err != nil {
+		return fmt.Errorf("box %q: reach its agent to give it a new token: %w", b.Name, err)
+	}
+	defer c.Close()
+	return renewAgentToken(ctx, c, b)
+}
+
+// RetireAgentToken marks tok, if it is box b's agent token, as copied (a
+// snapshot an older kvbox took keeps it) and gives a running box a new one
+// now; a box that is not running gets one at its next start.
+func (h *Host) RetireAgentToken(ctx context.Context, name string, tok []byte) error {
+	b, _, release, err := h.LockedLookup(name)
+	if err != nil {
+		return err
+	}
+	defer release()
+	cur, err := readNoFollow(agentTokenPath(b.Dir))
+	if err != nil || !bytes.Equal(cur, tok) {
+		return nil
+	}
+	if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+tokenSnapshot, tok, 0o600); err != nil {
+		return err
+	}
+	if err := os.Remove(agentTokenPath(b.Dir)); err != nil {
+		return err
+	}
+	if b.State != "running" {
+		return nil
+	}
+	return h.RenewAgentToken(ctx, b)
 }
 
 // hostNameservers are the host's resolvers a box can reach through NAT.

@@ -1,12 +1,14 @@
 package agent
 
 import (
+	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // Peer authentication. The agent serves only the host's kvbox. A
@@ -19,6 +21,14 @@ import (
 // first boot) serves a trusted session at once, and an untrusted one
 // nothing. The virtio-serial path, tested here, runs the same check as
 // vsock, which these test machines lack.
+//
+// A session's rights are for the token it presented (or set): setting a
+// token ends every other session's rights at once, and such a session is
+// served nothing more (a running exec or stream goes on) until it presents
+// the new one. A snapshot's token (set-token with snapshot), the one frozen
+// into a snapshot's memory and carried with it to other hosts, is taken
+// from a trusted session only: whoever holds a copy of the snapshot gets
+// nothing over vsock.
 
 const (
 	methodAuth     = "auth"
@@ -41,6 +51,9 @@ var ErrUnauthorized = errors.New("not authorized: this agent serves the host's k
 
 type authMsg struct {
 	Token []byte `json:"token"`
+	// Snapshot (set-token) marks a token minted for a snapshot: served
+	// to trusted sessions only.
+	Snapshot bool `json:"snapshot,omitempty"`
 }
 
 type authReply struct {
@@ -53,46 +66,77 @@ type authReply struct {
 	BootID string `json:"boot_id,omitempty"`
 }
 
-// currentToken is the agent's token, read from StateDir on first use; nil
-// when it has none.
-func (s *Server) currentToken() []byte {
+// tokenState is the agent's token (nil without one), whether it is a
+// snapshot's, and its generation, which every set-token bumps; the token
+// is read from StateDir on first use. On disk a snapshot's token has one
+// byte more (1).
+func (s *Server) tokenState() (tok []byte, snapshot bool, gen uint64) {
 	s.tokenMu.Lock()
 	defer s.tokenMu.Unlock()
 	if !s.tokenRead {
 		s.tokenRead = true
 		if s.StateDir != "" {
-			if b, err := os.ReadFile(filepath.Join(s.StateDir, tokenFile)); err == nil && len(b) == TokenSize {
+			b, err := os.ReadFile(filepath.Join(s.StateDir, tokenFile))
+			switch {
+			case err != nil:
+			case len(b) == TokenSize:
 				s.token = b
+			case len(b) == TokenSize+1 && b[TokenSize] == 1:
+				s.token, s.tokenSnapshot = b[:TokenSize], true
 			}
 		}
 	}
-	return s.token
+	return s.token, s.tokenSnapshot, s.tokenGen
+}
+
+// currentToken is the agent's token, nil when it has none.
+func (s *Server) currentToken() []byte {
+	tok, _, _ := s.tokenState()
+	return tok
 }
 
 // setToken replaces the agent's token, on disk first (root's only) when
-// there is a StateDir, so a reboot keeps it.
-func (s *Server) setToken(b []byte) error {
+// there is a StateDir, so a reboot keeps it, and returns its generation.
+func (s *Server) setToken(b []byte, snapshot bool) (uint64, error) {
 	if len(b) != TokenSize {
-		return fmt.Errorf("a token is %d bytes, not %d", TokenSize, len(b))
+		return 0, fmt.Errorf("a token is %d bytes, not %d", TokenSize, len(b))
 	}
-	s.currentToken() // read before replacing
+	s.tokenState() // read before replacing
 	if s.StateDir != "" {
 		if err := os.MkdirAll(s.StateDir, 0o700); err != nil {
-			return err
+			return 0, err
 		}
-		if err := writeFileAtomic(filepath.Join(s.StateDir, tokenFile), b, 0o600); err != nil {
-			return err
+		onDisk := b
+		if snapshot {
+			onDisk = append(append([]byte(nil), b...), 1)
+		}
+		if err := writeFileAtomic(filepath.Join(s.StateDir, tokenFile), onDisk, 0o600); err != nil {
+			return 0, err
 		}
 	}
 	s.tokenMu.Lock()
-	s.token = append([]byte(nil), b...)
-	s.tokenMu.Unlock()
-	return nil
+	defer s.tokenMu.Unlock()
+	s.token, s.tokenSnapshot = append([]byte(nil), b...), snapshot
+	s.tokenGen++
+	return s.tokenGen, nil
 }
 
 // greet starts a session's authorization afresh (at each HELLO).
-func (ss *session) greet() {
-	ss.authed = ss.trusted && ss.srv.currentToken() == nil
+func (ss *session) greet() { ss.authed = false }
+
+// authorized reports whether the session may be served more than ping:
+// it presented (or set) the agent's current token, or the agent has none
+// and the session is trusted. A snapshot's token serves trusted sessions
+// only.
+func (ss *session) authorized() bool {
+	tok, snapshot, gen := ss.srv.tokenState()
+	switch {
+	case tok == nil:
+		return ss.trusted
+	case snapshot && !ss.trusted:
+		return false
+	}
+	return ss.authed && ss.authGen == gen
 }
 
 // authRequest handles auth and set-token; ok is false for any other
@@ -106,17 +150,22 @@ func (ss *session) authRequest(gen uint64, id uint32, req request) (ok bool) {
 			ss.reply(gen, id, nil, fmt.Errorf("bad auth: %v", err))
 			return true
 		}
-		tok := ss.srv.currentToken()
+		tok, snapshot, tgen := ss.srv.tokenState()
 		switch {
 		case tok == nil && ss.trusted:
-			ss.authed = true
+			ss.authed, ss.authGen = true, tgen
 		case tok == nil || subtle.ConstantTimeCompare(tok, m.Token) != 1:
 			ss.authed = false
 			ss.srv.logf("%s: a peer presented a wrong token", ss.name)
 			ss.reply(gen, id, nil, ErrUnauthorized)
 			return true
+		case snapshot && !ss.trusted:
+			ss.authed = false
+			ss.srv.logf("%s: a snapshot's token was presented on an untrusted transport", ss.name)
+			ss.reply(gen, id, nil, ErrUnauthorized)
+			return true
 		default:
-			ss.authed = true
+			ss.authed, ss.authGen = true, tgen
 		}
 		// Replied from a goroutine: the requests behind it may be served
 		// meanwhile (the reader goes on), and the reply waits for the
@@ -129,13 +178,49 @@ func (ss *session) authRequest(gen uint64, id uint32, req request) (ok bool) {
 		switch {
 		case err != nil:
 			err = fmt.Errorf("bad token: %v", err)
-		case !ss.authed:
+		case !ss.authorized():
 			err = ErrUnauthorized
 		default:
-			err = ss.srv.setToken(m.Token)
+			var tgen uint64
+			if tgen, err = ss.srv.setToken(m.Token, m.Snapshot); err == nil {
+				// Its own rights go on with the new token; every other
+				// session's end here.
+				ss.authed, ss.authGen = true, tgen
+			}
 		}
 		ss.reply(gen, id, nil, err)
 		return true
 	}
 	return false
+}
+
+// ErrNoTokens is what SetToken answers for an agent that predates tokens.
+var ErrNoTokens = errors.New("the guest agent predates tokens")
+
+// SetToken makes token the agent's token (with snapshot: a snapshot's,
+// served to trusted sessions only) and the one this client presents from
+// then on, and asks for the agent's info in the same round trip. Every
+// other session of the agent loses its rights at once.
+func (c *Client) SetToken(ctx context.Context, token []byte, snapshot bool) (Info, error) {
+	var info Info
+	errs, err := c.Pipeline(ctx, Call{Method: methodSetToken, Params: authMsg{Token: token, Snapshot: snapshot}},
+		Call{Method: methodPing, Result: &info})
+	if err != nil {
+		return info, err
+	}
+	var re *RemoteError
+	if errors.As(errs[0], &re) && strings.Contains(re.Message, "unknown method") {
+		return info, ErrNoTokens
+	}
+	if errs[0] != nil {
+		return info, fmt.Errorf("give the agent its token: %w", errs[0])
+	}
+	c.Token = token
+	if errs[1] != nil {
+		return info, fmt.Errorf("ask the agent who it is: %w", errs[1])
+	}
+	c.infoOnce.Lock()
+	c.info = &info
+	c.infoOnce.Unlock()
+	return info, nil
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -163,7 +164,7 @@ func TestPipelinedFirstContact(t *testing.T) {
 	s := testServer(t)
 	s.StateDir = t.TempDir()
 	token := bytes.Repeat([]byte{7}, TokenSize)
-	if err := s.setToken(token); err != nil {
+	if _, err := s.setToken(token, false); err != nil {
 		t.Fatal(err)
 	}
 	fs := s.System.(*fakeSystem)
@@ -243,4 +244,137 @@ func (c *slowStart) Read(b []byte) (int, error) {
 		time.Sleep(c.delay)
 	}
 	return c.Conn.Read(b)
+}
+
+// Setting a token ends every other session's rights at once: a session
+// authorised with the old token (a copy of it in a snapshot's memory, say)
+// is served nothing more, on any transport, until it presents the new one.
+// The session that set it goes on; an exec already running goes on.
+func TestSetTokenEndsOtherSessions(t *testing.T) {
+	s := testServer(t)
+	s.StateDir = t.TempDir()
+	old := bytes.Repeat([]byte{1}, TokenSize)
+	if _, err := s.setToken(old, false); err != nil {
+		t.Fatal(err)
+	}
+	setter := serveUntrusted(t, s, old)
+	other := serveUntrusted(t, s, old)
+	trusted := start(t, s)
+	trusted.Token = old
+	for name, c := range map[string]*Client{"setter": setter, "other": other, "trusted": trusted} {
+		if err := execTrue(c); err != nil {
+			t.Fatalf("%s with the token: %v", name, err)
+		}
+	}
+	next := bytes.Repeat([]byte{2}, TokenSize)
+	if _, err := setter.SetToken(tctx(t), next, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := execTrue(setter); err != nil {
+		t.Errorf("the session that set the token: %v", err)
+	}
+	for name, c := range map[string]*Client{"untrusted": other, "trusted": trusted} {
+		if err := execTrue(c); err == nil || !strings.Contains(err.Error(), "not authorized") {
+			t.Errorf("%s session authorised with the old token still runs exec after set-token: %v", name, err)
+		}
+	}
+	if err := execTrue(serveUntrusted(t, s, next)); err != nil {
+		t.Errorf("a new session with the new token: %v", err)
+	}
+
+	// An agent without a token serves a trusted session; once another
+	// one sets a token, that session is served no more either.
+	s2 := testServer(t)
+	s2.StateDir = t.TempDir()
+	first, second := start(t, s2), start(t, s2)
+	if err := execTrue(first); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := second.SetToken(tctx(t), next, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := execTrue(first); err == nil || !strings.Contains(err.Error(), "not authorized") {
+		t.Errorf("a trusted session of the token-less agent still runs exec after another set a token: %v", err)
+	}
+}
+
+// A snapshot's token, which travels with the snapshot, is served to
+// trusted sessions (virtio-serial, root's on the host) only, also after
+// the agent starts again; a token set after it serves both again.
+func TestSnapshotTokenTrustedOnly(t *testing.T) {
+	s := testServer(t)
+	s.StateDir = t.TempDir()
+	snap := bytes.Repeat([]byte{3}, TokenSize)
+	c := start(t, s)
+	if _, err := c.SetToken(tctx(t), snap, true); err != nil {
+		t.Fatal(err)
+	}
+	s2 := testServer(t) // the agent started again (a clone booted cold)
+	s2.StateDir = s.StateDir
+	for _, srv := range []*Server{s, s2} {
+		if err := execTrue(serveUntrusted(t, srv, snap)); err == nil || !strings.Contains(err.Error(), "not authorized") {
+			t.Errorf("a snapshot's token over an untrusted transport: %v, want it refused", err)
+		}
+		tc := start(t, srv)
+		tc.Token = snap
+		if err := execTrue(tc); err != nil {
+			t.Errorf("a snapshot's token over a trusted transport: %v", err)
+		}
+	}
+	own := bytes.Repeat([]byte{4}, TokenSize)
+	tc := start(t, s2)
+	tc.Token = snap
+	if _, err := tc.SetToken(tctx(t), own, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := execTrue(serveUntrusted(t, s2, own)); err != nil {
+		t.Errorf("the clone's own token over an untrusted transport: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(s.StateDir, tokenFile)); err != nil || !bytes.Equal(b, own) {
+		t.Errorf("token on disk %x %v, want %x", b, err, own)
+	}
+}
+
+// A forwarder whose session lost its rights (the box was snapshotted: its
+// token changed twice) presents the box's token again and dials on.
+func TestForwarderPresentsNewToken(t *testing.T) {
+	addr := listen(t, echo)
+	s := testServer(t)
+	s.StateDir = t.TempDir()
+	old := bytes.Repeat([]byte{5}, TokenSize)
+	if _, err := s.setToken(old, false); err != nil {
+		t.Fatal(err)
+	}
+	fc := serveUntrusted(t, s, old)
+	f, err := fc.Forward(tctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	next := bytes.Repeat([]byte{6}, TokenSize)
+	f.Tokens = func() [][]byte { return [][]byte{bytes.Repeat([]byte{9}, TokenSize), next} }
+	if _, err := serveUntrusted(t, s, old).SetToken(tctx(t), next, false); err != nil {
+		t.Fatal(err)
+	}
+	mine, theirs := localPair(t)
+	ended, err := f.Connect(tctx(t), addr, mine)
+	if err != nil {
+		t.Fatalf("dial after the token changed: %v", err)
+	}
+	theirs.Write([]byte("ping"))
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(theirs, buf); err != nil || string(buf) != "ping" {
+		t.Errorf("echo %q %v", buf, err)
+	}
+	theirs.Close()
+	<-ended
+	// Without the box's tokens it fails, saying why.
+	f.Tokens = nil
+	if _, err := serveUntrusted(t, s, next).SetToken(tctx(t), old, false); err != nil {
+		t.Fatal(err)
+	}
+	mine, _ = localPair(t)
+	if _, err := f.Connect(tctx(t), addr, mine); err == nil || !strings.Contains(err.Error(), "not authorized") {
+		t.Errorf("dial with a stale token and none to present: %v", err)
+	}
 }

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -26,8 +28,17 @@ type Forwarder struct {
 	// connection). Forward sets DefaultDialDeadline.
 	DialDeadline time.Duration
 
+	// Tokens, if set, gives the tokens the box's agent may have now
+	// (kvbox's files): when the agent refuses a dial because its token
+	// changed (a snapshot of the box, which ends every other session's
+	// rights), the forwarder presents them and dials again.
+	Tokens func() [][]byte
+
 	c   *Client
 	end func(bool)
+
+	authMu  sync.Mutex
+	authGen atomic.Uint64 // bumped by each re-auth
 
 	mu      sync.Mutex
 	streams map[uint32]*stream
@@ -149,7 +160,74 @@ func (f *Forwarder) Connect(ctx context.Context, addr string, conn io.ReadWriteC
 		ctx, cancel = context.WithTimeoutCause(ctx, f.DialDeadline, &DialDeadlineError{Address: addr, After: f.DialDeadline})
 		defer cancel()
 	}
-	return f.connect(ctx, addr, conn)
+	gen := f.authGen.Load()
+	ended, err := f.connect(ctx, addr, conn)
+	var re *RemoteError
+	if errors.As(err, &re) && strings.Contains(re.Message, ErrUnauthorized.Error()) && f.Tokens != nil {
+		if aerr := f.reauth(ctx, gen); aerr != nil {
+			return nil, fmt.Errorf("%w (and presenting the box's token again: %v)", err, aerr)
+		}
+		return f.connect(ctx, addr, conn)
+	}
+	return ended, err
+}
+
+// reauth presents the box's tokens until the agent takes one, unless
+// another Connect has done so since gen.
+func (f *Forwarder) reauth(ctx context.Context, gen uint64) error {
+	f.authMu.Lock()
+	defer f.authMu.Unlock()
+	if f.authGen.Load() != gen {
+		return nil
+	}
+	var errs []error
+	for _, tok := range f.Tokens() {
+		resp, err := f.request(ctx, methodAuth, authMsg{Token: tok})
+		if err == nil && resp.Error == "" {
+			f.c.Token = tok
+			f.authGen.Add(1)
+			return nil
+		}
+		if err == nil {
+			err = errors.New(resp.Error)
+		}
+		errs = append(errs, err)
+	}
+	if len(errs) == 0 {
+		return errors.New("kvbox has no token for the box")
+	}
+	return errors.Join(errs...)
+}
+
+// request sends a request and waits for its response.
+func (f *Forwarder) request(ctx context.Context, method string, params any) (response, error) {
+	id := f.c.nextID.Add(1)
+	ch := make(chan response, 1)
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return response{}, f.Err()
+	}
+	f.pending[id] = ch
+	f.mu.Unlock()
+	b, err := requestFrame(id, method, params)
+	if err == nil {
+		err = f.c.write(ctx, b)
+	}
+	if err != nil {
+		f.forget(id)
+		return response{}, err
+	}
+	select {
+	case resp, ok := <-ch:
+		if !ok {
+			return response{}, f.Err()
+		}
+		return resp, nil
+	case <-ctx.Done():
+		f.forget(id)
+		return response{}, context.Cause(ctx)
+	}
 }
 
 func (f *Forwarder) connect(ctx context.Context, addr string, conn io.ReadWriteCloser) (<-chan struct{}, error) {

@@ -48,9 +48,11 @@ type Server struct {
 	identifyMu sync.Mutex
 	boosts     boosts // the identities being applied (boost.go)
 
-	tokenMu   sync.Mutex
-	token     []byte // auth.go
-	tokenRead bool
+	tokenMu       sync.Mutex // auth.go
+	token         []byte
+	tokenSnapshot bool
+	tokenGen      uint64
+	tokenRead     bool
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -185,8 +187,10 @@ type session struct {
 	// are leftovers of an earlier one and are dropped. Reader goroutine only.
 	greeted bool
 	// trusted: only the host's root can open this transport (virtio-serial);
-	// authed: this host may be served (auth.go). Reader goroutine only.
+	// authed: this host presented or set the token of generation authGen
+	// (auth.go). Reader goroutine only.
 	trusted, authed bool
+	authGen         uint64
 }
 
 func (ss *session) send(gen uint64, t frameType, id uint32, payload []byte) error {
@@ -305,7 +309,7 @@ func (ss *session) request(f frame) {
 		ss.reply(gen, f.ID, nil, fmt.Errorf("bad request: %v", err))
 		return
 	}
-	if req.Method != methodPing && !ss.authed {
+	if req.Method != methodPing && !ss.authorized() {
 		if !ss.authRequest(gen, f.ID, req) {
 			ss.reply(gen, f.ID, nil, ErrUnauthorized)
 		}

@@ -270,7 +270,8 @@ type creation struct {
 	copyPaused bool                       // the box stays paused while its RAM is copied (see copyPaused)
 	gated      bool                       // the copy starts held while the guest names its free pages (gateParams)
 	bootID     string                     // the guest's boot_id, from its agent (best effort)
-	guest      func() (agent.Info, error) // the agent's answer being asked for (prepare)
+	guest      func() (agent.Info, error) // the agent's answer and the snapshot's token being given (prepare)
+	token      []byte                     // the snapshot's agent token (nil: an agent without tokens)
 	compat     func() (Compat, error)     // the host's versions being read (prepare)
 	rest       func() (string, error)     // the folder's rest being made (makeRest), the boot_id
 	copied     int64                      // bytes the disk copy wrote
@@ -291,6 +292,7 @@ func (c *creation) plan(ctx context.Context) step.Plan {
 		{Name: "open-disk-copy", Do: c.openTarget, Undo: func() { c.q.BlockdevDel(context.WithoutCancel(ctx), targetNode) }},
 		{Name: "start-disk-copy", Do: c.startBackup, Undo: func() { c.cancelBackup(context.WithoutCancel(ctx)) }},
 		{Name: "resume", Do: c.resumeRunning},
+		{Name: "renew-token", Do: c.renewToken},
 		{Name: "copy-disk", Do: c.copyDisk},
 		{Name: "merge", Do: c.merge},
 		{Name: "seal", Do: func(context.Context) error { return seal(c.h, c.tmp, c.snapshot()) }},
@@ -342,6 +344,14 @@ func (c *creation) removeFolder() {
 		}
 	}
 	os.RemoveAll(c.tmp)
+	if c.guest != nil {
+		// The box's agent may have the snapshot's token, which no
+		// snapshot keeps now: the box, running again, gets one of its
+		// own (or at its next contact, if it does not answer).
+		if _, err := c.guest(); err == nil {
+			c.renewToken(context.Background())
+		}
+	}
 }
 
 // makeFolder makes the partial folder, root's: QEMU's group traverses it
@@ -389,10 +399,12 @@ func createNew(path string) (*os.File, error) {
 // it cannot read.
 func (c *creation) prepare(ctx context.Context) (err error) {
 	// The agent's answer and the host's versions are asked for meanwhile:
-	// each is a round trip of its own (a guest's, libvirtd's), and only
-	// the folder's rest needs them (makeRest). The guest is asked now,
-	// while it surely runs: a paused copy (copyPaused) stops it next.
-	c.guest = meanwhile(func() (agent.Info, error) { return guestInfo(ctx, c.h, c.box), nil })
+	// each is a round trip of its own (a guest's, libvirtd's). The agent
+	// gets the snapshot's token in the same round trip, which the copy of
+	// the memory waits for (copyLive); only the folder's rest needs the
+	// rest (makeRest). The guest is asked now, while it surely runs: a
+	// paused copy (copyPaused) stops it next.
+	c.guest = meanwhile(func() (agent.Info, error) { return c.giveToken(ctx) })
 	c.compat = meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
 	// The switch-over inactivates the disk, and the pause ends with its
 	// activation: it must find the page cache of the files the box shares
@@ -466,9 +478,12 @@ func (c *creation) makeRest(ctx context.Context) (string, error) {
 	if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, DomainXMLFile), []byte(c.liveXML), 0o640); err != nil {
 		return "", err
 	}
-	// The token of the agent in the memory: the first contact of a clone.
-	if err := copyAgentToken(c.box.Dir, c.tmp); err != nil {
-		return "", err
+	// The token of the agent in the memory, the snapshot's own: the
+	// first contact of a clone.
+	if c.token != nil {
+		if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, domain.AgentTokenFile), c.token, 0o600); err != nil {
+			return "", err
+		}
 	}
 	cp, err := c.compat()
 	if err != nil {
@@ -553,23 +568,37 @@ func meanwhile[T any](f func() (T, error)) func() (T, error) {
 	}
 }
 
-// guestInfo asks the box's agent for the guest's boot_id, which a clone's
-// agent must answer with too, and its version; empty when the agent does
-// not answer in 2 s or is too old to say (a box whose agent is busy is
-// snapshotted all the same: its clones are then not checked, and say so).
-func guestInfo(ctx context.Context, h *domain.Host, box domain.Box) agent.Info {
-	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+// giveToken gives the box's agent the snapshot's token (domain.Host.
+// GiveSnapshotToken): the token frozen into the snapshot's memory is one
+// minted for it, never the box's own, which stays on this host. It returns
+// the agent's answer, with the guest's boot_id, which a clone's agent must
+// answer with too, and its version. An agent that cannot be reached fails
+// the snapshot: its memory would keep the box's own token.
+func (c *creation) giveToken(ctx context.Context) (agent.Info, error) {
+	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	a, err := h.Dial(actx, box)
+	a, err := c.h.Dial(actx, c.box)
 	if err != nil {
-		return agent.Info{}
+		return agent.Info{}, fmt.Errorf("box %q: its agent must take the snapshot's token before its memory is copied: %w", c.box.Name, err)
 	}
 	defer a.Close()
-	info, err := a.Ping(actx)
+	tok, info, err := c.h.GiveSnapshotToken(actx, a, c.box)
 	if err != nil {
-		return agent.Info{}
+		return info, err
 	}
-	return info
+	c.token = tok
+	return info, nil
+}
+
+// renewToken gives the box's agent a token of its own again, minted after
+// the snapshot's memory was copied: the token in the snapshot is no box's.
+func (c *creation) renewToken(ctx context.Context) error {
+	if c.token == nil {
+		return nil
+	}
+	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	return c.h.RenewAgentToken(actx, c.box)
 }
 
 // writeCompat writes what a restore of the snapshot in dir needs, with
@@ -632,6 +661,10 @@ func (c *creation) copyLive(ctx context.Context) (err error) {
 		}
 	}()
 	c.mem = Memory{File: StateFile, MappedRAM: true}
+	// The memory copied holds the snapshot's token, not the box's.
+	if _, err := c.guest(); err != nil {
+		return err
+	}
 	if err := c.q.MigrateSetCapabilities(ctx, liveCaps()); err != nil {
 		return err
 	}

@@ -130,6 +130,9 @@ func (a *app) openForwarder(ctx context.Context, name string, before func(*agent
 		// A connection the guest never answers ends, and with it its
 		// goroutine and socket (a port holder lives as long as the box).
 		f.DialDeadline = a.dialTimeout
+		// A snapshot of the box changes its agent token, which ends this
+		// connection's rights: the forwarder presents the new one.
+		f.Tokens = func() [][]byte { return domain.AgentTokens(b.Dir) }
 	}
 	if err != nil {
 		client.Close()

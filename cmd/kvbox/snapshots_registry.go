@@ -2,9 +2,13 @@ package main
 
 import (
 	"bufio"
+	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -91,6 +95,9 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 			}
 			h, err := a.Host()
 			if err != nil {
+				return err
+			}
+			if err := retireCopiedToken(c.Context(), h, s); err != nil {
 				return err
 			}
 			done := a.progress(&o)
@@ -249,6 +256,30 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 	}
 	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON object")
 	return c
+}
+
+// retireCopiedToken: a snapshot takes an agent token minted for it, which
+// no box keeps; one an older kvbox took holds its source's own token. Before
+// such a snapshot leaves this host, every box that still has that token gets
+// a new one (a box that is not running, at its next start).
+func retireCopiedToken(ctx context.Context, h *domain.Host, s snapshot.Snapshot) error {
+	tok, err := domain.ReadAgentToken(s.Dir)
+	if err != nil || tok == nil {
+		return err
+	}
+	boxes, err := h.Boxes()
+	if err != nil {
+		return err
+	}
+	for _, b := range boxes {
+		if filepath.Dir(b.Dir) != h.BoxesDir() || !slices.ContainsFunc(domain.AgentTokens(b.Dir), func(t []byte) bool { return bytes.Equal(t, tok) }) {
+			continue
+		}
+		if err := h.RetireAgentToken(ctx, b.Name, tok); err != nil {
+			return fmt.Errorf("snapshot %q holds the agent token of box %s (an older kvbox took it), which must get a new one before the snapshot leaves this host: %w", s.Name, b.Name, err)
+		}
+	}
+	return nil
 }
 
 func verString(v uint64) string {
