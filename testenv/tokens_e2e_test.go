@@ -105,7 +105,7 @@ func TestSnapshotTokensLeaveNoLiveToken(t *testing.T) {
 	if !sawToken {
 		t.Errorf("the artifact carries no token for a clone's first contact: parts %+v", res.Parts)
 	}
-	t.Logf("%d parts read back from the registry, none with a live token", len(res.Parts))
+	t.Logf("%d parts read back from the registry", len(res.Parts))
 
 	// A snapshot an older kvbox took holds its source's own token (here:
 	// written over the snapshot's). Before it is pushed, the source gets a
