@@ -578,6 +578,11 @@ func (c *creation) giveToken(ctx context.Context) (agent.Info, error) {
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	a, err := c.h.Dial(actx, c.box)
+	for errors.Is(err, domain.ErrBusy) && actx.Err() == nil {
+		// Other kvbox commands hold every agent port: one frees soon.
+		time.Sleep(100 * time.Millisecond)
+		a, err = c.h.Dial(actx, c.box)
+	}
 	if err != nil {
 		return agent.Info{}, fmt.Errorf("box %q: its agent must take the snapshot's token before its memory is copied: %w", c.box.Name, err)
 	}
