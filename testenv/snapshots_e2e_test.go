@@ -15,6 +15,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/domain"
 )
 
 // snap is an element of `kvbox snapshots ls --json`.
@@ -234,7 +236,7 @@ func TestLiveSnapshotOfClone(t *testing.T) {
 		t.Fatalf("clone %s: %s", c, r)
 	}
 	startCounter(t, c)
-	killedSnapshots(t, c, "make-folder", "prepare", "live-started", "live-copying", "live-opened", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "copy-disk", "merge")
+	killedSnapshots(t, c, "make-folder", "prepare", "live-started", "live-copying", "live-opened", "copy-memory-live", "open-disk-copy", "start-disk-copy", "resume", "renew-token", "copy-disk", "merge")
 	// Data written just before the snapshot is in it.
 	sum := inBox(t, c, "head -c 4000000 /dev/urandom > /www/big && sync && md5sum /www/big | cut -c1-32")
 	snap2 := name(t, "lv2")
@@ -583,6 +585,15 @@ func killedSnapshots(t *testing.T, box string, steps ...string) {
 		}
 		assertDomainClean(t, box)
 		assertCounting(t, box)
+		// The agent may have had the snapshot's token when kvbox died:
+		// the next contact (assertCounting's exec) gave it one of its
+		// own, and nothing of the snapshot's token is left.
+		dir := getBox(t, box).Dir
+		for _, f := range []string{".new", ".snapshot"} {
+			if _, err := os.Stat(filepath.Join(dir, domain.AgentTokenFile+f)); !os.IsNotExist(err) {
+				t.Errorf("kill at %s: %s%s left after the next contact: %v", step, domain.AgentTokenFile, f, err)
+			}
+		}
 	}
 }
 
