@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/guest-agent/guestexec"
 )
 
 const (
@@ -56,12 +58,12 @@ func envLookup(env []string, key string) string {
 
 // execEnv returns the environment of req: the given one, or defaults
 // (with u's HOME, USER and LOGNAME when u is set), then EnvAdd on top.
-func execEnv(req ExecRequest, u *guestUser) []string {
+func execEnv(req ExecRequest, u *guestexec.User) []string {
 	env := req.Env
 	if len(env) == 0 {
 		env = DefaultEnv(req.TTY, "")
 		if u != nil {
-			env = MergeEnv(env, []string{"HOME=" + u.home, "USER=" + u.name, "LOGNAME=" + u.name})
+			env = MergeEnv(env, []string{"HOME=" + u.Home, "USER=" + u.Name, "LOGNAME=" + u.Name})
 		}
 	}
 	return MergeEnv(env, req.EnvAdd)
@@ -124,12 +126,12 @@ func lookPath(name, path string) (string, error) {
 // resolveExec checks an exec request and works out who runs what where:
 // the user (nil: the agent's), the environment, the program and the
 // working directory.
-func resolveExec(req ExecRequest) (u *guestUser, env []string, bin, dir string, err error) {
+func resolveExec(req ExecRequest) (u *guestexec.User, env []string, bin, dir string, err error) {
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
 		return nil, nil, "", "", errors.New("exec: empty argv")
 	}
 	if req.User != "" {
-		if u, err = lookupUser(req.User); err != nil {
+		if u, err = guestexec.LookupUser(req.User); err != nil {
 			return nil, nil, "", "", err
 		}
 	}
@@ -141,7 +143,7 @@ func resolveExec(req ExecRequest) (u *guestUser, env []string, bin, dir string, 
 	env = execEnv(req, u)
 	dir = req.Dir
 	if dir != "" {
-		if err := checkWorkdir(dir); err != nil {
+		if err := guestexec.CheckWorkdir(dir); err != nil {
 			return nil, nil, "", "", err
 		}
 	}
@@ -177,14 +179,12 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 		}
 	}()
 	if req.TTY {
-		master, slave, err := openPTY()
+		master, slave, err := guestexec.OpenPTY()
 		if err != nil {
 			return nil, err
 		}
 		childEnds = append(childEnds, slave)
-		if req.Rows > 0 && req.Cols > 0 {
-			unix.IoctlSetWinsize(int(slave.Fd()), unix.TIOCSWINSZ, &unix.Winsize{Row: req.Rows, Col: req.Cols})
-		}
+		guestexec.SetWinsize(slave, req.Rows, req.Cols)
 		cmd.Stdin, cmd.Stdout, cmd.Stderr = slave, slave, slave
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
 		p.master, p.stdinW, p.outs = master, master, []*os.File{master}
@@ -215,7 +215,7 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	}
 	if u != nil {
-		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.uid, Gid: u.gid, Groups: u.groups}
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.UID, Gid: u.GID, Groups: u.Groups}
 	}
 	if err := ss.srv.boosts.unboosted(cmd.Start); err != nil {
 		p.closeAll()
@@ -348,13 +348,7 @@ func (p *process) resize(ws WinSize) {
 	if p.master == nil || ws.Rows == 0 || ws.Cols == 0 {
 		return
 	}
-	rc, err := p.master.SyscallConn()
-	if err != nil {
-		return
-	}
-	rc.Control(func(fd uintptr) {
-		unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: ws.Rows, Col: ws.Cols})
-	})
+	guestexec.SetWinsize(p.master, ws.Rows, ws.Cols)
 }
 
 // kill signals the whole process group (a pty session leader's pid is its
@@ -366,32 +360,4 @@ func (p *process) kill(sig unix.Signal) {
 	if err := unix.Kill(-p.pid, sig); err != nil && !errors.Is(err, unix.ESRCH) {
 		p.ss.srv.logf("%s: kill exec %q: %v", p.ss.name, p.argv0, err)
 	}
-}
-
-// openPTY allocates a pty pair. devpts must be mounted on /dev/pts (the
-// guest's init does that).
-func openPTY() (master, slave *os.File, err error) {
-	fd, err := unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-	if err != nil {
-		return nil, nil, fmt.Errorf("open /dev/ptmx: %w", err)
-	}
-	// The master is non-blocking so the runtime poller can interrupt
-	// reads (deadlines, Close).
-	master = os.NewFile(uintptr(fd), "/dev/ptmx")
-	if err := unix.IoctlSetPointerInt(fd, unix.TIOCSPTLCK, 0); err != nil {
-		master.Close()
-		return nil, nil, fmt.Errorf("unlock pty: %w", err)
-	}
-	n, err := unix.IoctlGetInt(fd, unix.TIOCGPTN)
-	if err != nil {
-		master.Close()
-		return nil, nil, fmt.Errorf("pty number: %w", err)
-	}
-	name := fmt.Sprintf("/dev/pts/%d", n)
-	sfd, err := unix.Open(name, unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		master.Close()
-		return nil, nil, fmt.Errorf("open %s: %w", name, err)
-	}
-	return master, os.NewFile(uintptr(sfd), name), nil
 }

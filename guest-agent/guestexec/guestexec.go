@@ -1,0 +1,127 @@
+// Package guestexec holds what every part of the guest agent that starts a
+// command needs: who runs it (a user of the guest's /etc/passwd), where
+// (a working directory) and on what (a pseudo-terminal). The agent's own
+// exec and the envd feature share it.
+package guestexec
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/user"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// User is who a command runs as.
+type User struct {
+	Name     string
+	UID, GID uint32
+	Groups   []uint32
+	Home     string
+}
+
+// LookupUser resolves a user name or numeric uid through the guest's
+// /etc/passwd and /etc/group (os/user's pure-Go path: the agent is static).
+// A numeric uid with no passwd entry runs with gid 0 and HOME /, as
+// docker's --user does.
+func LookupUser(s string) (*User, error) {
+	u, err := user.Lookup(s)
+	if err != nil {
+		if _, numeric := strconv.ParseUint(s, 10, 32); numeric == nil {
+			u, err = user.LookupId(s)
+			if err != nil {
+				id, _ := strconv.ParseUint(s, 10, 32)
+				return &User{Name: s, UID: uint32(id), Home: "/"}, nil
+			}
+		} else {
+			var unk user.UnknownUserError
+			if errors.As(err, &unk) {
+				return nil, fmt.Errorf("user %s: no such user in the box (/etc/passwd)", s)
+			}
+			return nil, fmt.Errorf("user %s: %w", s, err)
+		}
+	}
+	uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
+	gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
+	if err1 != nil || err2 != nil {
+		return nil, fmt.Errorf("user %s: bad uid/gid %q/%q in /etc/passwd", s, u.Uid, u.Gid)
+	}
+	g := &User{Name: u.Username, UID: uint32(uid), GID: uint32(gid), Home: u.HomeDir}
+	if g.Home == "" {
+		g.Home = "/"
+	}
+	if ids, err := u.GroupIds(); err == nil {
+		for _, id := range ids {
+			if n, err := strconv.ParseUint(id, 10, 32); err == nil {
+				g.Groups = append(g.Groups, uint32(n))
+			}
+		}
+	}
+	if len(g.Groups) == 0 {
+		g.Groups = []uint32{g.GID}
+	}
+	return g, nil
+}
+
+// CheckWorkdir says in one line why dir cannot be a working directory.
+func CheckWorkdir(dir string) error {
+	st, err := os.Stat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return fmt.Errorf("workdir %s: no such directory in the box", dir)
+	case err != nil:
+		return fmt.Errorf("workdir %s: %w", dir, errors.Unwrap(err))
+	case !st.IsDir():
+		return fmt.Errorf("workdir %s: not a directory", dir)
+	}
+	return nil
+}
+
+// OpenPTY allocates a pty pair. devpts must be mounted on /dev/pts (the
+// guest's init does that).
+func OpenPTY() (master, slave *os.File, err error) {
+	fd, err := unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open /dev/ptmx: %w", err)
+	}
+	// The master is non-blocking so the runtime poller can interrupt
+	// reads (deadlines, Close).
+	master = os.NewFile(uintptr(fd), "/dev/ptmx")
+	if err := unix.IoctlSetPointerInt(fd, unix.TIOCSPTLCK, 0); err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("unlock pty: %w", err)
+	}
+	n, err := unix.IoctlGetInt(fd, unix.TIOCGPTN)
+	if err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("pty number: %w", err)
+	}
+	name := fmt.Sprintf("/dev/pts/%d", n)
+	sfd, err := unix.Open(name, unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		master.Close()
+		return nil, nil, fmt.Errorf("open %s: %w", name, err)
+	}
+	return master, os.NewFile(uintptr(sfd), name), nil
+}
+
+// SetWinsize sets the terminal size of a pty (either end); a zero size is
+// left alone.
+func SetWinsize(f *os.File, rows, cols uint16) error {
+	if rows == 0 || cols == 0 {
+		return nil
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = unix.IoctlSetWinsize(int(fd), unix.TIOCSWINSZ, &unix.Winsize{Row: rows, Col: cols})
+	}); err != nil {
+		return err
+	}
+	return serr
+}
