@@ -17,7 +17,7 @@ import (
 )
 
 const (
-	defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	defaultPath = guestexec.DefaultPath
 	defaultTerm = "xterm-256color"
 	// stdinWindow is how many stdin frames the host may send before the
 	// guest acknowledges one; it bounds what the guest buffers.
@@ -103,26 +103,6 @@ func DefaultEnv(tty bool, term string) []string {
 	return env
 }
 
-// lookPath finds name in the request's PATH, not the agent's.
-func lookPath(name, path string) (string, error) {
-	if strings.Contains(name, "/") {
-		return name, nil
-	}
-	if path == "" {
-		path = defaultPath
-	}
-	for _, dir := range strings.Split(path, ":") {
-		if dir == "" {
-			dir = "."
-		}
-		p := dir + "/" + name
-		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
-			return p, nil
-		}
-	}
-	return "", fmt.Errorf("%q: executable file not found in PATH", name)
-}
-
 // resolveExec checks an exec request and works out who runs what where:
 // the user (nil: the agent's), the environment, the program and the
 // working directory.
@@ -147,7 +127,7 @@ func resolveExec(req ExecRequest) (u *guestexec.User, env []string, bin, dir str
 			return nil, nil, "", "", err
 		}
 	}
-	bin, err = lookPath(req.Argv[0], envLookup(env, "PATH"))
+	bin, err = guestexec.LookPath(req.Argv[0], envLookup(env, "PATH"))
 	if req.Argv[0] == selfArgv0 {
 		bin, err = os.Executable() // the file helper (files.go)
 	}

@@ -10,9 +10,35 @@ import (
 	"os"
 	"os/user"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
+
+// DefaultPath is the PATH of a command whose caller sets none.
+const DefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// LookPath finds name in path (a PATH value; DefaultPath when empty), the
+// command's PATH rather than the agent's. A name with a slash is returned
+// as it is.
+func LookPath(name, path string) (string, error) {
+	if strings.Contains(name, "/") {
+		return name, nil
+	}
+	if path == "" {
+		path = DefaultPath
+	}
+	for _, dir := range strings.Split(path, ":") {
+		if dir == "" {
+			dir = "."
+		}
+		p := dir + "/" + name
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%q: executable file not found in PATH", name)
+}
 
 // User is who a command runs as.
 type User struct {
