@@ -1,0 +1,306 @@
+package envd
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/klauspost/compress/gzip"
+
+	"kvbox.dev/kvbox/guest-agent/guestexec"
+)
+
+// Signature is the signature of a /files URL the SDKs make
+// (downloadUrl, uploadUrl) for a sandbox whose token is token: "v1_" and
+// the unpadded base64 of the SHA-256 of "path:operation:user:token", with
+// ":expiration" (Unix seconds) when the URL expires. operation is "read"
+// or "write"; user is the URL's username, "" when it names none.
+func Signature(path, operation, user, token string, expiration int64) string {
+	raw := path + ":" + operation + ":" + user + ":" + token
+	if expiration != 0 {
+		raw += ":" + strconv.FormatInt(expiration, 10)
+	}
+	sum := sha256.Sum256([]byte(raw))
+	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
+}
+
+// filesAuthorized reports whether a /files request may be served: no
+// token is set, or it carries the token, or a valid, unexpired signature
+// of its path, operation and user.
+func (s *Server) filesAuthorized(r *http.Request, operation string) (bool, string) {
+	tok := s.Config().AccessToken
+	if tok == "" || s.tokenOK(r.Header) {
+		return true, ""
+	}
+	q := r.URL.Query()
+	sig := q.Get("signature")
+	if sig == "" {
+		return false, errToken.Error() + " or signature"
+	}
+	var exp int64
+	if e := q.Get("signature_expiration"); e != "" {
+		var err error
+		if exp, err = strconv.ParseInt(e, 10, 64); err != nil {
+			return false, "signature_expiration is not a Unix time"
+		}
+		if time.Now().Unix() > exp {
+			return false, "the signature has expired"
+		}
+	}
+	want := Signature(q.Get("path"), operation, q.Get("username"), tok, exp)
+	if subtle.ConstantTimeCompare([]byte(sig), []byte(want)) != 1 {
+		return false, "the signature does not match"
+	}
+	return true, ""
+}
+
+// filesUser is the user a /files request runs as: its username parameter,
+// else its Basic authorization, else the default user.
+func (s *Server) filesUser(r *http.Request) (*guestexec.User, error) {
+	if name := r.URL.Query().Get("username"); name != "" {
+		return s.lookupUser(name)
+	}
+	return s.userFromHeader(r.Header)
+}
+
+// fileStatus is the HTTP status of a file error.
+func fileStatus(err error) int {
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return http.StatusNotFound
+	case errors.Is(err, fs.ErrPermission):
+		return http.StatusForbidden
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		return http.StatusInsufficientStorage
+	case errors.Is(err, syscall.EISDIR), errors.Is(err, syscall.ENOTDIR):
+		return http.StatusBadRequest
+	}
+	return http.StatusInternalServerError
+}
+
+// getFile answers GET /files?path=: the file's bytes, gzip-compressed
+// when the client accepts it (a Range request is answered uncompressed).
+func (s *Server) getFile(w http.ResponseWriter, r *http.Request) {
+	if ok, why := s.filesAuthorized(r, "read"); !ok {
+		httpError(w, http.StatusUnauthorized, why)
+		return
+	}
+	u, err := s.filesUser(r)
+	if err != nil {
+		httpError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	path, err := resolvePath(r.URL.Query().Get("path"), u)
+	if err != nil {
+		httpError(w, http.StatusBadRequest, "path: "+err.Error())
+		return
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		httpError(w, fileStatus(err), err.Error())
+		return
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		httpError(w, fileStatus(err), err.Error())
+		return
+	}
+	if !st.Mode().IsRegular() {
+		httpError(w, http.StatusBadRequest, fmt.Sprintf("%s is not a file", path))
+		return
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Disposition", mime.FormatMediaType("inline", map[string]string{"filename": filepath.Base(path)}))
+	if r.Header.Get("Range") == "" && acceptsGzip(r.Header.Get("Accept-Encoding")) && st.Size() > 0 {
+		w.Header().Set("Content-Encoding", "gzip")
+		w.Header().Add("Vary", "Accept-Encoding")
+		zw, _ := gzip.NewWriterLevel(w, gzip.BestSpeed)
+		if _, err := io.Copy(zw, f); err != nil {
+			s.logf("GET /files %s: %v", path, err)
+			return
+		}
+		zw.Close()
+		return
+	}
+	http.ServeContent(w, r, "", st.ModTime(), f)
+}
+
+// acceptsGzip reports whether an Accept-Encoding value allows gzip.
+func acceptsGzip(v string) bool {
+	for _, part := range strings.Split(v, ",") {
+		enc, params, _ := strings.Cut(strings.TrimSpace(part), ";")
+		if !strings.EqualFold(strings.TrimSpace(enc), "gzip") {
+			continue
+		}
+		if q, ok := strings.CutPrefix(strings.ReplaceAll(params, " ", ""), "q="); ok {
+			if f, err := strconv.ParseFloat(q, 64); err == nil && f == 0 {
+				return false
+			}
+		}
+		return true
+	}
+	return false
+}
+
+// writtenEntry is one element of POST /files's answer.
+type writtenEntry struct {
+	Path string `json:"path"`
+	Name string `json:"name"`
+	Type string `json:"type"`
+}
+
+// postFiles answers POST /files: multipart/form-data with one part per
+// file (field "file", to ?path=, else to its filename), or the
+// bytes of one file (application/octet-stream, maybe gzip-encoded) to
+// ?path=. Each file is written next to its target and renamed over it:
+// a failed upload leaves the target as it was.
+func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
+	if ok, why := s.filesAuthorized(r, "write"); !ok {
+		httpError(w, http.StatusUnauthorized, why)
+		return
+	}
+	u, err := s.filesUser(r)
+	if err != nil {
+		httpError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	qpath := r.URL.Query().Get("path")
+	mt, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	var written []writtenEntry
+	switch {
+	case mt == "multipart/form-data":
+		mr := multipart.NewReader(r.Body, params["boundary"])
+		for {
+			part, err := mr.NextRawPart()
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				httpError(w, http.StatusBadRequest, "multipart body: "+err.Error())
+				return
+			}
+			// The part's filename is the whole target path: Part.FileName
+			// would keep only its last element.
+			_, dp, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+			if dp["name"] != "file" {
+				part.Close()
+				continue
+			}
+			// ?path= names the target of a one-file write (SDKs before
+			// 2.15 send the part without a usable filename then); the
+			// filename names each file of a write of several.
+			target := qpath
+			if target == "" {
+				target = dp["filename"]
+			}
+			var body io.Reader = part
+			if strings.EqualFold(part.Header.Get("Content-Encoding"), "gzip") {
+				zr, err := gzip.NewReader(part)
+				if err != nil {
+					httpError(w, http.StatusBadRequest, "gzip part: "+err.Error())
+					return
+				}
+				body = zr
+			}
+			e, status, err := s.writeFile(target, body, u)
+			part.Close()
+			if err != nil {
+				httpError(w, status, err.Error())
+				return
+			}
+			written = append(written, e)
+		}
+		if len(written) == 0 {
+			httpError(w, http.StatusBadRequest, `multipart body: no part named "file"`)
+			return
+		}
+	case mt == "application/octet-stream" || mt == "":
+		if qpath == "" {
+			httpError(w, http.StatusBadRequest, "an octet-stream upload needs ?path=")
+			return
+		}
+		var body io.Reader = r.Body
+		if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
+			zr, err := gzip.NewReader(r.Body)
+			if err != nil {
+				httpError(w, http.StatusBadRequest, "gzip body: "+err.Error())
+				return
+			}
+			body = zr
+		}
+		e, status, err := s.writeFile(qpath, body, u)
+		if err != nil {
+			httpError(w, status, err.Error())
+			return
+		}
+		written = append(written, e)
+	default:
+		httpError(w, http.StatusBadRequest, fmt.Sprintf("content type %q: send multipart/form-data or application/octet-stream", mt))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(written)
+}
+
+// writeFile writes body to target (relative to u's home) as u, making the
+// missing directories.
+func (s *Server) writeFile(target string, body io.Reader, u *guestexec.User) (writtenEntry, int, error) {
+	path, err := resolvePath(target, u)
+	if err != nil {
+		return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("path: %w", err)
+	}
+	mode := os.FileMode(0o644)
+	if st, err := os.Stat(path); err == nil {
+		if st.IsDir() {
+			return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("%s is a directory", path)
+		}
+		mode = st.Mode().Perm()
+	}
+	dir := filepath.Dir(path)
+	if err := mkdirAllAs(dir, u); err != nil {
+		return writtenEntry{}, fileStatus(err), err
+	}
+	tmp, err := os.CreateTemp(dir, ".envd-upload-*")
+	if err != nil {
+		return writtenEntry{}, fileStatus(err), err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			tmp.Close()
+			os.Remove(tmp.Name())
+		}
+	}()
+	if _, err := io.Copy(tmp, body); err != nil {
+		return writtenEntry{}, fileStatus(err), fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := tmp.Chmod(mode); err != nil {
+		return writtenEntry{}, fileStatus(err), err
+	}
+	if err := chownTo(tmp.Name(), u); err != nil {
+		return writtenEntry{}, fileStatus(err), err
+	}
+	if err := tmp.Close(); err != nil {
+		return writtenEntry{}, fileStatus(err), fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := os.Rename(tmp.Name(), path); err != nil {
+		return writtenEntry{}, fileStatus(err), err
+	}
+	ok = true
+	return writtenEntry{Path: path, Name: filepath.Base(path), Type: "file"}, 0, nil
+}
