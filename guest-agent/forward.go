@@ -12,7 +12,7 @@ import (
 // DialRequest asks the agent to open a TCP connection inside the guest.
 type DialRequest struct {
 	// Address is host:port as seen from inside the guest; a bare port
-	// means 127.0.0.1.
+	// means 127.0.0.1; EnvdDialAddress is the agent's own envd.
 	Address string `json:"address"`
 }
 
@@ -66,10 +66,13 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 		ss.reply(gen, id, nil, fmt.Errorf("bad dial request: %v", err))
 		return
 	}
-	addr, err := guestAddress(req.Address)
-	if err != nil {
-		ss.reply(gen, id, nil, err)
-		return
+	addr := req.Address
+	if addr != EnvdDialAddress {
+		var err error
+		if addr, err = guestAddress(req.Address); err != nil {
+			ss.reply(gen, id, nil, err)
+			return
+		}
 	}
 	fw := &ss.fwd
 	go func() {
@@ -80,7 +83,13 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 			ss.reply(gen, id, nil, fmt.Errorf("this connection already carries %d streams", n))
 			return
 		}
-		conn, err := net.DialTimeout("tcp", addr, dialTimeout)
+		var conn net.Conn
+		var err error
+		if addr == EnvdDialAddress {
+			conn, err = ss.srv.dialEnvd() // envd.go: in-process
+		} else {
+			conn, err = net.DialTimeout("tcp", addr, dialTimeout)
+		}
 		if err != nil {
 			ss.reply(gen, id, nil, err)
 			return

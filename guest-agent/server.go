@@ -17,6 +17,8 @@ import (
 
 	"github.com/mdlayher/vsock"
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
 // System is the seam between the agent and the guest's global state. The
@@ -53,6 +55,12 @@ type Server struct {
 	tokenSnapshot bool
 	tokenGen      uint64
 	tokenRead     bool
+
+	// EnvdAddr is where the envd feature listens in the guest once the
+	// host has configured it (envd.go): DefaultEnvdAddr when empty, nowhere
+	// with "-".
+	EnvdAddr string
+	envd     envdState
 }
 
 func (s *Server) logf(format string, args ...any) {
@@ -386,6 +394,13 @@ func (ss *session) request(f frame) {
 		go func() { ss.reply(gen, f.ID, nil, s.sys().AddEntropy(b)) }()
 	case methodReprobeBalloon:
 		go func() { ss.reply(gen, f.ID, nil, s.sys().ReprobeBalloon()) }()
+	case methodEnvdInit:
+		var cfg envd.Config
+		if err := json.Unmarshal(req.Params, &cfg); err != nil {
+			ss.reply(gen, f.ID, nil, fmt.Errorf("bad envd configuration: %v", err))
+			return
+		}
+		go func() { ss.reply(gen, f.ID, nil, s.EnvdInit(cfg)) }()
 	case methodDial:
 		ss.dial(gen, f.ID, req.Params)
 	default:

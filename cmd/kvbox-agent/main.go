@@ -62,6 +62,11 @@ func main() {
 		log.Printf("timer slack: %v", err)
 	}
 
+	// A sandbox's envd (configured by an earlier envd-init) serves on.
+	if err := srv.RestoreEnvd(); err != nil {
+		log.Printf("%v", err)
+	}
+
 	// Re-apply a persisted identity (a rebooted clone keeps its address)
 	// without holding up readiness; the NIC driver may still be loading.
 	go reapplyIdentity(ctx, srv)

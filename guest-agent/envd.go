@@ -1,0 +1,215 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/guest-agent/envd"
+)
+
+// The envd feature: the agent serves envd, the daemon E2B's SDKs talk to
+// in a sandbox (package envd), in-process.
+//
+// The host reaches it over the agent channel, as a stream to the dial
+// address EnvdDialAddress: no guest TCP port is involved, so no process
+// in the guest can stand in for it. For callers inside the guest (a code
+// interpreter asking GET /envs) the agent also listens on 127.0.0.1:49983,
+// the port E2B's sandboxes have, once the host has configured it
+// (EnvdInit): a box that is no sandbox has no such listener, and a guest
+// user cannot reach an envd that would run commands as root without the
+// sandbox's token.
+//
+// The configuration (the sandbox's access token, environment variables,
+// default user and workdir, sandbox and template ids) comes from the host
+// in EnvdInit, typically in a clone's re-identification pipeline
+// (EnvdInitCall), and is kept in the agent's state folder (0600), so an
+// agent that restarts serves the same sandbox.
+
+// FeatureEnvd: EnvdInit and the dial address EnvdDialAddress.
+const FeatureEnvd = "envd"
+
+func init() { registerFeature(FeatureEnvd) }
+
+const methodEnvdInit = "envd-init"
+
+// EnvdDialAddress is the dial address of the agent's own envd: give it to
+// Forwarder.Connect for a stream that carries HTTP/1.1 to envd.
+const EnvdDialAddress = "envd"
+
+// DefaultEnvdAddr is where envd listens inside the guest once configured.
+var DefaultEnvdAddr = fmt.Sprintf("127.0.0.1:%d", envd.Port)
+
+// envdConfigFile holds the configuration in StateDir.
+const envdConfigFile = "envd.json"
+
+// envdState is the agent's envd: made on first use.
+type envdState struct {
+	once  sync.Once
+	srv   *envd.Server
+	http  *http.Server
+	conns chan net.Conn // the host's streams, for http.Serve
+
+	mu        sync.Mutex
+	listening net.Listener // the guest loopback listener, once up
+}
+
+// envdServer returns the agent's envd, serving the host's streams.
+func (s *Server) envdServer() *envd.Server {
+	e := &s.envd
+	e.once.Do(func() {
+		e.srv = envd.New(envd.Options{StartProcess: s.boosts.unboosted, Log: s.Log})
+		// No read or write timeout: a process's stream lasts as long as
+		// the process. Idle keep-alive connections go after a while.
+		e.http = &http.Server{Handler: e.srv, IdleTimeout: 640 * time.Second, ErrorLog: s.Log}
+		e.conns = make(chan net.Conn)
+		go e.http.Serve(chanListener{e.conns})
+	})
+	return e.srv
+}
+
+// dialEnvd connects a new stream to the agent's envd: one end of a unix
+// socket pair, which half-closes as a TCP connection does, is the
+// stream's; envd serves the other.
+func (s *Server) dialEnvd() (net.Conn, error) {
+	s.envdServer()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("envd: socketpair: %w", err)
+	}
+	var conns []net.Conn
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "envd")
+		c, cerr := net.FileConn(f) // a dup of fd
+		f.Close()
+		if cerr != nil {
+			err = cerr
+			continue
+		}
+		conns = append(conns, c)
+	}
+	if err != nil {
+		for _, c := range conns {
+			c.Close()
+		}
+		return nil, fmt.Errorf("envd: %w", err)
+	}
+	s.envd.conns <- conns[1]
+	return conns[0], nil
+}
+
+// chanListener hands http.Serve the connections sent on it.
+type chanListener struct{ c chan net.Conn }
+
+func (l chanListener) Accept() (net.Conn, error) { return <-l.c, nil }
+func (l chanListener) Close() error              { return nil }
+func (l chanListener) Addr() net.Addr            { return &net.UnixAddr{Name: EnvdDialAddress, Net: "unix"} }
+
+// EnvdInit gives the agent's envd its sandbox's configuration, keeps it in
+// StateDir, and starts the guest's loopback listener (EnvdAddr) if it is
+// not up yet. The configuration is applied even when the listener cannot
+// start (another process holds the port): the error says so, and the host's
+// streams are served all the same.
+func (s *Server) EnvdInit(cfg envd.Config) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if s.StateDir != "" {
+		b, err := json.Marshal(cfg)
+		if err != nil {
+			return err
+		}
+		if err := os.MkdirAll(s.StateDir, 0o700); err != nil {
+			return err
+		}
+		// The token is a secret: root's only.
+		if err := writeFileAtomic(filepath.Join(s.StateDir, envdConfigFile), b, 0o600); err != nil {
+			return fmt.Errorf("envd: keep the configuration: %w", err)
+		}
+	}
+	if err := s.envdServer().SetConfig(cfg); err != nil {
+		return err
+	}
+	return s.envdListen()
+}
+
+// RestoreEnvd applies the configuration an earlier EnvdInit kept, if any
+// (an agent that restarted serves the same sandbox); cmd/kvbox-agent calls
+// it at start.
+func (s *Server) RestoreEnvd() error {
+	if s.StateDir == "" {
+		return nil
+	}
+	b, err := os.ReadFile(filepath.Join(s.StateDir, envdConfigFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("envd: %w", err)
+	}
+	var cfg envd.Config
+	if err := json.Unmarshal(b, &cfg); err != nil {
+		return fmt.Errorf("envd: %s: %w", envdConfigFile, err)
+	}
+	if err := s.envdServer().SetConfig(cfg); err != nil {
+		return err
+	}
+	return s.envdListen()
+}
+
+// envdListen starts the guest's loopback listener once.
+func (s *Server) envdListen() error {
+	addr := s.EnvdAddr
+	if addr == "" {
+		addr = DefaultEnvdAddr
+	}
+	if addr == "-" {
+		return nil
+	}
+	e := &s.envd
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.listening != nil {
+		return nil
+	}
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("envd configured, but it cannot listen on %s in the guest (callers inside the box cannot reach it; the host's streams are served): %w", addr, err)
+	}
+	e.listening = l
+	go e.http.Serve(l)
+	s.logf("envd listening on %s", l.Addr())
+	return nil
+}
+
+// EnvdAddrListening is the address of the guest's envd listener, "" while
+// there is none.
+func (s *Server) EnvdAddrListening() string {
+	s.envd.mu.Lock()
+	defer s.envd.mu.Unlock()
+	if s.envd.listening == nil {
+		return ""
+	}
+	return s.envd.listening.Addr().String()
+}
+
+// EnvdInitCall is EnvdInit as a call of a Pipeline (a clone's first
+// contact: Reidentify's calls and this one in one round trip).
+func EnvdInitCall(cfg envd.Config) Call {
+	return Call{Method: methodEnvdInit, Params: cfg}
+}
+
+// EnvdInit gives the guest's envd its sandbox's configuration. An agent
+// without FeatureEnvd answers with an error naming the unknown method.
+func (c *Client) EnvdInit(ctx context.Context, cfg envd.Config) error {
+	return c.call(ctx, methodEnvdInit, cfg, nil)
+}

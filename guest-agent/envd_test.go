@@ -1,0 +1,169 @@
+package agent
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"kvbox.dev/kvbox/guest-agent/envd"
+)
+
+// envdServer is an agent whose envd listens on a free loopback port and
+// keeps its configuration in a temporary state folder.
+func envdTestServer(t *testing.T, stateDir string) *Server {
+	s := testServer(t)
+	s.StateDir = stateDir
+	s.EnvdAddr = "127.0.0.1:0"
+	return s
+}
+
+// httpOver sends one raw HTTP/1.1 request on conn and reads the answer.
+func httpOver(t *testing.T, conn net.Conn, raw string) (*http.Response, string) {
+	t.Helper()
+	if _, err := io.WriteString(conn, raw); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+func statRequest(path, token string) string {
+	body := fmt.Sprintf(`{"path":%q}`, path)
+	tok := ""
+	if token != "" {
+		tok = "X-Access-Token: " + token + "\r\n"
+	}
+	return fmt.Sprintf("POST /filesystem.Filesystem/Stat HTTP/1.1\r\nHost: envd\r\nContent-Type: application/json\r\nConnect-Protocol-Version: 1\r\n%sContent-Length: %d\r\nConnection: close\r\n\r\n%s", tok, len(body), body)
+}
+
+// The host reaches envd as a stream to the dial address "envd", with no
+// guest port; the guest's loopback listener starts only once envd-init
+// configured it; the configuration (token included) is kept, root's only,
+// and restored by an agent that restarts.
+func TestEnvdFeature(t *testing.T) {
+	state := t.TempDir()
+	s := envdTestServer(t, state)
+	c := start(t, s)
+	in, err := c.Ping(tctx(t))
+	if err != nil || !in.Has(FeatureEnvd) {
+		t.Fatalf("ping: %v, features %v: want %q", err, in.Features, FeatureEnvd)
+	}
+	if a := s.EnvdAddrListening(); a != "" {
+		t.Fatalf("envd listens on %s before the host configured it", a)
+	}
+	// A Forwarder owns its client: each gets a connection of its own.
+	f, err := start(t, s).Forward(tctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	stream := func() net.Conn {
+		mine, theirs := localPair(t)
+		if _, err := f.Connect(tctx(t), EnvdDialAddress, mine); err != nil {
+			t.Fatal(err)
+		}
+		return theirs
+	}
+	// Unconfigured: served to the host, with no token.
+	resp, body := httpOver(t, stream(), statRequest("/", ""))
+	if resp.StatusCode != 200 || !strings.Contains(body, `"FILE_TYPE_DIRECTORY"`) {
+		t.Fatalf("Stat over the agent stream: %d %s", resp.StatusCode, body)
+	}
+
+	cfg := envd.Config{AccessToken: "tok-1", SandboxID: "sbx1", EnvVars: map[string]string{"A": "1"}}
+	if err := c.EnvdInit(tctx(t), envd.Config{EnvVars: map[string]string{"A=B": "x"}}); err == nil {
+		t.Error("a bad configuration was accepted")
+	}
+	if err := c.EnvdInit(tctx(t), cfg); err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(filepath.Join(state, envdConfigFile))
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("kept configuration: %v %v, want mode 0600", st, err)
+	}
+	addr := s.EnvdAddrListening()
+	if !strings.HasPrefix(addr, "127.0.0.1:") {
+		t.Fatalf("after envd-init envd listens on %q, want the guest's loopback", addr)
+	}
+	if resp, body := httpOver(t, stream(), statRequest("/", "")); resp.StatusCode != 401 {
+		t.Errorf("no token over the agent stream: %d %s", resp.StatusCode, body)
+	}
+	if resp, body := httpOver(t, stream(), statRequest("/", "tok-1")); resp.StatusCode != 200 {
+		t.Errorf("the token over the agent stream: %d %s", resp.StatusCode, body)
+	}
+	// Keep-alive: two requests on one stream.
+	conn := stream()
+	for range 2 {
+		raw := "GET /health HTTP/1.1\r\nHost: envd\r\n\r\n"
+		io.WriteString(conn, raw)
+	}
+	br := bufio.NewReader(conn)
+	for i := range 2 {
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil || resp.StatusCode != 204 {
+			t.Fatalf("health #%d on one stream: %v %v", i, resp, err)
+		}
+	}
+	lc, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp, body := httpOver(t, lc, statRequest("/", "")); resp.StatusCode != 401 {
+		t.Errorf("no token on the guest's listener: %d %s", resp.StatusCode, body)
+	}
+	lc.Close()
+
+	// An agent that restarts serves the same sandbox.
+	s2 := envdTestServer(t, state)
+	if err := s2.RestoreEnvd(); err != nil {
+		t.Fatal(err)
+	}
+	if got := s2.envdServer().Config(); got.AccessToken != "tok-1" || got.SandboxID != "sbx1" || got.EnvVars["A"] != "1" {
+		t.Errorf("restored %+v", got)
+	}
+	if s2.EnvdAddrListening() == "" {
+		t.Error("a restored envd does not listen")
+	}
+	var kept envd.Config
+	b, _ := os.ReadFile(filepath.Join(state, envdConfigFile))
+	if json.Unmarshal(b, &kept) != nil || kept.AccessToken != "tok-1" {
+		t.Errorf("kept %s", b)
+	}
+	if !slices.Contains(Features(), FeatureEnvd) {
+		t.Error("not advertised")
+	}
+}
+
+// The guest's port already taken: envd-init says so, and the host's
+// streams are served with the configuration all the same.
+func TestEnvdInitPortTaken(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	s := testServer(t)
+	s.EnvdAddr = l.Addr().String()
+	c := start(t, s)
+	err = c.EnvdInit(tctx(t), envd.Config{AccessToken: "x"})
+	var re *RemoteError
+	if !errors.As(err, &re) || !strings.Contains(re.Message, "cannot listen on "+l.Addr().String()) {
+		t.Fatalf("envd-init with the port taken: %v", err)
+	}
+	if s.envdServer().Config().AccessToken != "x" {
+		t.Error("the configuration was not applied")
+	}
+}
