@@ -3,6 +3,7 @@ package image
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -111,7 +112,7 @@ func TestAgentStamp(t *testing.T) {
 	if agentChanged(s, im, agent) {
 		t.Error("changed without a stamp")
 	}
-	writeAgentStamp(s, im, agent)
+	writeBuildStamp(s, im, agent, "r1")
 	if agentChanged(s, im, agent) {
 		t.Error("changed right after the build")
 	}
@@ -122,5 +123,32 @@ func TestAgentStamp(t *testing.T) {
 	im.Created = im.Created.Add(time.Second) // another build: the stamp is not its
 	if agentChanged(s, im, agent) {
 		t.Error("stamp of another build used")
+	}
+}
+
+// An image built from another recipe is built again; one built before
+// recipes were recorded too; an imported one is left alone.
+func TestRecipeChanged(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	agent := filepath.Join(t.TempDir(), "kvbox-agent")
+	os.WriteFile(agent, []byte("one"), 0o755)
+	im := Image{Name: "debian", Created: time.Now().UTC()}
+	if recipeChanged(s, im, DebianRecipe(DebianOptions{})) {
+		t.Error("an image with no build stamp (imported) counts as changed")
+	}
+	writeBuildStamp(s, im, agent, DebianRecipe(DebianOptions{}))
+	if recipeChanged(s, im, DebianRecipe(DebianOptions{})) {
+		t.Error("changed right after the build")
+	}
+	if !recipeChanged(s, im, DebianRecipe(DebianOptions{SSH: true})) {
+		t.Error("the --ssh recipe is the plain one")
+	}
+	old, _ := json.Marshal(map[string]any{"created": im.Created, "agent_sha256": "x"})
+	os.WriteFile(agentStampPath(s, im.Name), old, 0o644)
+	if !recipeChanged(s, im, DebianRecipe(DebianOptions{})) {
+		t.Error("a build from before recipes were recorded is not rebuilt")
+	}
+	if DebianRecipe(DebianOptions{}) == DebianRecipe(DebianOptions{Suite: "trixie"}) {
+		t.Error("the suite is not part of the recipe")
 	}
 }

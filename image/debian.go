@@ -33,8 +33,21 @@ const DefaultImage = "debian"
 var DebianPackages = []string{
 	"linux-image-amd64", "systemd", "systemd-sysv", "udev", "dbus", "zstd",
 	"apt", "iproute2", "iputils-ping", "ca-certificates", "curl", "git", "python3",
-	"procps", "kmod", "less",
+	"procps", "kmod", "less", "sudo",
 }
+
+// DebianUser is the image's unprivileged account, as E2B's sandboxes have
+// it (code written for them assumes /home/user and passwordless sudo):
+// uid and gid 1000, /bin/bash.
+const DebianUser = "user"
+
+// debianUserSudoers lets DebianUser run anything as root without a
+// password (a box's code runs as root anyway: the box is the boundary).
+const debianUserSudoers = "# kvbox images build: the image's user, as E2B's sandboxes have it.\n" + DebianUser + " ALL=(ALL:ALL) NOPASSWD: ALL\n"
+
+// debianRecipeVersion changes when the build does something new that the
+// recipe's data (DebianRecipe) does not show.
+const debianRecipeVersion = 2
 
 // DebianCmdline is the kernel command line of the Debian image.
 //
@@ -116,7 +129,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 	defer unlock()
 	if !o.Force { // another kvbox may have built it while we waited
-		if im, err := s.Get(o.Name); err == nil {
+		if im, err := s.Get(o.Name); err == nil && !recipeChanged(s, im, DebianRecipe(o)) {
 			return im, false, nil
 		}
 	}
@@ -172,7 +185,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	if err := st.End(err); err != nil {
 		return Image{}, false, err
 	}
-	writeAgentStamp(s, im, agent)
+	writeBuildStamp(s, im, agent, DebianRecipe(o))
 	used, _ := overlay.Du(filepath.Dir(im.Disk)) // this version; older ones may stay for boxes on them
 	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
 		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(used))
@@ -191,10 +204,14 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 	}
 	if !o.Force {
 		if im, err := s.Get(o.Name); err == nil {
-			if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
-				o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
+			if recipeChanged(s, im, DebianRecipe(o)) {
+				o.Progress.Printf("image %s was built from another recipe than this kvbox's: building it again\n", im.Name)
+			} else {
+				if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
+					o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
+				}
+				return "", im, true, nil
 			}
-			return "", im, true, nil
 		}
 	}
 	if err := requireTools(map[string]string{
@@ -449,6 +466,11 @@ chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
 		}
 	}
 
+	st.Status("user " + DebianUser)
+	if err := addDebianUser(ctx, st, root); err != nil {
+		return "", fmt.Errorf("user %s: %w", DebianUser, err)
+	}
+
 	if o.SSH {
 		st.Status("openssh-server without host keys")
 		if err := configureSSH(root); err != nil {
@@ -465,6 +487,41 @@ chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
 		}
 	}
 	return kver, nil
+}
+
+// addDebianUser makes DebianUser in root (uid and gid 1000, its home,
+// /bin/bash) and lets it sudo without a password.
+func addDebianUser(ctx context.Context, st *Stage, root string) error {
+	if err := runTool(ctx, st, nil, "chroot", root, "useradd", "--create-home", "--uid", "1000", "--user-group",
+		"--shell", "/bin/bash", "--comment", "kvbox image user", DebianUser); err != nil {
+		return err
+	}
+	p := filepath.Join(root, "etc/sudoers.d/kvbox-user")
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(p, []byte(debianUserSudoers), 0o440)
+}
+
+// DebianRecipe is a digest of what makes the Debian image of o: its
+// packages, the files and units kvbox writes into it, its kernel command
+// line, suite, mirror and size (not the agent, which has its own stamp).
+// An image built from another recipe is built again (BuildDebian).
+func DebianRecipe(o DebianOptions) string {
+	o.defaults()
+	h := sha256.New()
+	pkgs := DebianPackages
+	if o.SSH {
+		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
+	}
+	fmt.Fprintf(h, "v%d\n%s\n%s %s %d\n", debianRecipeVersion, strings.Join(pkgs, ","), o.Suite, o.Mirror, o.DiskSize)
+	for _, part := range []string{DebianCmdline, agentUnit, agentModules, strings.Join(maskedUnits, ","), dpkgSlim, debianUserSudoers, DebianUser} {
+		fmt.Fprintf(h, "%d:%s", len(part), part)
+	}
+	if o.SSH {
+		fmt.Fprintf(h, "%d:%s%d:%s", len(sshdConfig), sshdConfig, len(sshUnitDropIn), sshUnitDropIn)
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }
 
 // kernelVersion is the version of the one kernel in root's /boot.
@@ -660,11 +717,14 @@ func unescapeMount(s string) string {
 	return b.String()
 }
 
-// The agent stamp records which agent went into which build of an image
-// (by the image's creation time), so a cached build can say it is stale.
+// The build stamp records which agent and which recipe went into which
+// build of an image (by the image's creation time), so a cached build can
+// say it is stale, and be built again when its recipe is.
 type agentStamp struct {
 	Created time.Time `json:"created"`
 	SHA256  string    `json:"agent_sha256"`
+	// Recipe is DebianRecipe's digest; builds before it have none.
+	Recipe string `json:"recipe,omitempty"`
 }
 
 func agentStampPath(s Store, name string) string {
@@ -684,9 +744,25 @@ func fileSHA256(path string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-func writeAgentStamp(s Store, im Image, agent string) {
-	b, _ := json.Marshal(agentStamp{Created: im.Created, SHA256: fileSHA256(agent)})
+func writeBuildStamp(s Store, im Image, agent, recipe string) {
+	b, _ := json.Marshal(agentStamp{Created: im.Created, SHA256: fileSHA256(agent), Recipe: recipe})
 	os.WriteFile(agentStampPath(s, im.Name), b, 0o644)
+}
+
+// recipeChanged says whether im was built by kvbox images build from
+// another recipe than recipe (or before recipes were recorded); an image
+// that was not built here (imported, or its stamp is another build's) has
+// not.
+func recipeChanged(s Store, im Image, recipe string) bool {
+	b, err := os.ReadFile(agentStampPath(s, im.Name))
+	if err != nil {
+		return false
+	}
+	var st agentStamp
+	if json.Unmarshal(b, &st) != nil || !st.Created.Equal(im.Created) {
+		return false
+	}
+	return st.Recipe != recipe
 }
 
 // agentChanged says whether agent differs from the one built into im;

@@ -20,9 +20,14 @@ with debootstrap, the plain linux-image-amd64 kernel, systemd, apt, iproute2,
 ca-certificates, curl, git and python3, and kvbox-agent as an early systemd
 service that owns the network. The disk is an 8 GiB sparse qcow2 (ext4).
 
-Building again does nothing while the image exists; --force rebuilds it
-(downloaded packages are kept in --cache-dir, so that is faster). Nothing is
-registered unless the whole build succeeds.`,
+The image has a user "user" (uid 1000, /home/user, /bin/bash, passwordless
+sudo), as E2B's sandboxes have.
+
+Building again does nothing while the image exists and was built from this
+kvbox's recipe (its packages and the files it writes); an image built from
+another recipe is built again, and --force rebuilds it anyway (downloaded
+packages are kept in --cache-dir, so that is faster). Nothing is registered
+unless the whole build succeeds.`,
 		Example: `  kvbox images build debian
   kvbox images build debian --force --agent ./bin/kvbox-agent
   kvbox images build debian --ssh --name debian-ssh`,

@@ -160,9 +160,14 @@ install -m 0755 "$TINY_DIR/sbin-init" "$R/sbin/init.kvbox"
 ln -sf init.kvbox "$R/sbin/init.tmp" && mv -f "$R/sbin/init.tmp" "$R/sbin/init"   # replace busybox's applet link
 install -m 0755 "$TINY_DIR/acpi-power" "$R/etc/acpi/PWRF/00000080"
 install -m 0755 "$AGENT" "$R/usr/local/bin/kvbox-agent"
-echo 'root:x:0:0:root:/root:/bin/sh' >"$R/etc/passwd"
-echo 'root:*:0:0:99999:7:::' >"$R/etc/shadow"; chmod 0600 "$R/etc/shadow"
-printf 'root:x:0:\ntty:x:5:\n' >"$R/etc/group"
+# /bin/bash and a user "user" (uid 1000, /home/user), which E2B's SDKs assume: they run
+# every command as /bin/bash -l -c CMD. busybox sh takes -l and -c.
+printf '#!/bin/sh\n# kvbox tiny image: E2B code runs /bin/bash -l -c CMD; busybox sh does.\nexec /bin/busybox sh "$@"\n' >"$R/bin/bash"
+chmod 0755 "$R/bin/bash"
+printf 'root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n' >"$R/etc/passwd"
+printf 'root:*:0:0:99999:7:::\nuser:*:0:0:99999:7:::\n' >"$R/etc/shadow"; chmod 0600 "$R/etc/shadow"
+printf 'root:x:0:\ntty:x:5:\nuser:x:1000:\n' >"$R/etc/group"
+mkdir -p "$R/home/user"; chown 1000:1000 "$R/home/user"; chmod 0755 "$R/home/user"
 echo tiny >"$R/etc/hostname"
 printf '127.0.0.1\tlocalhost\n127.0.1.1\ttiny\n::1\tlocalhost ip6-localhost ip6-loopback\n' >"$R/etc/hosts"
 : >"$R/etc/resolv.conf"
