@@ -18,7 +18,7 @@ require_root
 # libvirt-daemon-driver-nwfilter keeps the port filter of boxes an older kvbox made (libvirt's
 # nwfilter, ebtables/iptables); kvbox's own port filter is nftables over netlink, no package.
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
-BASE_PKGS="tini nftables busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap"
+BASE_PKGS="tini nftables busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap protobuf-compiler xxd"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-daemon-driver-nwfilter]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
@@ -243,7 +243,8 @@ stage_import() {
 }
 
 # The default image. Built here, in the root namespace: debootstrap downloads from
-# deb.debian.org and the test namespace has no uplink. A no-op while the image exists.
+# deb.debian.org and the test namespace has no uplink. A no-op while the image exists and was
+# built from this kvbox's recipe (kvbox images build builds one of an older recipe again).
 stage_debian() {
 	local kvbox=$REPO_DIR/bin/kvbox
 	if [ ! -x "$kvbox" ] || ! "$kvbox" images --help 2>&1 | grep -q '^  build'; then
@@ -255,6 +256,33 @@ stage_debian() {
 	if "$kvbox" images build --help 2>&1 | grep -q -- '--ssh'; then
 		"$kvbox" images build debian --ssh --name debian-ssh --agent "$REPO_DIR/bin/kvbox-agent"
 	fi
+}
+
+# The E2B JS SDK, pinned (testenv/e2b/VERSION/package-lock.json), for envd's conformance test
+# (guest-agent/envd TestSDKConformance). npm ci runs here, in the root namespace (it downloads
+# from the npm registry); the tests run node in namespaces of their own. Each install is
+# redone only when its lock file or node changes (a stamp in node_modules).
+E2B_NODE_MIN=20.18.1
+stage_e2b_sdk() {
+	local dir v stamp
+	command -v node >/dev/null && command -v npm >/dev/null || {
+		warn "node and npm not found: the E2B SDK's tests need node >= $E2B_NODE_MIN"; return 1; }
+	v=$(node --version); v=${v#v}
+	if ! dpkg --compare-versions "$v" ge "$E2B_NODE_MIN"; then
+		warn "node $v is older than $E2B_NODE_MIN, which e2b@2.51.0 needs"; return 1
+	fi
+	for dir in "$TESTENV_DIR"/e2b/*/; do
+		dir=${dir%/}
+		[ -f "$dir/package-lock.json" ] || continue
+		stamp="$(sha256sum "$dir/package-lock.json" | cut -d' ' -f1) node $v"
+		if [ "$(cat "$dir/node_modules/.kvbox-stamp" 2>/dev/null)" = "$stamp" ]; then
+			log "${dir##*/}: installed"
+			continue
+		fi
+		log "${dir##*/}: npm ci"
+		(cd "$dir" && npm ci --no-audit --no-fund --loglevel=error) || return 1
+		echo "$stamp" >"$dir/node_modules/.kvbox-stamp"
+	done
 }
 
 # What the guests can use here. kvbox's --domain-type auto picks kvm whenever libvirt offers it,
@@ -327,6 +355,7 @@ stage "small filesystem $SMALL_FS" stage_small_fs
 stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
+stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else
