@@ -5,9 +5,11 @@
 // the one sandbox (its id, envdVersion and access token).
 //
 // Environment: E2B_SDK_DIR (the folder of one pinned install, testenv/e2b/V),
-// KVBOX_SCRATCH (a folder the test made; every path used is under it),
-// KVBOX_SANDBOX_ID, KVBOX_BAD_TOKEN_ID (a sandbox id the control plane
-// answers with a wrong token), KVBOX_ENV_FOO (the sandbox's FOO variable).
+// KVBOX_SCRATCH (a folder the test made, envd's default workdir; every path
+// used is under it), KVBOX_SANDBOX_ID, KVBOX_BAD_TOKEN_ID (a sandbox id the
+// control plane answers with a wrong token), KVBOX_ENV_FOO (the sandbox's
+// FOO variable), KVBOX_HAS_USER (set where envd's machine has the user
+// "user", as kvbox's images do).
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
 import { createRequire } from 'node:module'
@@ -92,6 +94,15 @@ test('environment: E2B variables, the sandbox\'s, the call\'s; cwd and user', as
   const o = await sbx.commands.run('echo $FOO', { envs: { FOO: 'mine' } })
   assert.equal(o.stdout, 'mine\n', 'the call\'s variable replaces the sandbox\'s')
   await assert.rejects(sbx.commands.run('true', { user: 'no-such-user-kvbox' }))
+})
+
+test('the image\'s user "user"', { skip: !process.env.KVBOX_HAS_USER && 'no user "user" where this envd runs' }, async () => {
+  const r = await sbx.commands.run('id -un; echo $HOME; pwd', { user: 'user', cwd: '/home/user' })
+  assert.equal(r.stdout, 'user\n/home/user\n/home/user\n')
+  const w = await sbx.files.write('notes.txt', 'mine', { user: 'user' })
+  assert.equal(w.path, '/home/user/notes.txt', 'a relative path is under the user\'s home')
+  assert.equal((await sbx.files.getInfo('/home/user/notes.txt')).owner, 'user')
+  await sbx.files.remove('/home/user/notes.txt')
 })
 
 test('a background command: listed, reattached by pid, killed', async () => {
