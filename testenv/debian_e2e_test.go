@@ -87,6 +87,10 @@ func TestDebianImage(t *testing.T) {
 	if r := kvbox(t, "exec", n, "--", "python3", "-c", "print(1)"); r.code != 0 || r.stdout != "1\n" {
 		t.Errorf("python3: %s", r)
 	}
+	// The user E2B code assumes: /home/user, /bin/bash, passwordless sudo.
+	if r := kvbox(t, "exec", "--user", "user", n, "--", "/bin/bash", "-l", "-c", "id -u; id -un; echo $HOME; sudo -n id -u"); r.code != 0 || r.stdout != "1000\nuser\n/home/user\n0\n" {
+		t.Errorf("the image's user: %s", r)
+	}
 	// systemd reaches "running": every unit started, none failed.
 	start = time.Now()
 	r = kvbox(t, "exec", n, "--", "timeout", "180", "systemctl", "is-system-running", "--wait")

@@ -95,6 +95,15 @@ func TestEnvdInGuest(t *testing.T) {
 		EnvdURL: "http://" + l.Addr().String(), Scratch: scratch, Foo: cfg.EnvVars["FOO"], HasUser: true}
 	for _, v := range envdtest.Versions {
 		t.Run("e2b@"+v, func(t *testing.T) {
+			// A folder of its own, and envd configured again for it.
+			sb := sb
+			sb.Scratch = scratch + "/" + v
+			mustKvbox(t, "exec", b.Name, "--", "mkdir", "-p", sb.Scratch)
+			cfg := cfg
+			cfg.DefaultWorkdir = sb.Scratch
+			if err := c.EnvdInit(ctx, cfg); err != nil {
+				t.Fatal(err)
+			}
 			out, err := os.CreateTemp(t.TempDir(), "node")
 			if err != nil {
 				t.Fatal(err)
