@@ -688,3 +688,23 @@ func TestConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+// StreamInput, a client stream no SDK sends today: a start event naming
+// the process, then its input.
+func TestStreamInput(t *testing.T) {
+	_, addr := newTestServer(t, Config{})
+	resp, conn := send(t, addr, streaming("process.Process/Start",
+		`{"process":{"cmd":"/bin/sh","args":["-c","read x; echo got $x"]},"tag":"in","stdin":true}`))
+	defer conn.Close()
+	pid, _ := pidRE(readFrame(t, resp.Body).json)
+	body := append(envelope(0, `{"start":{"process":{"tag":"in"}}}`), envelope(0, `{"data":{"input":{"stdin":"`+b64("streamed\n")+`"}}}`)...)
+	r, b := roundTrip(t, addr, request("POST", "/process.Process/StreamInput",
+		[]string{"Content-Type: application/connect+json", "Connect-Protocol-Version: 1"}, body))
+	if fs := readAllFrames(t, bytes.NewReader(b)); r.StatusCode != 200 || fs[len(fs)-1].json != "{}" {
+		t.Fatalf("StreamInput: %d %q", r.StatusCode, b)
+	}
+	fs := readAllFrames(t, resp.Body)
+	if got, want := fs[0].json, `{"event":{"data":{"stdout":"`+b64("got streamed\n")+`"}}}`; got != want {
+		t.Errorf("process %d output %s, want %s", pid, got, want)
+	}
+}
