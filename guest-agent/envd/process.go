@@ -50,6 +50,8 @@ type proc struct {
 	master *os.File // the pty, or nil
 	outs   []*os.File
 	exited atomic.Bool
+	// timedOut: the deadline of the call that started it killed it.
+	timedOut atomic.Bool
 
 	stdinMu sync.Mutex
 	stdin   *os.File // the stdin pipe while open; the pty for a pty
@@ -96,7 +98,7 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 	if err != nil {
 		return err
 	}
-	return p.follow(ctx, sub, keepaliveInterval(req.Header()), func(ev *process.ProcessEvent) error {
+	return p.follow(ctx, sub, true, keepaliveInterval(req.Header()), func(ev *process.ProcessEvent) error {
 		return stream.Send(&process.StartResponse{Event: ev})
 	})
 }
@@ -107,7 +109,7 @@ func (ps *processService) Connect(ctx context.Context, req *connect.Request[proc
 		return err
 	}
 	sub := p.subscribe()
-	return p.follow(ctx, sub, keepaliveInterval(req.Header()), func(ev *process.ProcessEvent) error {
+	return p.follow(ctx, sub, false, keepaliveInterval(req.Header()), func(ev *process.ProcessEvent) error {
 		return stream.Send(&process.ConnectResponse{Event: ev})
 	})
 }
@@ -335,7 +337,10 @@ func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexe
 	// deadline.
 	var timer *time.Timer
 	if dl, ok := ctx.Deadline(); ok {
-		timer = time.AfterFunc(time.Until(dl), func() { p.kill(unix.SIGKILL) })
+		timer = time.AfterFunc(time.Until(dl), func() {
+			p.timedOut.Store(true)
+			p.kill(unix.SIGKILL)
+		})
 	}
 	go p.run(timer)
 	return p, sub, nil
@@ -380,10 +385,15 @@ func (p *proc) broadcast(ev *process.ProcessEvent, end bool) {
 	}
 }
 
+// errTimedOut ends the stream of a call whose deadline killed its process.
+var errTimedOut = connect.NewError(connect.CodeDeadlineExceeded, errors.New("the call's timeout (Connect-Timeout-Ms) passed: the process was killed"))
+
 // follow streams a process to one subscriber: its start event, its events,
 // and keepalives when the stream is idle for interval, until the end event
-// or until the client goes (the process runs on).
-func (p *proc) follow(ctx context.Context, sub *subscriber, interval time.Duration, send func(*process.ProcessEvent) error) error {
+// or until the client goes (the process runs on). The stream of the call
+// that started the process (starter) ends with its deadline when that
+// killed the process, whichever of the two the stream sees first.
+func (p *proc) follow(ctx context.Context, sub *subscriber, starter bool, interval time.Duration, send func(*process.ProcessEvent) error) error {
 	defer p.leave(sub)
 	if err := send(&process.ProcessEvent{Event: &process.ProcessEvent_Start{Start: &process.ProcessEvent_StartEvent{Pid: p.pid}}}); err != nil {
 		return err
@@ -393,6 +403,9 @@ func (p *proc) follow(ctx context.Context, sub *subscriber, interval time.Durati
 	for {
 		select {
 		case ev := <-sub.ch:
+			if ev.GetEnd() != nil && starter && p.timedOut.Load() {
+				return errTimedOut
+			}
 			if err := send(ev); err != nil {
 				return err
 			}
@@ -406,7 +419,10 @@ func (p *proc) follow(ctx context.Context, sub *subscriber, interval time.Durati
 			}
 		case <-ctx.Done():
 			if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-				return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the call's timeout (Connect-Timeout-Ms) passed: the process was killed"))
+				if starter {
+					return errTimedOut
+				}
+				return connect.NewError(connect.CodeDeadlineExceeded, errors.New("the call's timeout (Connect-Timeout-Ms) passed; the process runs on"))
 			}
 			return ctx.Err()
 		}
