@@ -222,6 +222,16 @@ func hasUplink() bool {
 	return false
 }
 
+// Addresses is how many boxes the subnet holds: its host addresses less
+// the gateway (the addresses Allocate hands out).
+func (c Config) Addresses() int {
+	host := 32 - c.Subnet.Bits()
+	if host < 2 {
+		return 0
+	}
+	return 1<<host - 3
+}
+
 // Allocate returns the lowest host address of the subnet that is neither the
 // gateway nor in used. The caller serializes allocations (kvbox holds its
 // state lock from Allocate until the address is recorded in a domain).

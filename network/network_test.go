@@ -34,6 +34,12 @@ func TestAllocate(t *testing.T) {
 	if a, err := small.Allocate(used); err == nil {
 		t.Fatalf("full subnet handed out %v", a)
 	}
+	if n := small.Addresses(); n != len(used) {
+		t.Fatalf("Addresses of %s = %d, Allocate handed out %d", small.Subnet, n, len(used))
+	}
+	if n := Default.Addresses(); n != 253 {
+		t.Fatalf("Addresses of %s = %d, want 253", Default.Subnet, n)
+	}
 }
 
 func TestParse(t *testing.T) {

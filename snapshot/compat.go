@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"libvirt.org/go/libvirt"
@@ -120,34 +121,11 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 	if err := caps.Unmarshal(capsXML); err != nil {
 		return err
 	}
-	var types []string
-	var machines []string
-	found := false
-	for _, g := range caps.Guests {
-		if g.Arch.Name != c.Arch {
-			continue
-		}
-		for _, d := range g.Arch.Domains {
-			types = append(types, d.Type)
-			if d.Type == c.DomainType {
-				found = true
-			}
-		}
-		for _, m := range g.Arch.Machines {
-			machines = append(machines, m.Name)
-			if m.Canonical != "" {
-				machines = append(machines, m.Canonical)
-			}
-		}
-	}
-	if !found {
+	types, machines := offered(caps, c.Arch)
+	if !slices.Contains(types, c.DomainType) {
 		return fmt.Errorf("incompatible host: the snapshot needs domain type %s on %s, this host offers %s", c.DomainType, c.Arch, orNone(types))
 	}
-	ok := false
-	for _, m := range machines {
-		ok = ok || m == c.Machine
-	}
-	if !ok {
+	if !slices.Contains(machines, c.Machine) {
 		return fmt.Errorf("incompatible host: the snapshot needs machine type %s, this host's QEMU does not offer it", c.Machine)
 	}
 	q, err := conn.GetVersion()
@@ -158,6 +136,85 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 		return fmt.Errorf("incompatible host: the snapshot was written by QEMU %s, this host has the older QEMU %s", version(c.QEMU), version(uint64(q)))
 	}
 	return c.checkCPU(conn)
+}
+
+// offered lists what a host whose capabilities are caps offers a guest of
+// arch: its domain types, and its machine types by name and by canonical
+// name (a snapshot's machine is the canonical one of its live XML), sorted,
+// each once.
+func offered(caps libvirtxml.Caps, arch string) (types, machines []string) {
+	for _, g := range caps.Guests {
+		if g.Arch.Name != arch {
+			continue
+		}
+		for _, d := range g.Arch.Domains {
+			types = append(types, d.Type)
+		}
+		for _, m := range g.Arch.Machines {
+			machines = append(machines, m.Name)
+			if m.Canonical != "" {
+				machines = append(machines, m.Canonical)
+			}
+		}
+	}
+	slices.Sort(types)
+	slices.Sort(machines)
+	return slices.Compact(types), slices.Compact(machines)
+}
+
+// HostCompat is this host's side of Compat, its restore class: what it
+// offers a snapshot, in the terms Check compares. A snapshot restores here
+// when its DomainType is kvm only if this host's is, its Arch is this
+// host's, its Machine is one of Machines, its QEMU is at most this host's
+// and its agent protocol's major version is Agent's; Check has the last
+// word (it also compares CPUs, which these facts leave out).
+type HostCompat struct {
+	// DomainType is the domain type kvbox uses here (kvm or qemu).
+	DomainType string `json:"domain_type"`
+	Arch       string `json:"arch"`
+	// DomainTypes are the domain types libvirt offers for Arch.
+	DomainTypes []string `json:"domain_types"`
+	// Machines are the machine types QEMU offers for Arch.
+	Machines []string `json:"machines"`
+	QEMU     uint64   `json:"qemu"`    // Compat's encoding
+	Libvirt  uint64   `json:"libvirt"` // same encoding
+	// Agent is the agent protocol version this kvbox speaks.
+	Agent string `json:"agent"`
+}
+
+// AgentProtocol is the major version of the agent protocol this host
+// speaks: a snapshot restores here only if its agent's is the same.
+func (h HostCompat) AgentProtocol() string { return major(h.Agent) }
+
+// HostCompatOf reads this host's restore class from libvirt. hostType is
+// the domain type kvbox uses here (domain.Host.DomainType).
+func HostCompatOf(conn *libvirt.Connect, hostType string) (HostCompat, error) {
+	capsXML, err := conn.GetCapabilities()
+	if err != nil {
+		return HostCompat{}, err
+	}
+	q, err := conn.GetVersion()
+	if err != nil {
+		return HostCompat{}, err
+	}
+	l, err := conn.GetLibVersion()
+	if err != nil {
+		return HostCompat{}, err
+	}
+	return hostCompatFromCaps(capsXML, hostType, uint64(q), uint64(l))
+}
+
+func hostCompatFromCaps(capsXML, hostType string, qemu, lib uint64) (HostCompat, error) {
+	var caps libvirtxml.Caps
+	if err := caps.Unmarshal(capsXML); err != nil {
+		return HostCompat{}, fmt.Errorf("libvirt capabilities: %w", err)
+	}
+	if caps.Host.CPU == nil || caps.Host.CPU.Arch == "" {
+		return HostCompat{}, fmt.Errorf("libvirt capabilities name no host CPU architecture")
+	}
+	h := HostCompat{DomainType: hostType, Arch: caps.Host.CPU.Arch, QEMU: qemu, Libvirt: lib, Agent: agent.Version}
+	h.DomainTypes, h.Machines = offered(caps, h.Arch)
+	return h, nil
 }
 
 // checkCPU: on KVM a host CPU at least the snapshot's (libvirt's

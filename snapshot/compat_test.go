@@ -1,8 +1,11 @@
 package snapshot
 
 import (
+	"reflect"
 	"strings"
 	"testing"
+
+	agent "kvbox.dev/kvbox/guest-agent"
 )
 
 // A snapshot whose agent speaks another major protocol version is refused
@@ -19,5 +22,38 @@ func TestMajor(t *testing.T) {
 		if got := major(v); got != want {
 			t.Errorf("major(%q) = %q, want %q", v, got, want)
 		}
+	}
+}
+
+// A host's restore class is read from its capabilities: its own
+// architecture only, machine types by name and canonical name, each once.
+func TestHostCompatFromCaps(t *testing.T) {
+	caps := `<capabilities>
+  <host><cpu><arch>x86_64</arch><model>qemu64</model></cpu></host>
+  <guest><os_type>hvm</os_type>
+    <arch name='i686'><machine>pc-i440fx-9.2</machine><domain type='qemu'/></arch>
+  </guest>
+  <guest><os_type>hvm</os_type>
+    <arch name='x86_64'>
+      <machine maxCpus='255'>pc-i440fx-10.0</machine>
+      <machine canonical='pc-i440fx-10.0' maxCpus='255'>pc</machine>
+      <machine maxCpus='4096'>pc-q35-10.0</machine>
+      <machine canonical='pc-q35-10.0' maxCpus='4096'>q35</machine>
+      <domain type='qemu'/>
+      <domain type='kvm'/>
+    </arch>
+  </guest>
+</capabilities>`
+	h, err := hostCompatFromCaps(caps, "qemu", 10000002, 11003000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := HostCompat{DomainType: "qemu", Arch: "x86_64", DomainTypes: []string{"kvm", "qemu"},
+		Machines: []string{"pc", "pc-i440fx-10.0", "pc-q35-10.0", "q35"}, QEMU: 10000002, Libvirt: 11003000, Agent: agent.Version}
+	if !reflect.DeepEqual(h, want) {
+		t.Fatalf("hostCompatFromCaps:\n got %+v\nwant %+v", h, want)
+	}
+	if _, err := hostCompatFromCaps(`<capabilities><host></host></capabilities>`, "qemu", 1, 1); err == nil {
+		t.Fatal("capabilities without a host CPU: no error")
 	}
 }
