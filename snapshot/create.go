@@ -134,6 +134,9 @@ type Result struct {
 	Snapshot Snapshot
 	Pause    time.Duration // how long the box was paused
 	Steps    step.Timings
+	// Note, when set, says what went wrong after the snapshot was taken
+	// and what kvbox does about it (the snapshot itself is whole).
+	Note string
 }
 
 // Phases are what a caller is told as a snapshot goes (each may be nil).
@@ -241,7 +244,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 		c.q.BlockDirtyBitmapRemove(ctx, c.top, c.prev.Bitmap)
 	}
 	snap, err := st.Get(name)
-	return Result{Snapshot: snap, Pause: c.pause, Steps: steps}, err
+	return Result{Snapshot: snap, Pause: c.pause, Steps: steps, Note: c.note}, err
 }
 
 // creation is one snapshot being taken: what its steps find out and hand on.
@@ -272,6 +275,7 @@ type creation struct {
 	bootID     string                     // the guest's boot_id, from its agent (best effort)
 	guest      func() (agent.Info, error) // the agent's answer and the snapshot's token being given (prepare)
 	token      []byte                     // the snapshot's agent token (nil: an agent without tokens)
+	note       string                     // Result.Note
 	compat     func() (Compat, error)     // the host's versions being read (prepare)
 	rest       func() (string, error)     // the folder's rest being made (makeRest), the boot_id
 	copied     int64                      // bytes the disk copy wrote
@@ -597,13 +601,20 @@ func (c *creation) giveToken(ctx context.Context) (agent.Info, error) {
 
 // renewToken gives the box's agent a token of its own again, minted after
 // the snapshot's memory was copied: the token in the snapshot is no box's.
+// An agent that does not take it fails nothing: the snapshot is whole, and
+// the box, whose agent kvbox knows holds the snapshot's token
+// (agent.token.snapshot), gets a new one at its next contact. The note
+// says so.
 func (c *creation) renewToken(ctx context.Context) error {
 	if c.token == nil {
 		return nil
 	}
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	return c.h.RenewAgentToken(actx, c.box)
+	if err := c.h.RenewAgentToken(actx, c.box); err != nil {
+		c.note = fmt.Sprintf("box %s keeps the snapshot's agent token until kvbox next reaches its agent, which then gets one of its own: %v", c.box.Name, err)
+	}
+	return nil
 }
 
 // writeCompat writes what a restore of the snapshot in dir needs, with

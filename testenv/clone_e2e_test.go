@@ -363,13 +363,20 @@ func TestCloneAgentTimeoutRollsBack(t *testing.T) {
 	srcName, snap, c := name(t, "tsrc"), name(t, "tdead"), name(t, "tc")
 	t.Cleanup(func() { os.Remove(filepath.Join(stateDir, "logs", c+".console.log")) })
 	src := newBox(t, srcName)
-	// Freeze the agent a moment after this command returns; the snapshot
-	// then holds a guest whose agent never answers.
-	inBox(t, srcName, "(sleep 1; kill -STOP $(pidof kvbox-agent)) </dev/null >/dev/null 2>&1 &")
-	time.Sleep(2 * time.Second)
+	// Freeze the agent as soon as it took the snapshot's token, before its
+	// memory is copied (kvbox refuses to copy the memory of a box whose
+	// agent does not take one): the snapshot then holds a guest whose agent
+	// never answers, and the source box, whose agent cannot take a token of
+	// its own afterwards, keeps the snapshot's, as the note says.
+	inBox(t, srcName, `t=/var/lib/kvbox-agent/token; old=$(cat $t)
+		(while [ "$(cat $t)" = "$old" ]; do sleep 0.01; done; kill -STOP $(pidof kvbox-agent)) </dev/null >/dev/null 2>&1 &`)
 	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
-	if r := kvbox(t, "snapshots", "new", srcName, snap); r.code != 0 {
-		t.Fatalf("snapshot of a box with a stopped agent: %s", r)
+	r0 := kvbox(t, "snapshots", "new", srcName, snap)
+	if r0.code != 0 {
+		t.Fatalf("snapshot of a box whose agent stops once it took the snapshot's token: %s", r0)
+	}
+	if !strings.Contains(r0.stderr, "keeps the snapshot's agent token") {
+		t.Errorf("no note that the box keeps the snapshot's token: %s", r0)
 	}
 	mustKvbox(t, "rm", "--force", srcName) // it can't be used any more; its address is free now
 	stop := capture(t, "-i", cloneBridge)

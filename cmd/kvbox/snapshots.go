@@ -73,6 +73,9 @@ boxes are still cloned from then is kept until the last of them is removed
 			if err != nil {
 				return err
 			}
+			if res.Note != "" {
+				fmt.Fprintf(a.io.Err, "kvbox: note: %s\n", res.Note)
+			}
 			s := res.Snapshot
 			if expires != nil {
 				if s, err = a.setSnapshotTTL(h, s.Name, *expires); err != nil {
