@@ -210,3 +210,42 @@ func TestBridgeSetUp(t *testing.T) {
 		}
 	}
 }
+
+// A subnet another link of the namespace routes is refused, naming the
+// link, and the bridge made for it goes again; the bridge's own subnet, set up
+// again, is not a clash.
+func TestBridgeSubnetTaken(t *testing.T) {
+	if !inNamespaces(t) {
+		return
+	}
+	other := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "otherbr0"}}
+	if err := netlink.LinkAdd(other); err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetUp(other); err != nil {
+		t.Fatal(err)
+	}
+	addr, _ := netlink.ParseAddr("172.30.50.1/24")
+	if err := netlink.AddrAdd(other, addr); err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{"172.30.50.0/24", "172.30.50.128/25", "172.30.0.0/16"} {
+		c, err := Parse("kvbt0", sub)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = c.ensure(false)
+		if err == nil || !strings.Contains(err.Error(), "otherbr0") {
+			t.Errorf("subnet %s, routed to otherbr0: %v", sub, err)
+		}
+		if _, err := netlink.LinkByName("kvbt0"); err == nil {
+			t.Errorf("subnet %s: the refused bridge was left behind", sub)
+		}
+	}
+	c, _ := Parse("kvbt0", "172.30.51.0/24")
+	for i := 0; i < 2; i++ {
+		if err := c.ensure(false); err != nil {
+			t.Fatalf("a free subnet (time %d): %v", i+1, err)
+		}
+	}
+}

@@ -60,13 +60,17 @@ func (c Config) EnsureNAT() error { return c.ensure(true) }
 
 func (c Config) ensure(nat bool) error {
 	link, err := netlink.LinkByName(c.Bridge)
+	created := false
 	if err != nil {
 		var nf netlink.LinkNotFoundError
 		if !errors.As(err, &nf) {
 			return fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
 		}
 		br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge}}
-		if err := netlink.LinkAdd(br); err != nil && !errors.Is(err, os.ErrExist) {
+		switch err := netlink.LinkAdd(br); {
+		case err == nil:
+			created = true
+		case !errors.Is(err, os.ErrExist):
 			return fmt.Errorf("create bridge %s: %w", c.Bridge, err)
 		}
 		if link, err = netlink.LinkByName(c.Bridge); err != nil {
@@ -77,6 +81,12 @@ func (c Config) ensure(nat bool) error {
 		return fmt.Errorf("%s exists and is a %s, not a bridge", c.Bridge, link.Type())
 	}
 	if err := c.claim(link); err != nil {
+		return err
+	}
+	if err := c.subnetFree(link.Attrs().Index); err != nil {
+		if created {
+			netlink.LinkDel(link)
+		}
 		return err
 	}
 	if b, ok := link.(*netlink.Bridge); !ok || b.GroupFwdMask == nil || *b.GroupFwdMask != groupFwdMask {
@@ -126,6 +136,36 @@ func (c Config) ensure(nat bool) error {
 	}
 	if nat {
 		return c.ensureNAT(ipt)
+	}
+	return nil
+}
+
+// subnetFree refuses a subnet that a route of another link in this
+// namespace overlaps (another program's bridge, a LAN, a VPN, a second
+// kvbox state dir's network): on two links the kernel would route the
+// boxes' replies to one of them, and the boxes of the other would be
+// unreachable without a word. The bridge's own routes are its subnet's.
+func (c Config) subnetFree(bridge int) error {
+	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("subnet %s: list routes: %w", c.Subnet, err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil || r.LinkIndex == bridge {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(r.Dst.IP.To4())
+		if !ok {
+			continue
+		}
+		bits, _ := r.Dst.Mask.Size()
+		if p := netip.PrefixFrom(a, bits); p.Overlaps(c.Subnet) {
+			dev := fmt.Sprintf("link %d", r.LinkIndex)
+			if l, err := netlink.LinkByIndex(r.LinkIndex); err == nil {
+				dev = l.Attrs().Name
+			}
+			return fmt.Errorf("subnet %s of bridge %s overlaps %s, routed to %s: choose another subnet (--subnet, KVBOX_SUBNET) or remove what uses it", c.Subnet, c.Bridge, p, dev)
+		}
 	}
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +20,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/vishvananda/netlink"
 )
 
 var (
@@ -210,6 +213,45 @@ var subnetPrefix = func() string {
 	}
 	return s
 }()
+
+// handedOut holds the subnets freeSubnet gave this run's tests.
+var handedOut = struct {
+	sync.Mutex
+	m map[netip.Prefix]bool
+}{m: map[netip.Prefix]bool{}}
+
+// freeSubnet returns a /24 of 172.31.128.0/17 that no route of the test
+// namespace overlaps and no other test of this run was given: a bridge
+// left by a killed run, or another kvbox on this libvirtd, keeps its
+// subnet, and a test's boxes stay reachable.
+func freeSubnet(t testing.TB) string {
+	t.Helper()
+	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatalf("list routes: %v", err)
+	}
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	for i := 128; i < 256; i++ {
+		p := netip.PrefixFrom(netip.AddrFrom4([4]byte{172, 31, byte(i), 0}), 24)
+		free := !handedOut.m[p]
+		for _, r := range routes {
+			if !free || r.Dst == nil {
+				continue
+			}
+			if a, ok := netip.AddrFromSlice(r.Dst.IP.To4()); ok {
+				bits, _ := r.Dst.Mask.Size()
+				free = !netip.PrefixFrom(a, bits).Overlaps(p)
+			}
+		}
+		if free {
+			handedOut.m[p] = true
+			return p.String()
+		}
+	}
+	t.Fatal("no free /24 in 172.31.128.0/17 for a test network")
+	return ""
+}
 
 // stateDir is the kvbox state directory the tests' kvbox uses:
 // KVBOX_STATE_DIR, as for the CLI, so that two test runs can keep apart.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -50,7 +51,8 @@ const (
 func setupIsoNet(t *testing.T) isoNet {
 	t.Helper()
 	id := strings.TrimPrefix(runID, "e2e")
-	n := isoNet{br: "kvi" + id, sub: "172.31.251.0/24", gw: "172.31.251.1"}
+	sub := netip.MustParsePrefix(freeSubnet(t))
+	n := isoNet{br: "kvi" + id, sub: sub.String(), gw: sub.Addr().Next().String()}
 	n.flags = []string{"--bridge", n.br, "--subnet", n.sub}
 	run := func(args ...string) {
 		t.Helper()

@@ -273,8 +273,7 @@ func TestPullHostileSnapshot(t *testing.T) {
 	mustKvbox(t, "rm", "--force", src) // its disk is what a hostile qcow2 names below
 	orig := readPushed(t, honestRef)
 	srcState := orig.annots["dev.kvbox.state-dir"]
-	octet := strings.Split(strings.TrimSuffix(subnetPrefix, "."), ".")[2]
-	h2 := host2(t, "h", "172.31."+octet+".0/24")
+	h2 := host2(t, "h", freeSubnet(t))
 	snaps, images := filepath.Join(dirOf(h2), "snapshots"), filepath.Join(dirOf(h2), "images")
 	doms := runDomains(t)
 	free := freeOf(t, dirOf(h2))

@@ -146,7 +146,7 @@ func TestRegistryPushPull(t *testing.T) {
 
 	// Gone from here; a second host pulls it.
 	mustKvbox(t, "snapshots", "rm", snapName)
-	h2 := host2(t, "a", "172.31.250.0/24")
+	h2 := host2(t, "a", freeSubnet(t))
 	pulled := name(t, "rpulled")
 	out := mustKvbox(t, append(h2, "snapshots", "pull", "--insecure", ref, pulled)...)
 	if !strings.Contains(out, "✓ snapshot "+pulled+" pulled from "+ref+"@"+first.Digest) {
@@ -183,7 +183,7 @@ func TestRegistryPushPull(t *testing.T) {
 	}
 
 	t.Run("KilledPullResumes", func(t *testing.T) {
-		h3 := host2(t, "b", "172.31.251.0/24")
+		h3 := host2(t, "b", freeSubnet(t))
 		cache := filepath.Join(dirOf(h3), "registry-cache")
 		n := name(t, "rkilled")
 		cmd := exec.Command(kvboxBin, append(h3, "snapshots", "pull", "--insecure", ref, n)...)
@@ -234,7 +234,7 @@ func TestRegistryPushPull(t *testing.T) {
 	})
 
 	t.Run("ConcurrentPullRefused", func(t *testing.T) {
-		h4 := host2(t, "c", "172.31.252.0/24")
+		h4 := host2(t, "c", freeSubnet(t))
 		cache := filepath.Join(dirOf(h4), "registry-cache")
 		n := name(t, "rtwice")
 		first := exec.Command(kvboxBin, append(h4, "snapshots", "pull", "--insecure", ref, n)...)
@@ -293,7 +293,7 @@ func TestRegistryPushPull(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer os.WriteFile(path, orig, 0o644)
-		h4 := host2(t, "c", "172.31.252.0/24")
+		h4 := host2(t, "c", freeSubnet(t))
 		r := kvbox(t, append(h4, "snapshots", "pull", "--insecure", ref, name(t, "rbad"))...)
 		if r.code == 0 || !strings.Contains(r.stderr, "refused") || !strings.Contains(r.stderr, state.Digest) {
 			t.Errorf("pull of a tampered blob: %s", r)
@@ -351,7 +351,7 @@ func TestRegistryPushPull(t *testing.T) {
 			os.WriteFile(filepath.Join(dst, "compat.json"), b, 0o644)
 			oref := testRegistry + "/" + registryRepo + "/" + runID + "-odd:latest"
 			push(t, []string{"--state-dir", other}, "odd", oref)
-			h5 := host2(t, "d", "172.31.253.0/24")
+			h5 := host2(t, "d", freeSubnet(t))
 			r := kvbox(t, append(h5, "snapshots", "pull", "--insecure", oref, name(t, "rodd"))...)
 			line := strings.TrimSpace(r.stderr)
 			if r.code == 0 || !strings.Contains(line, tc.want) || strings.Count(line, "\n") != 0 {
