@@ -140,11 +140,12 @@ func (c Config) ensure(nat bool) error {
 	return nil
 }
 
-// subnetFree refuses a subnet that a route of another link in this
-// namespace overlaps (another program's bridge, a LAN, a VPN, a second
-// kvbox state dir's network): on two links the kernel would route the
-// boxes' replies to one of them, and the boxes of the other would be
-// unreachable without a word. The bridge's own routes are its subnet's.
+// subnetFree refuses a subnet of which a route of another link in this
+// namespace takes some part (another program's bridge, a LAN, a second
+// kvbox state dir's network): the kernel would send the boxes' replies
+// there, and they would be unreachable without a word. A broader route (a
+// VPN's 10.0.0.0/8) loses the subnet to the bridge and is no clash. The
+// bridge's own routes are its subnet's.
 func (c Config) subnetFree(bridge int) error {
 	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
 	if err != nil {
@@ -159,7 +160,7 @@ func (c Config) subnetFree(bridge int) error {
 			continue
 		}
 		bits, _ := r.Dst.Mask.Size()
-		if p := netip.PrefixFrom(a, bits); p.Overlaps(c.Subnet) {
+		if p := netip.PrefixFrom(a, bits); p.Overlaps(c.Subnet) && bits >= c.Subnet.Bits() {
 			dev := fmt.Sprintf("link %d", r.LinkIndex)
 			if l, err := netlink.LinkByIndex(r.LinkIndex); err == nil {
 				dev = l.Attrs().Name
