@@ -398,21 +398,14 @@ func TestPullBoundsSizes(t *testing.T) {
 	// A disk that says what it is, more than this filesystem has free:
 	// refused before a byte is written.
 	a = honest(t)
-	free := freeBytes(t, t.TempDir())
+	free, err := FreeSpace(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
 	disk := (4*free>>30 + 1) << 30 // twice the free space: other processes may free some meanwhile
 	a.json("snapshot/snapshot.json", func(m map[string]any) { m["disk_bytes"] = disk })
 	a.files["snapshot/disk.qcow2"].ann = map[string]string{AnnotApparent: strconv.FormatInt(2*free, 10), AnnotDataBytes: strconv.FormatInt(2*free, 10)}
 	a.refused("free")
-}
-
-func freeBytes(t *testing.T, dir string) int64 {
-	out, err := exec.Command("df", "--output=avail", "-B1", dir).Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := strings.Fields(string(out))
-	n, _ := strconv.ParseInt(f[len(f)-1], 10, 64)
-	return n
 }
 
 // A pull that fails at its last step, the snapshot's rename, takes back

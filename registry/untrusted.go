@@ -299,16 +299,24 @@ func checkSizes(p *plan, s snapshot.Snapshot) error {
 // checkSpace refuses a pull whose parts need more than dir's filesystem
 // has free, less spaceReserve: need is what the pull will write.
 func checkSpace(dir string, need int64) error {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return fmt.Errorf("free space of %s: %w", dir, err)
+	free, err := FreeSpace(dir)
+	if err != nil {
+		return err
 	}
-	free := int64(st.Bavail) * int64(st.Bsize)
 	if need > free-spaceReserve {
 		return refused("the snapshot needs %s on disk, %s has %s free (kvbox keeps %s free)",
 			human(need), dir, human(free), human(spaceReserve))
 	}
 	return nil
+}
+
+// FreeSpace is what dir's filesystem has free for root's files.
+func FreeSpace(dir string) (int64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0, fmt.Errorf("free space of %s: %w", dir, err)
+	}
+	return int64(st.Bavail) * int64(st.Bsize), nil
 }
 
 // printable is s with every byte that is not printable ASCII escaped and

@@ -24,6 +24,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/static"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/klauspost/compress/zstd"
+
+	"kvbox.dev/kvbox/registry"
 )
 
 // registryRepo is the repository folder of this run's artifacts in the
@@ -241,16 +243,6 @@ func entries(dir string) []string {
 	return out
 }
 
-func freeOf(t *testing.T, dir string) int64 {
-	out, err := exec.Command("df", "--output=avail", "-B1", dir).Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := strings.Fields(string(out))
-	n, _ := strconv.ParseInt(f[len(f)-1], 10, 64)
-	return n
-}
-
 // TestPullHostileSnapshot: a real snapshot of a tiny box goes to the
 // registry; artifacts crafted from it, each carrying one hostile thing
 // (QEMU arguments, a second disk, a file chardev, a host device, a host
@@ -276,7 +268,10 @@ func TestPullHostileSnapshot(t *testing.T) {
 	h2 := host2(t, "h", freeSubnet(t))
 	snaps, images := filepath.Join(dirOf(h2), "snapshots"), filepath.Join(dirOf(h2), "images")
 	doms := runDomains(t)
-	free := freeOf(t, dirOf(h2))
+	free, err := registry.FreeSpace(dirOf(h2))
+	if err != nil {
+		t.Fatal(err)
+	}
 	otherState := filepath.Join(stateDir, "snapshots", snapName, "state")
 
 	for i, tc := range []struct {
