@@ -68,6 +68,21 @@ func (s *Server) filesAuthorized(r *http.Request, operation string) (bool, strin
 	return true, ""
 }
 
+// filesCaller is the user a /files request for operation runs as, once
+// it is authorized; otherwise it answers the request and returns false.
+func (s *Server) filesCaller(w http.ResponseWriter, r *http.Request, operation string) (*guestexec.User, bool) {
+	if ok, why := s.filesAuthorized(r, operation); !ok {
+		httpError(w, http.StatusUnauthorized, why)
+		return nil, false
+	}
+	u, err := s.filesUser(r)
+	if err != nil {
+		httpError(w, http.StatusBadRequest, err.Error())
+		return nil, false
+	}
+	return u, true
+}
+
 // filesUser is the user a /files request runs as: its username parameter,
 // else its Basic authorization, else the default user.
 func (s *Server) filesUser(r *http.Request) (*guestexec.User, error) {
@@ -95,13 +110,8 @@ func fileStatus(err error) int {
 // getFile answers GET /files?path=: the file's bytes, gzip-compressed
 // when the client accepts it (a Range request is answered uncompressed).
 func (s *Server) getFile(w http.ResponseWriter, r *http.Request) {
-	if ok, why := s.filesAuthorized(r, "read"); !ok {
-		httpError(w, http.StatusUnauthorized, why)
-		return
-	}
-	u, err := s.filesUser(r)
-	if err != nil {
-		httpError(w, http.StatusBadRequest, err.Error())
+	u, ok := s.filesCaller(w, r, "read")
+	if !ok {
 		return
 	}
 	path, err := resolvePath(r.URL.Query().Get("path"), u)
@@ -170,13 +180,8 @@ type writtenEntry struct {
 // ?path=. Each file is written next to its target and renamed over it:
 // a failed upload leaves the target as it was.
 func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
-	if ok, why := s.filesAuthorized(r, "write"); !ok {
-		httpError(w, http.StatusUnauthorized, why)
-		return
-	}
-	u, err := s.filesUser(r)
-	if err != nil {
-		httpError(w, http.StatusBadRequest, err.Error())
+	u, ok := s.filesCaller(w, r, "write")
+	if !ok {
 		return
 	}
 	qpath := r.URL.Query().Get("path")
