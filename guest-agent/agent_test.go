@@ -9,6 +9,7 @@ import (
 	"log"
 	"net"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -169,6 +170,25 @@ func TestExec(t *testing.T) {
 				t.Errorf("got out=%q err=%q code=%d, want %q %q %d", out, errs, code, tt.out, tt.errs, tt.code)
 			}
 		})
+	}
+}
+
+// An exec whose command exits while a background child keeps its
+// stdout open and keeps writing to it ends within guestexec.DrainMax of
+// the exit, with the command's exit code and what was written until then.
+func TestExecBackgroundWriterEnds(t *testing.T) {
+	c := start(t, testServer(t))
+	dir := t.TempDir()
+	argv := []string{"sh", "-c", "sh -c 'echo $$ > " + dir + "/pid; while :; do echo tick; sleep 0.05; done' & sleep 0.3; echo done; exit 4"}
+	var out bytes.Buffer
+	var code int
+	var err error
+	waitReturn(t, "Exec", func() { code, err = c.Exec(tctx(t), ExecRequest{Argv: argv}, nil, &out, nil, nil) })
+	if pid, rerr := os.ReadFile(dir + "/pid"); rerr == nil {
+		exec.Command("kill", strings.TrimSpace(string(pid))).Run()
+	}
+	if err != nil || code != 4 || !strings.Contains(out.String(), "done\n") || !strings.Contains(out.String(), "tick") {
+		t.Fatalf("exec with a writing background child: code %d, err %v, output %q", code, err, out.String())
 	}
 }
 

@@ -7,9 +7,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -22,10 +20,6 @@ const (
 	// stdinWindow is how many stdin frames the host may send before the
 	// guest acknowledges one; it bounds what the guest buffers.
 	stdinWindow = 16
-	// drainIdle is how long output pipes are read after the process exits
-	// with no new data: a background child that keeps stdout open must not
-	// hold the exec open forever.
-	drainIdle = 250 * time.Millisecond
 )
 
 // process is one running exec in a session.
@@ -44,7 +38,7 @@ type process struct {
 	queue  chan frame // stdin frames, bounded by stdinWindow
 	qmu    sync.Mutex
 	qdone  bool // queue closed
-	exited atomic.Bool
+	exited guestexec.Drain
 }
 
 func envLookup(env []string, key string) string {
@@ -231,9 +225,9 @@ func (p *process) run() {
 	go p.stdinLoop()
 	go func() {
 		err := p.cmd.Wait()
-		p.exited.Store(true)
+		p.exited.Exited()
 		for _, f := range p.outs {
-			f.SetReadDeadline(time.Now().Add(drainIdle))
+			f.SetReadDeadline(p.exited.Deadline())
 		}
 		pumps.Wait()
 		p.closeAll()
@@ -264,8 +258,8 @@ func exitCode(ps *os.ProcessState, err error) int {
 func (p *process) pump(f *os.File, t frameType) {
 	buf := make([]byte, chunkSize)
 	for {
-		if p.exited.Load() {
-			f.SetReadDeadline(time.Now().Add(drainIdle))
+		if p.exited.Done() {
+			f.SetReadDeadline(p.exited.Deadline())
 		}
 		n, err := f.Read(buf)
 		if n > 0 {
@@ -334,7 +328,7 @@ func (p *process) resize(ws WinSize) {
 // kill signals the whole process group (a pty session leader's pid is its
 // group id too).
 func (p *process) kill(sig unix.Signal) {
-	if p.exited.Load() {
+	if p.exited.Done() {
 		return // reaped: the group id may belong to someone else now
 	}
 	if err := unix.Kill(-p.pid, sig); err != nil && !errors.Is(err, unix.ESRCH) {

@@ -22,10 +22,6 @@ import (
 const (
 	// chunkSize is the most output one data event carries.
 	chunkSize = 32 << 10
-	// drainIdle is how long output is read after the process exits with
-	// no new data: a background child that keeps the output open must
-	// not hold the end event back forever.
-	drainIdle = 250 * time.Millisecond
 	// subBuffer is how many events wait for a slow subscriber before the
 	// process's output blocks on it.
 	subBuffer = 16
@@ -49,7 +45,7 @@ type proc struct {
 	cmd    *exec.Cmd
 	master *os.File // the pty, or nil
 	outs   []*os.File
-	exited atomic.Bool
+	exited guestexec.Drain
 	// timedOut: the deadline of the call that started it killed it.
 	timedOut atomic.Bool
 
@@ -444,9 +440,9 @@ func (p *proc) run(timer *time.Timer) {
 	if timer != nil {
 		timer.Stop()
 	}
-	p.exited.Store(true)
+	p.exited.Exited()
 	for _, f := range p.outs {
-		f.SetReadDeadline(time.Now().Add(drainIdle))
+		f.SetReadDeadline(p.exited.Deadline())
 	}
 	pumps.Wait()
 	for _, f := range p.outs {
@@ -480,8 +476,8 @@ func (p *proc) run(timer *time.Timer) {
 func (p *proc) pump(f *os.File, i int) {
 	buf := make([]byte, chunkSize)
 	for {
-		if p.exited.Load() {
-			f.SetReadDeadline(time.Now().Add(drainIdle))
+		if p.exited.Done() {
+			f.SetReadDeadline(p.exited.Deadline())
 		}
 		n, err := f.Read(buf)
 		if n > 0 {
@@ -533,7 +529,7 @@ func (p *proc) input(in *process.ProcessInput) error {
 // kill signals the process's whole group (a pty's session leader leads
 // its group too).
 func (p *proc) kill(sig unix.Signal) {
-	if p.exited.Load() {
+	if p.exited.Done() {
 		return // reaped: the group id may be someone else's now
 	}
 	if err := unix.Kill(-int(p.pid), sig); err != nil && !errors.Is(err, unix.ESRCH) {

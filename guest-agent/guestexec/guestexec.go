@@ -11,6 +11,8 @@ import (
 	"os/user"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -150,4 +152,33 @@ func SetWinsize(f *os.File, rows, cols uint16) error {
 		return err
 	}
 	return serr
+}
+
+// Drain bounds how long a process's output is read once it has exited:
+// until DrainIdle passes with no new output, and DrainMax at the most, so a
+// background child that keeps the output open, even writing, holds the
+// process's end back no longer. The zero Drain is of a running process.
+type Drain struct{ at atomic.Int64 }
+
+const (
+	// DrainIdle is how long the output is read after the exit with no
+	// new data.
+	DrainIdle = 250 * time.Millisecond
+	// DrainMax is how long the output is read after the exit at most.
+	DrainMax = 2 * time.Second
+)
+
+// Exited records that the process has exited and been reaped.
+func (d *Drain) Exited() { d.at.Store(time.Now().UnixNano()) }
+
+// Done reports whether the process has exited.
+func (d *Drain) Done() bool { return d.at.Load() != 0 }
+
+// Deadline is the read deadline of the output's next read after the exit.
+func (d *Drain) Deadline() time.Time {
+	next := time.Now().Add(DrainIdle)
+	if end := time.Unix(0, d.at.Load()).Add(DrainMax); next.After(end) {
+		return end
+	}
+	return next
 }

@@ -3,6 +3,7 @@ package guestexec
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestLookupUserAndWorkdir(t *testing.T) {
@@ -26,5 +27,24 @@ func TestLookupUserAndWorkdir(t *testing.T) {
 	}
 	if err := CheckWorkdir("/tmp"); err != nil {
 		t.Error(err)
+	}
+}
+
+// A process's output is read DrainIdle past its last data after the exit,
+// never past DrainMax after the exit.
+func TestDrainDeadline(t *testing.T) {
+	var d Drain
+	if d.Done() {
+		t.Fatal("a zero Drain is of an exited process")
+	}
+	d.Exited()
+	before := time.Now()
+	if dl := d.Deadline(); !d.Done() || dl.Before(before.Add(DrainIdle-time.Millisecond)) || dl.After(time.Now().Add(DrainIdle)) {
+		t.Errorf("right after the exit: deadline %v from now, want %v", dl.Sub(before), DrainIdle)
+	}
+	exit := time.Now().Add(-DrainMax + DrainIdle/2)
+	d.at.Store(exit.UnixNano())
+	if dl := d.Deadline(); !dl.Equal(exit.Add(DrainMax)) {
+		t.Errorf("near DrainMax after the exit: deadline %v after the exit, want %v", dl.Sub(exit), DrainMax)
 	}
 }
