@@ -6,9 +6,15 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"kvbox.dev/kvbox/domain"
 )
 
 func main() {
+	if err := domain.CloseInheritedOnExec(); err != nil {
+		os.Stderr.WriteString("kvbox: " + err.Error() + "\n")
+		os.Exit(1)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], stdio())
 	stop()
