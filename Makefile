@@ -30,7 +30,7 @@ unit:
 	$(call guarded,$(GO) test ./...)
 
 # Fuzz targets, PACKAGE:TARGET, one a line: each decoder of bytes from a
-# guest or a pulled artifact. make fuzz runs each for FUZZTIME (go test -fuzz
+# guest or a pulled artifact. make fuzz runs each for FUZZTIME (testenv/fuzz.sh: go test -fuzz
 # takes one target a run); their seeds already run in make unit. Inputs
 # that find new code are minimized for at most a second, so that the time
 # goes to fuzzing; a failing input is kept in PACKAGE/testdata/fuzz.
@@ -45,7 +45,7 @@ FUZZ_TARGETS = \
 	./overlay:FuzzQCOW2Header
 
 fuzz:
-	$(call guarded,(for t in $(FUZZ_TARGETS); do $(GO) test -run '^$$' -fuzz "^$${t#*:}$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 1s "$${t%%:*}" || exit 1; done))
+	$(call guarded,GO=$(GO) bash testenv/fuzz.sh $(FUZZTIME) $(FUZZ_TARGETS))
 
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
 # every packet to a guest stays in that namespace.
