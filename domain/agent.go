@@ -14,6 +14,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/overlay"
 )
@@ -33,13 +34,13 @@ func AgentSockets(dir string) []AgentPort {
 // Dial connects to a box's agent over the box's transport.
 func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	if b.State == "paused" {
-		return nil, fmt.Errorf("box %q is paused, not running (kvbox start %s resumes it): %w", b.Name, b.Name, ErrBusy)
+		return nil, base.Errorf(base.Busy, "box %q is paused, not running (kvbox start %s resumes it)", b.Name, b.Name)
 	}
 	if b.State == "suspended" {
-		return nil, fmt.Errorf("box %q is suspended, not running (kvbox resume %s wakes it): %w", b.Name, b.Name, ErrBusy)
+		return nil, base.Errorf(base.Busy, "box %q is suspended, not running (kvbox resume %s wakes it)", b.Name, b.Name)
 	}
 	if b.State != "running" {
-		return nil, fmt.Errorf("box %q is %s, not running (kvbox start %s): %w", b.Name, b.State, b.Name, ErrBusy)
+		return nil, base.Errorf(base.Busy, "box %q is %s, not running (kvbox start %s)", b.Name, b.State, b.Name)
 	}
 	if !filepath.IsAbs(b.Dir) {
 		// Never a socket path relative to kvbox's working directory.
@@ -94,7 +95,7 @@ func (h *Host) dialToken(ctx context.Context, b Box, token []byte, handshake, se
 	}
 	c, err := dialSerial(ctx, paths, token)
 	if errors.Is(err, agent.ErrBusy) {
-		return nil, fmt.Errorf("box %q: %v (other kvbox commands use them all; try again when one ends): %w", b.Name, err, ErrBusy)
+		return nil, base.Errorf(base.Busy, "box %q: %v (other kvbox commands use them all; try again when one ends)", b.Name, err)
 	}
 	return c, err
 }
@@ -174,7 +175,7 @@ func (h *Host) waitAgent(ctx context.Context, d *libvirt.Domain, b Box, try func
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
-			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.FailedConsoleLog(b.Name))
+			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.Layout().FailedConsoleLog(b.Name))
 		}
 		c, bootID, again, err := try()
 		if !again {
@@ -184,7 +185,7 @@ func (h *Host) waitAgent(ctx context.Context, d *libvirt.Domain, b Box, try func
 		select {
 		case <-ctx.Done():
 			return nil, "", fmt.Errorf("the agent of box %q did not answer in time (last error: %s); is kvbox-agent in the image? its console log is kept in %s",
-				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.FailedConsoleLog(b.Name))
+				b.Name, strings.ReplaceAll(fmt.Sprint(last), "\n", "; "), h.Layout().FailedConsoleLog(b.Name))
 		case <-time.After(50 * time.Millisecond):
 		}
 	}

@@ -7,6 +7,8 @@ import (
 	"sort"
 
 	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // Box is one kvbox box as libvirt and its metadata describe it.
@@ -128,18 +130,18 @@ func (h *Host) Boxes() ([]Box, error) {
 }
 
 // NoBoxError says no domain of that name exists (as opposed to a domain that
-// is not a box); it wraps ErrNotFound.
+// is not a box); it is of kind NotFound.
 type NoBoxError struct{ Name string }
 
 func (e NoBoxError) Error() string {
-	return fmt.Sprintf("box %q does not exist (kvbox ls lists boxes): %v", e.Name, ErrNotFound)
+	return fmt.Sprintf("box %q does not exist (kvbox ls lists boxes)", e.Name)
 }
 
-func (e NoBoxError) Unwrap() error { return ErrNotFound }
+func (e NoBoxError) Unwrap() error { return base.ErrNotFound }
 
 // Lookup returns the named box and its domain; the caller frees the domain.
 func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
-	if err := ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Box{}, nil, err
 	}
 	d, err := h.Conn.LookupDomainByName(name)
@@ -156,7 +158,7 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 	}
 	if !ok {
 		d.Free()
-		return Box{}, nil, fmt.Errorf("domain %q is not a kvbox box (it has no kvbox metadata): %w", name, ErrNotFound)
+		return Box{}, nil, base.Errorf(base.NotFound, "domain %q is not a kvbox box (it has no kvbox metadata)", name)
 	}
 	return b, d, nil
 }
@@ -186,12 +188,12 @@ func (h *Host) UsedAddrs() ([]netip.Addr, error) {
 	return used, nil
 }
 
-// NameFree reports ErrExists when a domain (a box or not) has the name.
+// NameFree reports an error of kind Exists when a domain (a box or not) has the name.
 func (h *Host) NameFree(name string) error {
 	d, err := h.Conn.LookupDomainByName(name)
 	if err == nil {
 		d.Free()
-		return fmt.Errorf("a box or domain named %q %w (pick another name, or kvbox rm %s)", name, ErrExists, name)
+		return base.Errorf(base.Exists, "a box or domain named %q already exists (pick another name, or kvbox rm %s)", name, name)
 	}
 	if !isNoDomain(err) {
 		return fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))

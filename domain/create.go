@@ -159,7 +159,7 @@ func (c *Creation) waitAgent(ctx context.Context) (err error) {
 func (c *Creation) checkBoot(bootID string) error {
 	if c.BootID != "" && bootID != "" && bootID != c.BootID {
 		return fmt.Errorf("the guest of box %q booted again after its memory was restored (its kernel panicked or it rebooted): "+
-			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.FailedConsoleLog(c.Box.Name))
+			"it is not the running machine of its snapshot; its console log is kept in %s", c.Box.Name, c.Host.Layout().FailedConsoleLog(c.Box.Name))
 	}
 	return nil
 }

@@ -2,12 +2,12 @@ package domain
 
 import (
 	"bytes"
-	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
 )
 
@@ -41,7 +41,7 @@ import (
 
 // EmulatorWrapperPath is where kvbox keeps the wrapper.
 func (h *Host) EmulatorWrapperPath() string {
-	return filepath.Join(h.StateDir, "libexec", "qemu-system-x86_64")
+	return h.Layout().Emulator()
 }
 
 // emulatorWrapper is the wrapper's text for the given QEMU binary. POSIX
@@ -116,7 +116,7 @@ func (h *Host) EnsureEmulator(domainXML string) error {
 		return err
 	}
 	if f.qemu == "" {
-		return fmt.Errorf("%w: the box names kvbox's emulator wrapper, and libvirt reports no x86_64 QEMU on this host", ErrInvalid)
+		return base.Errorf(base.Invalid, "the box names kvbox's emulator wrapper, and libvirt reports no x86_64 QEMU on this host")
 	}
 	return h.writeEmulatorWrapper(f.qemu)
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
 )
 
@@ -18,7 +19,7 @@ import (
 // network again.
 
 // ValidGroup checks a group name: a box name's rules.
-func ValidGroup(group string) error { return ValidName(group) }
+func ValidGroup(group string) error { return base.ValidName(group) }
 
 // groupOf is the network of the group box b is in.
 func groupOf(b Box) (network.Config, error) {
@@ -80,7 +81,7 @@ func (h *Host) GroupNetwork(group string) (network.Config, error) {
 func bridgeFree(boxes []Box, group, bridge string) error {
 	for _, b := range boxes {
 		if b.Group != group && b.Bridge == bridge {
-			return fmt.Errorf("%w: group %q: its bridge %s is group %q's already (box %s; their names' bridge names agree): choose another group name", ErrInvalid, group, bridge, b.Group, b.Name)
+			return base.Errorf(base.Invalid, "group %q: its bridge %s is group %q's already (box %s; their names' bridge names agree): choose another group name", group, bridge, b.Group, b.Name)
 		}
 	}
 	return nil

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
 )
 
@@ -20,7 +21,7 @@ func TestNewGroupBridgeFree(t *testing.T) {
 	// Were the new names to agree: the box's bridge is the new group's.
 	clash := []Box{{Name: "api", Meta: Meta{Group: a, Bridge: network.GroupBridge(b)}}}
 	err := bridgeFree(clash, b, network.GroupBridge(b))
-	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), a) || strings.Contains(err.Error(), "\n") {
+	if !errors.Is(err, base.ErrInvalid) || !strings.Contains(err.Error(), a) || strings.Contains(err.Error(), "\n") {
 		t.Errorf("a group whose bridge another group's box is on: %v", err)
 	}
 	if err := bridgeFree(clash, a, network.GroupBridge(b)); err != nil {

@@ -8,11 +8,11 @@ package domain
 import (
 	"os"
 	"os/exec"
-	"path/filepath"
 
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // AgentPorts is how many virtio-serial ports a box offers its agent: QEMU's
@@ -41,19 +41,8 @@ type Host struct {
 	facts         *hostFacts
 }
 
-// BoxesDir holds one folder per box: disk overlay, agent sockets, console
-// log, a suspended box's saved state.
-func (h *Host) BoxesDir() string { return filepath.Join(h.StateDir, "boxes") }
-
-// FailedConsoleLog is where the console log of a box whose creation failed
-// is kept after its folder is removed: the next failure of that name
-// replaces it.
-func (h *Host) FailedConsoleLog(name string) string {
-	return filepath.Join(h.StateDir, "logs", name+".console.log")
-}
-
-// BoxDir is the folder of the named box.
-func (h *Host) BoxDir(name string) string { return filepath.Join(h.BoxesDir(), name) }
+// Layout is the host's state directory.
+func (h *Host) Layout() statedir.Layout { return statedir.Layout{Root: h.StateDir} }
 
 func (h *Host) hostFacts() (hostFacts, error) {
 	if h.facts == nil {

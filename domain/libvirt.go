@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // DefaultURI is the libvirt connection kvbox uses unless told otherwise:
@@ -20,11 +22,11 @@ func DefaultURI() string {
 	return "qemu:///system"
 }
 
-// Connect opens libvirt. A daemon that does not answer is ErrUnavailable.
+// Connect opens libvirt. A daemon that does not answer is Unavailable.
 func Connect(uri string) (*libvirt.Connect, error) {
 	c, err := libvirt.NewConnect(uri)
 	if err != nil {
-		return nil, fmt.Errorf("%w: cannot reach libvirt at %s (is libvirtd running?): %s", ErrUnavailable, uri, LibvirtMessage(err))
+		return nil, base.Errorf(base.Unavailable, "cannot reach libvirt at %s (is libvirtd running?): %s", uri, LibvirtMessage(err))
 	}
 	return c, nil
 }

@@ -14,6 +14,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/revert"
@@ -52,18 +53,18 @@ type Spec struct {
 
 // Validate checks a spec before anything is created.
 func (s Spec) Validate() error {
-	if err := ValidName(s.Name); err != nil {
+	if err := base.ValidName(s.Name); err != nil {
 		return err
 	}
 	switch {
 	case s.CPUs < 1 || s.CPUs > 256:
-		return fmt.Errorf("%w: --cpus %d: a box has between 1 and 256 vCPUs", ErrInvalid, s.CPUs)
+		return base.Errorf(base.Invalid, "--cpus %d: a box has between 1 and 256 vCPUs", s.CPUs)
 	case s.MemoryBytes < 64<<20:
-		return fmt.Errorf("%w: --memory %s: a box needs at least 64 MB", ErrInvalid, FormatSize(s.MemoryBytes))
+		return base.Errorf(base.Invalid, "--memory %s: a box needs at least 64 MB", base.FormatSize(s.MemoryBytes))
 	case s.MemoryBytes%(2<<20) != 0:
-		return fmt.Errorf("%w: --memory %s: give a multiple of 2 MB", ErrInvalid, FormatSize(s.MemoryBytes))
+		return base.Errorf(base.Invalid, "--memory %s: give a multiple of 2 MB", base.FormatSize(s.MemoryBytes))
 	case s.DiskBytes < s.Boot.VirtualSize:
-		return fmt.Errorf("%w: --disk %s is smaller than image %s (%s)", ErrInvalid, FormatSize(s.DiskBytes), s.Boot.Image, FormatSize(s.Boot.VirtualSize))
+		return base.Errorf(base.Invalid, "--disk %s is smaller than image %s (%s)", base.FormatSize(s.DiskBytes), s.Boot.Image, base.FormatSize(s.Boot.VirtualSize))
 	}
 	return nil
 }
@@ -132,7 +133,7 @@ func (h *Host) CreateTimed(ctx context.Context, s Spec) (Box, step.Timings, erro
 		return Box{}, nil, err
 	}
 	if s.Group != "" && s.NoNetwork {
-		return Box{}, nil, fmt.Errorf("%w: a box without network is in no group", ErrInvalid)
+		return Box{}, nil, base.Errorf(base.Invalid, "a box without network is in no group")
 	}
 	if err := h.EnsureNetwork(); err != nil {
 		return Box{}, nil, err
@@ -192,7 +193,7 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 type Reservation struct {
 	IP     netip.Addr
 	Dir    string
-	marker *FileLock
+	marker *base.FileLock
 }
 
 // Done marks the box as complete.
@@ -219,11 +220,11 @@ func (h *Host) Reserve(name string, nc network.Config, r *revert.Reverter) (Rese
 		return Reservation{}, err
 	}
 	nc.ForgetNeighbor(ip)
-	dir := h.BoxDir(name)
+	dir := h.Layout().Box(name)
 	// No domain has this name, so a folder left here is debris of a kvbox
 	// that was killed half-way; it holds nothing of value.
 	os.RemoveAll(dir)
-	if err := os.MkdirAll(h.BoxesDir(), 0o755); err != nil {
+	if err := os.MkdirAll(h.Layout().Boxes(), 0o755); err != nil {
 		return Reservation{}, err
 	}
 	if err := os.Mkdir(dir, 0o750); err != nil {
@@ -231,7 +232,7 @@ func (h *Host) Reserve(name string, nc network.Config, r *revert.Reverter) (Rese
 	}
 	r.Add(func() { os.RemoveAll(dir) })
 	r.Add(func() { h.keepConsoleLog(name, dir) })
-	marker, err := createLocked(filepath.Join(dir, creatingMarker))
+	marker, err := base.CreateLocked(filepath.Join(dir, creatingMarker))
 	if err != nil {
 		return Reservation{}, err
 	}
@@ -251,8 +252,8 @@ func (h *Host) keepConsoleLog(name, dir string) {
 	if err != nil {
 		return
 	}
-	if os.MkdirAll(filepath.Dir(h.FailedConsoleLog(name)), 0o700) == nil {
-		os.WriteFile(h.FailedConsoleLog(name), b, 0o600)
+	if os.MkdirAll(filepath.Dir(h.Layout().FailedConsoleLog(name)), 0o700) == nil {
+		os.WriteFile(h.Layout().FailedConsoleLog(name), b, 0o600)
 	}
 }
 
@@ -261,7 +262,7 @@ func (h *Host) keepConsoleLog(name, dir string) {
 // address. Boxes a live kvbox is still creating are left alone. It returns
 // the names it removed.
 func (h *Host) RecoverBoxes() ([]string, error) {
-	ents, err := os.ReadDir(h.BoxesDir())
+	ents, err := os.ReadDir(h.Layout().Boxes())
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
@@ -271,12 +272,12 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 	var removed []string
 	var errs []error
 	for _, e := range ents {
-		dir := filepath.Join(h.BoxesDir(), e.Name())
+		dir := filepath.Join(h.Layout().Boxes(), e.Name())
 		path := filepath.Join(dir, creatingMarker)
 		// Never LockFile here: it creates the file, and a marker that a
 		// finished creation has just removed would come back, locked by
 		// us, over a box that is complete.
-		l, err := lockExisting(path)
+		l, err := base.LockExisting(path)
 		if err != nil {
 			continue // no marker, or a live kvbox is creating the box
 		}
@@ -311,10 +312,10 @@ const removingMarker = ".removing"
 // returns their names. A folder without the marker is left alone even with
 // no domain: an operator may have undefined the domain to define it again.
 func (h *Host) RemoveOrphanFolders() []string {
-	ents, _ := os.ReadDir(h.BoxesDir())
+	ents, _ := os.ReadDir(h.Layout().Boxes())
 	var removed []string
 	for _, e := range ents {
-		dir := filepath.Join(h.BoxesDir(), e.Name())
+		dir := filepath.Join(h.Layout().Boxes(), e.Name())
 		if fi, err := os.Lstat(filepath.Join(dir, removingMarker)); e.IsDir() && err == nil && fi.Mode().IsRegular() && h.removeOrphan(e.Name(), dir) {
 			removed = append(removed, e.Name())
 		}
@@ -454,7 +455,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	}
 	defer release()
 	if b.State != "stopped" && b.State != "crashed" {
-		return Box{}, fmt.Errorf("box %q is %s, not stopped: %w", name, b.State, ErrBusy)
+		return Box{}, base.Errorf(base.Busy, "box %q is %s, not stopped", name, b.State)
 	}
 	if err := h.EnsureBoxNetwork(b); err != nil {
 		return Box{}, err
@@ -489,7 +490,7 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 		return nil
 	}
 	if b.State == "suspended" {
-		return fmt.Errorf("box %q is suspended, not running (kvbox resume %s wakes it, kvbox rm %s deletes it): %w", name, name, name, ErrBusy)
+		return base.Errorf(base.Busy, "box %q is suspended, not running (kvbox resume %s wakes it, kvbox rm %s deletes it)", name, name, name)
 	}
 	if !force {
 		if err := dom.Shutdown(); err == nil && waitState(ctx, dom, libvirt.DOMAIN_SHUTOFF, timeout) {
@@ -525,7 +526,7 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 	}
 	if b.State != "stopped" && b.State != "crashed" && b.State != "suspended" {
 		if !force {
-			return fmt.Errorf("box %q is %s; stop it first or use --force: %w", name, b.State, ErrBusy)
+			return base.Errorf(base.Busy, "box %q is %s; stop it first or use --force", name, b.State)
 		}
 		killQEMU(name)
 		if err := powerOff(dom, name); err != nil {
@@ -534,7 +535,7 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 	}
 	// A kvbox killed from here until the folder is gone leaves this
 	// marker: the next command removes the folder (RemoveOrphanFolders).
-	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
+	if b.Dir != "" && filepath.Dir(b.Dir) == h.Layout().Boxes() {
 		if f, err := os.OpenFile(filepath.Join(b.Dir, removingMarker), os.O_CREATE|os.O_WRONLY|syscall.O_NOFOLLOW, 0o600); err == nil {
 			f.Close()
 		}
@@ -547,13 +548,13 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 	portErr := h.ForgetPort(b)
 	h.StopReaper(ReapBox, name)
 	h.RemoveSuspendFiles(name)
-	if b.Dir != "" && filepath.Dir(b.Dir) == h.BoxesDir() {
+	if b.Dir != "" && filepath.Dir(b.Dir) == h.Layout().Boxes() {
 		if err := os.RemoveAll(b.Dir); err != nil {
 			return err
 		}
 	}
-	os.Remove(h.QMPLog(name))
-	os.Remove(h.QMPLog(name) + ".1")
+	os.Remove(h.Layout().QMPLog(name))
+	os.Remove(h.Layout().QMPLog(name) + ".1")
 	if b.Group != "" && portErr == nil {
 		// A group's network goes with its last box.
 		portErr = h.PruneGroups()
@@ -656,7 +657,7 @@ func (h *Host) Resume(name string) (Box, error) {
 	}
 	defer release()
 	if b.State != "paused" {
-		return Box{}, fmt.Errorf("box %q is %s, not paused: %w", name, b.State, ErrBusy)
+		return Box{}, base.Errorf(base.Busy, "box %q is %s, not paused", name, b.State)
 	}
 	if err := dom.Resume(); err != nil {
 		return Box{}, fmt.Errorf("resume box %q: %s", name, LibvirtMessage(err))

@@ -1,10 +1,9 @@
 package domain
 
 import (
-	"fmt"
-
 	"libvirt.org/go/libvirtxml"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
 )
 
@@ -74,31 +73,31 @@ func (h *Host) ForgetPort(b Box) error {
 func filterInterfaces(x string, d TemplateData) (string, error) {
 	var dom libvirtxml.Domain
 	if err := dom.Unmarshal(x); err != nil {
-		return "", fmt.Errorf("%w: domain template renders XML libvirt cannot read: %v", ErrInvalid, err)
+		return "", base.Errorf(base.Invalid, "domain template renders XML libvirt cannot read: %v", err)
 	}
 	if dom.Devices == nil || len(dom.Devices.Interfaces) == 0 {
 		return x, nil
 	}
 	if d.Bridge == "" {
-		return "", fmt.Errorf("%w: domain template gives a box without network (--network none) an interface: wrap <interface> in {{if .Bridge}} ... {{end}}", ErrInvalid)
+		return "", base.Errorf(base.Invalid, "domain template gives a box without network (--network none) an interface: wrap <interface> in {{if .Bridge}} ... {{end}}")
 	}
 	if len(dom.Devices.Interfaces) != 1 {
-		return "", fmt.Errorf("%w: domain template: a box has one network interface (its MAC and address), not %d", ErrInvalid, len(dom.Devices.Interfaces))
+		return "", base.Errorf(base.Invalid, "domain template: a box has one network interface (its MAC and address), not %d", len(dom.Devices.Interfaces))
 	}
 	changed := false
 	ifc := &dom.Devices.Interfaces[0]
 	if ifc.Source == nil || ifc.Source.Bridge == nil || ifc.Source.Bridge.Bridge != d.Bridge {
-		return "", fmt.Errorf("%w: domain template: the interface must be <interface type='bridge'> on kvbox's bridge %s (%s), where kvbox's firewall sees it", ErrInvalid, d.Bridge, describeInterface(ifc))
+		return "", base.Errorf(base.Invalid, "domain template: the interface must be <interface type='bridge'> on kvbox's bridge %s (%s), where kvbox's firewall sees it", d.Bridge, describeInterface(ifc))
 	}
 	if d.IP == "" {
-		return "", fmt.Errorf("%w: domain template: an interface without an address for kvbox's port filter", ErrInvalid)
+		return "", base.Errorf(base.Invalid, "domain template: an interface without an address for kvbox's port filter")
 	}
 	switch {
 	case ifc.Target == nil || ifc.Target.Dev == "":
 		ifc.Target = &libvirtxml.DomainInterfaceTarget{Dev: d.Tap}
 		changed = true
 	case ifc.Target.Dev != d.Tap:
-		return "", fmt.Errorf("%w: domain template: the interface's tap must be kvbox's <target dev='{{.Tap}}'/> (%s), which its port filter holds, not %q", ErrInvalid, d.Tap, ifc.Target.Dev)
+		return "", base.Errorf(base.Invalid, "domain template: the interface's tap must be kvbox's <target dev='{{.Tap}}'/> (%s), which its port filter holds, not %q", d.Tap, ifc.Target.Dev)
 	}
 	isolated := ifc.PortOptions != nil && ifc.PortOptions.Isolated == "yes"
 	switch {
@@ -114,7 +113,7 @@ func filterInterfaces(x string, d TemplateData) (string, error) {
 	}
 	out, err := dom.Marshal()
 	if err != nil {
-		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
+		return "", base.Errorf(base.Invalid, "domain template: %v", err)
 	}
 	return out, nil
 }

@@ -1,12 +1,13 @@
 package domain
 
 import (
-	"fmt"
 	"strings"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // RemoveNetwork removes the bridge boxes are put on and kvbox's firewall
-// rules for it, refusing (ErrBusy, naming them) while boxes are on it. It
+// rules for it, refusing (Busy, naming them) while boxes are on it. It
 // holds the host lock, so no box is defined on the bridge meanwhile.
 func (h *Host) RemoveNetwork() error {
 	boxes, unlock, err := h.lockedBoxes()
@@ -21,7 +22,7 @@ func (h *Host) RemoveNetwork() error {
 		}
 	}
 	if users != nil {
-		return fmt.Errorf("%w: boxes %s are on %s; remove them first", ErrBusy, strings.Join(users, ", "), h.Net.Bridge)
+		return base.Errorf(base.Busy, "boxes %s are on %s; remove them first", strings.Join(users, ", "), h.Net.Bridge)
 	}
 	return h.Net.Remove()
 }

@@ -11,17 +11,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
-)
 
-// Modes of what kvbox keeps under its state dir. Nothing has world bits:
-// the state dir is root:QEMU-group 0710, so a local user who is neither
-// root nor QEMU cannot even traverse it, and files an older kvbox left
-// 0444/0644 below it are out of reach from the first run of this one on.
-const (
-	StateDirMode   = 0o710 // root:QEMU group: QEMU traverses, nobody lists
-	SharedDirMode  = 0o750 // root:QEMU group: boxes/, snapshots/, images/ and their sealed folders
-	SharedFileMode = 0o440 // root:QEMU group: sealed snapshot files and base images, read-only to QEMU
-	PrivateDirMode = 0o700 // locks/, logs/, registry-cache/, publish/
+	"kvbox.dev/kvbox/statedir"
 )
 
 // QEMUGID is the group QEMU runs as (libvirt's DAC base label), or 0
@@ -94,35 +85,34 @@ func OpenNoFollow(path string, flag int) (*os.File, error) {
 // image folders an older kvbox left 0755/0444 root:root become
 // 0750/0440 root:QEMU-group, so clones of them still start.
 func (h *Host) SecureStateDir() error {
-	if err := h.ShareWithQEMU(h.StateDir, StateDirMode); err != nil {
+	if err := h.ShareWithQEMU(h.StateDir, statedir.RootMode); err != nil {
 		return err
 	}
-	for _, sub := range []string{"boxes", "snapshots", "images"} {
-		p := filepath.Join(h.StateDir, sub)
-		if err := os.MkdirAll(p, SharedDirMode); err != nil {
+	l := h.Layout()
+	for _, p := range l.Shared() {
+		if err := os.MkdirAll(p, statedir.SharedDirMode); err != nil {
 			return err
 		}
 		// setgid: what kvbox creates below (image imports, pulls) is QEMU's group too
-		if err := h.ShareWithQEMU(p, SharedDirMode|os.ModeSetgid); err != nil {
+		if err := h.ShareWithQEMU(p, statedir.SharedDirMode|os.ModeSetgid); err != nil {
 			return err
 		}
 	}
-	for _, sub := range []string{"locks", "logs", "registry-cache", "publish"} {
-		p := filepath.Join(h.StateDir, sub)
+	for _, p := range l.Private() {
 		if st, err := os.Lstat(p); err == nil && st.IsDir() {
-			if err := os.Chmod(p, PrivateDirMode); err != nil {
+			if err := os.Chmod(p, statedir.PrivateDirMode); err != nil {
 				return err
 			}
 		}
 	}
 	// Sealed folders an older kvbox made world-readable.
-	for _, sub := range []string{"snapshots", "images"} {
-		ents, _ := os.ReadDir(filepath.Join(h.StateDir, sub))
+	for _, dir := range []string{l.Snapshots(), l.Images()} {
+		ents, _ := os.ReadDir(dir)
 		for _, e := range ents {
 			if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
 				continue // in-progress (.partial-*, .import-*) folders are QEMU's or a live kvbox's
 			}
-			h.tightenOld(filepath.Join(h.StateDir, sub, e.Name()))
+			h.tightenOld(filepath.Join(dir, e.Name()))
 		}
 	}
 	return nil
@@ -147,7 +137,7 @@ func (h *Host) tightenOld(dir string) {
 			// also one made before its folder was setgid (images import
 			// before any command connected): QEMU reads through its group
 			if fi.Mode().Perm()&0o007 != 0 || !h.qemuGroup(fi) {
-				h.ShareWithQEMU(p, SharedFileMode)
+				h.ShareWithQEMU(p, statedir.SharedFileMode)
 			}
 		case fi.Mode().Perm()&0o007 == 0:
 		case fi.Mode().IsRegular():
@@ -157,7 +147,7 @@ func (h *Host) tightenOld(dir string) {
 		}
 	}
 	if st.Mode().Perm()&0o007 != 0 || !h.qemuGroup(st) {
-		h.ShareWithQEMU(dir, SharedDirMode)
+		h.ShareWithQEMU(dir, statedir.SharedDirMode)
 	}
 }
 

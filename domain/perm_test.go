@@ -5,6 +5,9 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+
+	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // Lock files are root's only (a user who can open one can flock it and block
@@ -13,7 +16,7 @@ import (
 func TestLockFileModes(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "lock")
-	l, err := LockFile(path, false)
+	l, err := base.Lock(path, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -22,7 +25,7 @@ func TestLockFileModes(t *testing.T) {
 		t.Fatalf("new lock file is %v, want 0600", st.Mode().Perm())
 	}
 	os.Chmod(path, 0o644)
-	l, err = LockFile(path, false)
+	l, err = base.Lock(path, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,7 +39,7 @@ func TestLockFileModes(t *testing.T) {
 	if err := os.Symlink(target, link); err != nil {
 		t.Fatal(err)
 	}
-	if l, err := LockFile(link, false); err == nil {
+	if l, err := base.Lock(link, false); err == nil {
 		l.Unlock()
 		t.Fatal("LockFile followed a planted symbolic link")
 	}
@@ -57,7 +60,7 @@ func TestKeepConsoleLogRefusesLinks(t *testing.T) {
 	os.MkdirAll(box, 0o755)
 	os.Symlink(secret, filepath.Join(box, "console.log"))
 	h.keepConsoleLog("linked", box)
-	if _, err := os.Stat(h.FailedConsoleLog("linked")); !os.IsNotExist(err) {
+	if _, err := os.Stat(h.Layout().FailedConsoleLog("linked")); !os.IsNotExist(err) {
 		t.Fatalf("a console.log link was followed and copied (stat: %v)", err)
 	}
 
@@ -67,7 +70,7 @@ func TestKeepConsoleLogRefusesLinks(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.keepConsoleLog("fifo", fifo) // must not block
-	if _, err := os.Stat(h.FailedConsoleLog("fifo")); !os.IsNotExist(err) {
+	if _, err := os.Stat(h.Layout().FailedConsoleLog("fifo")); !os.IsNotExist(err) {
 		t.Fatalf("a console.log FIFO was copied (stat: %v)", err)
 	}
 
@@ -75,7 +78,7 @@ func TestKeepConsoleLogRefusesLinks(t *testing.T) {
 	os.MkdirAll(real, 0o755)
 	os.WriteFile(filepath.Join(real, "console.log"), []byte("boot failed\n"), 0o644)
 	h.keepConsoleLog("real", real)
-	st, err := os.Stat(h.FailedConsoleLog("real"))
+	st, err := os.Stat(h.Layout().FailedConsoleLog("real"))
 	if err != nil {
 		t.Fatalf("a real console log was not kept: %v", err)
 	}
@@ -165,7 +168,7 @@ func TestPlantedNamesRefused(t *testing.T) {
 		// chown and chmod of a FIFO, a folder or a hard link (the kernel's
 		// protected_hardlinks stops QEMU's user making one to a file not
 		// its own) reach nothing outside: a link is what it must refuse.
-		{"ShareWithQEMU", func(p string) error { return h.ShareWithQEMU(p, SharedFileMode) }, []string{"link"}},
+		{"ShareWithQEMU", func(p string) error { return h.ShareWithQEMU(p, statedir.SharedFileMode) }, []string{"link"}},
 	} {
 		t.Run(tc.what, func(t *testing.T) {
 			dir := t.TempDir()
@@ -201,7 +204,7 @@ func TestRAMFileEmptiedAndFileShared(t *testing.T) {
 	}
 	f := filepath.Join(t.TempDir(), "base.qcow2")
 	os.WriteFile(f, []byte("x"), 0o600)
-	if err := h.ShareWithQEMU(f, SharedFileMode); err != nil {
+	if err := h.ShareWithQEMU(f, statedir.SharedFileMode); err != nil {
 		t.Fatal(err)
 	}
 	syscall.Stat(f, &st)

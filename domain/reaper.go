@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // A box (or snapshot) with a deadline has a reaper: a small detached kvbox
@@ -30,22 +32,16 @@ import (
 // while it lives: a second reaper of the same thing exits at once, and
 // kvbox tells whether one is alive without trusting a pid.
 
-// ErrNotDue is a TTL's removal refused under the lock: the box (or
-// snapshot) of that name is not the one whose deadline passed (it was
-// removed and the name reused) or its deadline is no longer past (kvbox ttl
-// changed it). Nothing is removed.
-var ErrNotDue = errors.New("not due")
-
 // DueBox is RemoveIf's check for a TTL: the box is the one with uuid (its
 // libvirt UUID, which a new box of the same name does not have) and its
 // deadline has passed.
 func DueBox(uuid string) func(Box) error {
 	return func(b Box) error {
 		if uuid == "" || b.UUID != uuid {
-			return fmt.Errorf("box %q is another box now (UUID %s, not %s): %w", b.Name, b.UUID, uuid, ErrNotDue)
+			return base.Errorf(base.NotDue, "box %q is another box now (UUID %s, not %s)", b.Name, b.UUID, uuid)
 		}
 		if b.Expires == nil || time.Now().Before(*b.Expires) {
-			return fmt.Errorf("box %q has no past deadline any more: %w", b.Name, ErrNotDue)
+			return base.Errorf(base.NotDue, "box %q has no past deadline any more", b.Name)
 		}
 		return nil
 	}
@@ -62,51 +58,39 @@ const (
 )
 
 // reaperLockPath is the lock a live reaper of KIND NAME holds.
-func (h *Host) reaperLockPath(kind, name string) string {
-	return filepath.Join(h.StateDir, "reapers", kind+"-"+name+".lock")
-}
+func (h *Host) reaperLockPath(kind, name string) string { return h.Layout().ReaperLock(kind, name) }
 
 // ReaperLog is where the reaper of a box writes what it did: the box's
 // folder, so that it goes with the box. Snapshot reapers write to logs/.
 func (h *Host) ReaperLog(kind, name string) string {
 	if kind == ReapBox {
-		return filepath.Join(h.BoxDir(name), "reaper.log")
+		return h.Layout().BoxReaperLog(name)
 	}
-	return filepath.Join(h.StateDir, "logs", name+".snapshot-reaper.log")
+	return h.Layout().SnapshotReaperLog(name)
 }
 
-// ReaperHeld is a reaper's hold on its lock; Release drops it.
-type ReaperHeld struct{ l *FileLock }
-
-// Release removes the lock file (when it is still this reaper's) and
-// unlocks.
-func (r *ReaperHeld) Release() {
-	var held, now syscall.Stat_t
-	if syscall.Fstat(int(r.l.f.Fd()), &held) == nil && syscall.Stat(r.l.path, &now) == nil && held.Ino == now.Ino && held.Dev == now.Dev {
-		os.Remove(r.l.path)
-	}
-	r.l.f.Close()
-}
+// ReaperHeld is a reaper's hold on its lock; Release drops it (and removes
+// the lock file while it is still this reaper's).
+type ReaperHeld = base.FileLock
 
 // HoldReaper takes the reaper lock of KIND NAME for the calling process and
 // records its pid; ok is false when another reaper holds it.
 func (h *Host) HoldReaper(kind, name string) (held *ReaperHeld, ok bool, err error) {
-	l, err := LockFile(h.reaperLockPath(kind, name), false)
-	if errors.Is(err, ErrLocked) {
+	l, err := base.Lock(h.reaperLockPath(kind, name), false)
+	if errors.Is(err, base.ErrLocked) {
 		return nil, false, nil
 	}
 	if err != nil {
 		return nil, false, err
 	}
-	l.f.Truncate(0)
-	l.f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
-	return &ReaperHeld{l}, true, nil
+	l.Note(strconv.Itoa(os.Getpid()) + "\n")
+	return l, true, nil
 }
 
 // ReaperAlive reports whether a reaper of KIND NAME runs.
 func (h *Host) ReaperAlive(kind, name string) bool {
-	l, err := lockExisting(h.reaperLockPath(kind, name))
-	if errors.Is(err, ErrLocked) {
+	l, err := base.LockExisting(h.reaperLockPath(kind, name))
+	if errors.Is(err, base.ErrLocked) {
 		return true
 	}
 	if err == nil {
@@ -152,7 +136,7 @@ func (h *Host) StopReaper(kind, name string) {
 	path := h.reaperLockPath(kind, name)
 	for range 100 {
 		if !h.ReaperAlive(kind, name) {
-			if l, err := lockExisting(path); err == nil {
+			if l, err := base.LockExisting(path); err == nil {
 				l.RemoveAndUnlock() // a dead reaper's file
 			}
 			return
@@ -242,18 +226,10 @@ func WriteMeta(dom *libvirt.Domain, m Meta, live bool) error {
 	return nil
 }
 
-// SuspendFile is a file kvbox keeps, root's alone, for a suspended box:
-// its live domain XML at the suspend (what resume starts it from) and its
-// persistent one (what it gets back). Not in the box's folder, which
-// QEMU can write.
-func (h *Host) SuspendFile(name, kind string) string {
-	return filepath.Join(h.StateDir, "suspend", name+"."+kind+".xml")
-}
-
 // RemoveSuspendFiles deletes what kvbox keeps for a suspended box.
 func (h *Host) RemoveSuspendFiles(name string) {
 	for _, k := range []string{"live", "boot"} {
-		os.Remove(h.SuspendFile(name, k))
+		os.Remove(h.Layout().SuspendFile(name, k))
 	}
 }
 
@@ -264,16 +240,10 @@ func PullPlug(dom *libvirt.Domain, name string) error {
 	return powerOff(dom, name)
 }
 
-// TryLockBox takes a box's lock without waiting; ErrLocked when another
-// kvbox holds it. For recovery, which leaves busy boxes alone.
-func (h *Host) TryLockBox(name string) (*FileLock, error) {
-	return LockFile(filepath.Join(h.StateDir, "locks", name+".lock"), false)
-}
-
 // SuspendedBoxes are the names of boxes with suspend files (suspended, or
 // being suspended or resumed).
 func (h *Host) SuspendedBoxes() []string {
-	m, _ := filepath.Glob(filepath.Join(h.StateDir, "suspend", "*.boot.xml"))
+	m, _ := filepath.Glob(h.Layout().SuspendFiles())
 	var out []string
 	for _, p := range m {
 		out = append(out, strings.TrimSuffix(filepath.Base(p), ".boot.xml"))

@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"kvbox.dev/kvbox/base"
 	"os"
 	"os/exec"
 	"strconv"
@@ -57,11 +58,11 @@ func TestReaperLockAndStop(t *testing.T) {
 	}
 	// Its lock, with its pid, as a reaper writes it: StopReaper kills it.
 	os.MkdirAll(h.StateDir+"/reapers", 0o700)
-	l, err := LockFile(h.reaperLockPath(ReapBox, "dev"), false)
+	l, err := base.Lock(h.reaperLockPath(ReapBox, "dev"), false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.f.WriteString(itoa(fake.Process.Pid) + "\n")
+	l.Note(itoa(fake.Process.Pid) + "\n")
 	go func() { <-done; l.Unlock() }() // the lock dies with the process
 	h.StopReaper(ReapBox, "dev")
 	select {

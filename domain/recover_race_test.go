@@ -5,15 +5,17 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // A creation marker is locked from the first moment it can be seen: a
 // recovering kvbox polling for it never gets its lock while the creator
 // holds it (with LockFile, which creates and then locks, it could).
 func TestCreationMarkerNeverSeenUnlocked(t *testing.T) {
-	base := t.TempDir()
+	top := t.TempDir()
 	for i := range 300 {
-		dir := filepath.Join(base, "b"+string(rune('a'+i%26))+string(rune('a'+i/26)))
+		dir := filepath.Join(top, "b"+string(rune('a'+i%26))+string(rune('a'+i/26)))
 		if err := os.Mkdir(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
@@ -21,19 +23,19 @@ func TestCreationMarkerNeverSeenUnlocked(t *testing.T) {
 		got := make(chan error, 1)
 		go func() {
 			for {
-				l, err := lockExisting(path)
+				l, err := base.LockExisting(path)
 				if err == nil {
 					l.Unlock()
 					got <- errors.New("a recovering kvbox locked a marker its creator holds")
 					return
 				}
-				if errors.Is(err, ErrLocked) {
+				if errors.Is(err, base.ErrLocked) {
 					got <- nil
 					return
 				}
 			}
 		}()
-		m, err := createLocked(path)
+		m, err := base.CreateLocked(path)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -48,7 +50,7 @@ func TestCreationMarkerNeverSeenUnlocked(t *testing.T) {
 // good: locking it for recovery fails and does not bring it back.
 func TestFinishedMarkerIsNotRecreated(t *testing.T) {
 	path := filepath.Join(t.TempDir(), creatingMarker)
-	m, err := createLocked(path)
+	m, err := base.CreateLocked(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +61,7 @@ func TestFinishedMarkerIsNotRecreated(t *testing.T) {
 	}
 	defer f.Close()
 	m.RemoveAndUnlock()
-	if l, err := lockExisting(path); err == nil {
+	if l, err := base.LockExisting(path); err == nil {
 		l.Unlock()
 		t.Fatal("a finished box's marker could be locked for recovery")
 	}

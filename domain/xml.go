@@ -7,6 +7,8 @@ import (
 	"html"
 	"strings"
 	"text/template"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // AgentPort is one virtio-serial channel the guest agent serves.
@@ -50,7 +52,7 @@ type TemplateData struct {
 func Render(tmpl string, d TemplateData) (string, error) {
 	t, err := template.New("domain").Option("missingkey=error").Parse(tmpl)
 	if err != nil {
-		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
+		return "", base.Errorf(base.Invalid, "domain template: %v", err)
 	}
 	e := d
 	for _, s := range []*string{&e.Type, &e.Emulator, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
@@ -66,11 +68,11 @@ func Render(tmpl string, d TemplateData) (string, error) {
 	}
 	var b bytes.Buffer
 	if err := t.Execute(&b, e); err != nil {
-		return "", fmt.Errorf("%w: domain template: %v", ErrInvalid, err)
+		return "", base.Errorf(base.Invalid, "domain template: %v", err)
 	}
 	var probe struct{}
 	if err := xml.Unmarshal(b.Bytes(), &probe); err != nil {
-		return "", fmt.Errorf("%w: domain template renders invalid XML: %v", ErrInvalid, err)
+		return "", base.Errorf(base.Invalid, "domain template renders invalid XML: %v", err)
 	}
 	if err := checkRendered(b.String(), e); err != nil {
 		return "", err
@@ -85,7 +87,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 // box fail later, or never be seen as a box at all.
 func checkRendered(out string, e TemplateData) error {
 	need := func(what, hint string) error {
-		return fmt.Errorf("%w: the domain template drops %s; keep %s as in the built-in template (kvbox's templates/box.xml)", ErrInvalid, what, hint)
+		return base.Errorf(base.Invalid, "the domain template drops %s; keep %s as in the built-in template (kvbox's templates/box.xml)", what, hint)
 	}
 	d, err := parseDomainXML(out)
 	if err != nil || d.Metadata == nil {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/templates"
 )
 
@@ -84,7 +85,7 @@ func TestRenderRefusesTemplatesWithoutKvboxParts(t *testing.T) {
 			tmpl = templates.Box[:a] + templates.Box[b:]
 		}
 		_, err := Render(tmpl, testData())
-		if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, ErrInvalid) {
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, base.ErrInvalid) {
 			t.Errorf("template without %s: %v", tc.want, err)
 		}
 	}
@@ -185,7 +186,7 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 		t.Errorf("--network none: %v\n%s", err, out)
 	}
 	always := strings.Replace(templates.Box, "{{- if .Bridge}}\n    <interface", "{{- if true}}\n    <interface", 1)
-	if _, err := Render(always, none); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "--network none") {
+	if _, err := Render(always, none); !errors.Is(err, base.ErrInvalid) || !strings.Contains(err.Error(), "--network none") {
 		t.Errorf("a template with an interface for a --network none box: %v", err)
 	}
 	for name, tmpl := range map[string]string{
@@ -193,7 +194,7 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 		"user NIC":     strings.Replace(templates.Box, "</devices>", "<interface type='user'><model type='virtio'/></interface></devices>", 1),
 		"other bridge": strings.Replace(templates.Box, "<source bridge='{{.Bridge}}'/>", "<source bridge='virbr0'/>", 1),
 	} {
-		if _, err := Render(tmpl, testData()); !errors.Is(err, ErrInvalid) || strings.Contains(err.Error(), "\n") {
+		if _, err := Render(tmpl, testData()); !errors.Is(err, base.ErrInvalid) || strings.Contains(err.Error(), "\n") {
 			t.Errorf("%s: rendered or not one clear line: %v", name, err)
 		}
 	}

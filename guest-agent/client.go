@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,6 +16,8 @@ import (
 
 	"github.com/mdlayher/vsock"
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // ErrBusy is returned by DialSerial when every port is in use by another
@@ -104,28 +105,25 @@ func OpenSerial(ctx context.Context, socketPaths []string, token []byte) (*Clien
 func dialSerial(ctx context.Context, socketPaths []string, token []byte, handshake bool) (*Client, error) {
 	var errs []error
 	for _, p := range socketPaths {
-		lf, err := os.OpenFile(p+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+		// The box's folder is QEMU's: base.Lock never follows a link
+		// planted in the lock's place.
+		lf, err := base.Lock(p+".lock", false)
 		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if err := unix.Flock(int(lf.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-			lf.Close()
-			if !errors.Is(err, unix.EWOULDBLOCK) {
-				errs = append(errs, fmt.Errorf("lock %s.lock: %w", p, err))
+			if !errors.Is(err, base.ErrLocked) {
+				errs = append(errs, err)
 			}
 			continue
 		}
 		var d net.Dialer
 		conn, err := d.DialContext(ctx, "unix", p)
 		if err != nil {
-			lf.Close()
+			lf.Unlock()
 			errs = append(errs, err)
 			continue
 		}
 		c := NewClient(conn)
 		c.Token = token
-		c.unlock = func() { lf.Close() }
+		c.unlock = func() { lf.Unlock() }
 		if !handshake {
 			return c, nil
 		}

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // SSH host keys. An image built with ssh (kvbox images build debian --ssh)
@@ -52,14 +54,11 @@ func (s *LinuxSystem) SSHHostKeys(renew bool) (bool, error) {
 	}
 	dir := s.path("etc/ssh")
 	// ssh.service's first-boot run and an identify may race: one at a time.
-	lf, err := os.OpenFile(filepath.Join(dir, ".kvbox-hostkeys.lock"), os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	lock, err := base.Lock(filepath.Join(dir, ".kvbox-hostkeys.lock"), true)
 	if err != nil {
 		return true, err
 	}
-	defer lf.Close()
-	if err := unix.Flock(int(lf.Fd()), unix.LOCK_EX); err != nil {
-		return true, err
-	}
+	defer lock.Unlock()
 	made := false
 	for _, t := range sshHostKeyTypes {
 		key := filepath.Join(dir, "ssh_host_"+t+"_key")

@@ -16,12 +16,9 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
-	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
 )
 
@@ -101,7 +98,7 @@ func EnsureDebian(ctx context.Context, s Store, o DebianOptions) (Image, error) 
 	o.defaults()
 	if im, err := s.Get(o.Name); err == nil {
 		return im, nil
-	} else if !errors.Is(err, domain.ErrNotFound) {
+	} else if !errors.Is(err, base.ErrNotFound) {
 		return Image{}, err
 	}
 	o.Progress.Printf("image %s is missing: building it from Debian's packages (once; a few minutes)\n", o.Name)
@@ -168,7 +165,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 
 	// 4. the disk
-	st = p.Start(fmt.Sprintf("disk: ext4 (mkfs.ext4 -d), %s qcow2", domain.FormatSize(o.DiskSize)))
+	st = p.Start(fmt.Sprintf("disk: ext4 (mkfs.ext4 -d), %s qcow2", base.FormatSize(o.DiskSize)))
 	disk := filepath.Join(work, "disk.qcow2")
 	raw := filepath.Join(work, "disk.raw")
 	if err := st.End(makeExt4Qcow2(ctx, st, root, raw, disk, "kvbox-root", o.DiskSize)); err != nil {
@@ -188,7 +185,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	writeBuildStamp(s, im, agent, DebianRecipe(o))
 	used, _ := overlay.Du(filepath.Dir(im.Disk)) // this version; older ones may stay for boxes on them
 	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
-		o.Suite, kver, domain.FormatSize(im.VirtualSize), domain.FormatSize(used))
+		o.Suite, kver, base.FormatSize(im.VirtualSize), base.FormatSize(used))
 	return im, true, nil
 }
 
@@ -196,11 +193,11 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 // the agent to put in the image, or the image when it is built already
 // (have) and no --force asks for another.
 func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, err error) {
-	if err := domain.ValidName(o.Name); err != nil {
+	if err := base.ValidName(o.Name); err != nil {
 		return "", Image{}, false, err
 	}
 	if os.Geteuid() != 0 {
-		return "", Image{}, false, fmt.Errorf("%w: building an image needs root (debootstrap, chroot, root-owned files)", domain.ErrUnavailable)
+		return "", Image{}, false, base.Errorf(base.Unavailable, "building an image needs root (debootstrap, chroot, root-owned files)")
 	}
 	if !o.Force {
 		if im, err := s.Get(o.Name); err == nil {
@@ -218,10 +215,10 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 		"debootstrap": "debootstrap", "unshare": "util-linux", "mkfs.ext4": "e2fsprogs",
 		"qemu-img": "qemu-utils", "xz": "xz-utils", "chroot": "coreutils",
 	}); err != nil {
-		return "", Image{}, false, fmt.Errorf("%w: %v", domain.ErrUnavailable, err)
+		return "", Image{}, false, base.Errorf(base.Unavailable, "%v", err)
 	}
 	if agent, err = FindAgent(o.Agent); err != nil {
-		return "", Image{}, false, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+		return "", Image{}, false, base.Errorf(base.Invalid, "%v", err)
 	}
 	return agent, Image{}, false, nil
 }
@@ -256,7 +253,7 @@ func debootstrap(ctx context.Context, p *Progress, root string, o DebianOptions)
 			return fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
 		}
 		if strings.Contains(err.Error(), "Failed getting release file") {
-			return fmt.Errorf("%w: cannot download from %s: building an image needs that mirror (run kvbox images build outside a network namespace without an uplink): %v", domain.ErrUnavailable, o.Mirror, err)
+			return base.Errorf(base.Unavailable, "cannot download from %s: building an image needs that mirror (run kvbox images build outside a network namespace without an uplink): %v", o.Mirror, err)
 		}
 		return fmt.Errorf("debootstrap: %w", err)
 	}
@@ -634,31 +631,13 @@ func hasPVHNote(path string) bool {
 
 // lockBuild makes builds of one image take turns.
 func lockBuild(ctx context.Context, s Store, name string, p *Progress) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(s.Dir, ".build-"+name+".lock"), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	l, err := base.Wait(filepath.Join(s.Dir, ".build-"+name+".lock"), ctx.Done(), func() {
+		p.Printf("another kvbox is building image %s: waiting for it\n", name)
+	})
 	if err != nil {
 		return nil, err
 	}
-	said := false
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) {
-			f.Close()
-			return nil, err
-		}
-		if !said {
-			p.Printf("another kvbox is building image %s: waiting for it\n", name)
-			said = true
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, ctx.Err()
-		case <-time.After(time.Second):
-		}
-	}
+	return l.Unlock, nil
 }
 
 // removeStaleBuilds deletes what killed builds left (the caller holds the

@@ -14,7 +14,7 @@ import (
 	"strings"
 	"time"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
 )
 
@@ -39,12 +39,12 @@ const metaFile = "image.json"
 
 // Get returns the named image.
 func (s Store) Get(name string) (Image, error) {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Image{}, err
 	}
 	b, err := os.ReadFile(filepath.Join(s.Dir, name, metaFile))
 	if errors.Is(err, os.ErrNotExist) {
-		return Image{}, fmt.Errorf("image %q %w (kvbox images ls lists images)", name, domain.ErrNotFound)
+		return Image{}, base.Errorf(base.NotFound, "image %q not found (kvbox images ls lists images)", name)
 	}
 	if err != nil {
 		return Image{}, err
@@ -74,7 +74,7 @@ func (s Store) List() ([]Image, error) {
 			continue
 		}
 		im, err := s.Get(e.Name())
-		if errors.Is(err, domain.ErrNotFound) {
+		if errors.Is(err, base.ErrNotFound) {
 			continue // an import in progress or left over
 		}
 		if err != nil {
@@ -102,29 +102,29 @@ type ImportOptions struct {
 // them on the version they were made from. The image switches to the new
 // version only once it is complete, by rewriting NAME/image.json.
 func (s Store) Import(name string, o ImportOptions) (Image, error) {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Image{}, err
 	}
 	if o.Initrd != "" && o.Kernel == "" {
-		return Image{}, fmt.Errorf("%w: --initrd needs --kernel", domain.ErrInvalid)
+		return Image{}, base.Errorf(base.Invalid, "--initrd needs --kernel")
 	}
 	imageDir := filepath.Join(s.Dir, name)
 	if _, err := os.Stat(filepath.Join(imageDir, metaFile)); err == nil && !o.Replace {
-		return Image{}, fmt.Errorf("image %q %w (--replace makes a new version of it)", name, domain.ErrExists)
+		return Image{}, base.Errorf(base.Exists, "image %q already exists (--replace makes a new version of it)", name)
 	}
 	info, err := overlay.Info(context.Background(), o.Disk)
 	if err != nil {
-		return Image{}, fmt.Errorf("%w: disk %s: %v", domain.ErrInvalid, o.Disk, err)
+		return Image{}, base.Errorf(base.Invalid, "disk %s: %v", o.Disk, err)
 	}
 	if info.Format != "qcow2" && info.Format != "raw" {
-		return Image{}, fmt.Errorf("%w: disk %s is %s; kvbox takes qcow2 or raw", domain.ErrInvalid, o.Disk, info.Format)
+		return Image{}, base.Errorf(base.Invalid, "disk %s is %s; kvbox takes qcow2 or raw", o.Disk, info.Format)
 	}
 	if info.BackingFile != "" {
-		return Image{}, fmt.Errorf("%w: disk %s has a backing file; flatten it first (qemu-img convert)", domain.ErrInvalid, o.Disk)
+		return Image{}, base.Errorf(base.Invalid, "disk %s has a backing file; flatten it first (qemu-img convert)", o.Disk)
 	}
 	if df := info.DataFile(); df != "" {
 		// A box on it would read and write that host path.
-		return Image{}, fmt.Errorf("%w: disk %s keeps its data in the external file %s; convert it to a self-contained image first (qemu-img convert -O qcow2)", domain.ErrInvalid, o.Disk, df)
+		return Image{}, base.Errorf(base.Invalid, "disk %s keeps its data in the external file %s; convert it to a self-contained image first (qemu-img convert -O qcow2)", o.Disk, df)
 	}
 	if err := os.MkdirAll(imageDir, 0o750); err != nil {
 		return Image{}, err
@@ -224,7 +224,7 @@ func (s Store) Prune(name string, inUse func(disk string) bool) error {
 // Remove deletes an image with every version. The caller checks first that
 // no box or snapshot builds on any of them.
 func (s Store) Remove(name string) error {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return err
 	}
 	if _, err := s.Get(name); err != nil {

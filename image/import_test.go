@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/testenv/gate"
 )
 
@@ -29,7 +29,7 @@ func TestImportRefusesExternalDataFile(t *testing.T) {
 	}
 	st := Store{Dir: filepath.Join(dir, "images")}
 	_, err = st.Import("evil", ImportOptions{Disk: disk, Agent: "no"})
-	if !errors.Is(err, domain.ErrInvalid) || !strings.Contains(err.Error(), "external file "+secret) {
+	if !errors.Is(err, base.ErrInvalid) || !strings.Contains(err.Error(), "external file "+secret) {
 		t.Fatalf("import of a qcow2 with a data file: got %v, want an ErrInvalid naming %s", err, secret)
 	}
 	if _, err := os.Stat(st.Dir); !errors.Is(err, os.ErrNotExist) {
@@ -52,10 +52,10 @@ func TestStoreNamesStayInside(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, name := range []string{"../outside", "..", "../..", "/etc", "a/b", ""} {
-		if _, err := st.Get(name); !errors.Is(err, domain.ErrInvalid) {
+		if _, err := st.Get(name); !errors.Is(err, base.ErrInvalid) {
 			t.Errorf("Get(%q) = %v, want ErrInvalid", name, err)
 		}
-		if err := st.Remove(name); !errors.Is(err, domain.ErrInvalid) {
+		if err := st.Remove(name); !errors.Is(err, base.ErrInvalid) {
 			t.Errorf("Remove(%q) = %v, want ErrInvalid", name, err)
 		}
 	}

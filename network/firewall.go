@@ -6,9 +6,10 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"syscall"
 
 	"github.com/coreos/go-iptables/iptables"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // Boxes reach the internet through the NAT and nothing else. kvbox's
@@ -166,15 +167,11 @@ func chainLines(chain string, rules [][]string) []string {
 // lockNetwork takes a host-wide lock for changing one bridge's rules.
 // /run goes at reboot, as the rules do.
 func lockNetwork(bridge string) (func(), error) {
-	f, err := os.OpenFile("/run/kvbox-network-"+bridge+".lock", os.O_CREATE|os.O_RDWR|syscall.O_NOFOLLOW, 0o600)
+	l, err := base.Lock("/run/kvbox-network-"+bridge+".lock", true)
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { f.Close() }, nil
+	return l.Unlock, nil
 }
 
 func setForwarding() error {

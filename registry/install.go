@@ -12,12 +12,14 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/revert"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // installer puts a pulled artifact's cached blobs in place: the base image
@@ -68,14 +70,14 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 // size against what they say.
 func prepare(c cache, st snapshot.Store, stateDir, name string, p *plan, o Options) (*installer, error) {
 	in := &installer{c: c, st: st, stateDir: stateDir, name: name, o: o, p: p}
-	in.imgTop = filepath.Join(stateDir, "images", p.imgName)
+	in.imgTop = filepath.Join(statedir.Layout{Root: stateDir}.Images(), p.imgName)
 	in.dstImageDir = filepath.Join(in.imgTop, p.version)
 	if _, err := os.Stat(in.dstImageDir); err == nil {
 		in.reuse = true
 		for _, t := range p.titles {
 			if kind, f, _ := strings.Cut(t, "/"); kind == "image" {
 				if fi, err := os.Stat(filepath.Join(in.dstImageDir, f)); err != nil || fi.Size() != p.parts[t].apparent {
-					return nil, fmt.Errorf("image %s version %s exists on this host but differs from the pushed one (%s): %w", p.imgName, p.version, f, domain.ErrInvalid)
+					return nil, base.Errorf(base.Invalid, "image %s version %s exists on this host but differs from the pushed one (%s)", p.imgName, p.version, f)
 				}
 			}
 		}

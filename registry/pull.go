@@ -19,8 +19,9 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"libvirt.org/go/libvirt"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // PullResult is what a pull did.
@@ -69,21 +70,21 @@ func Inspect(ctx context.Context, refStr string, o Options) (v1.Hash, *v1.Manife
 // are kept in the cache and not fetched again.
 func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name string, o Options) (PullResult, error) {
 	var res PullResult
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return res, err
 	}
 	// One pull per name at a time: a second would remove the first's
 	// half-made folder when it starts its own.
-	lock, err := domain.LockFile(filepath.Join(stateDir, "locks", "pull-"+name+".lock"), false)
-	if errors.Is(err, domain.ErrLocked) {
-		return res, fmt.Errorf("another kvbox is pulling snapshot %q: %w", name, domain.ErrBusy)
+	lock, err := base.Lock(statedir.Layout{Root: stateDir}.PullLock(name), false)
+	if errors.Is(err, base.ErrLocked) {
+		return res, base.Errorf(base.Busy, "another kvbox is pulling snapshot %q", name)
 	} else if err != nil {
 		return res, err
 	}
 	defer lock.RemoveAndUnlock()
-	st := snapshot.Store{Dir: filepath.Join(stateDir, "snapshots")}
+	st := snapshot.Store{Dir: statedir.Layout{Root: stateDir}.Snapshots()}
 	if _, err := st.Get(name); err == nil {
-		return res, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pull under another name)", name, domain.ErrExists, name)
+		return res, base.Errorf(base.Exists, "snapshot %q already exists (kvbox snapshots rm %s, or pull under another name)", name, name)
 	}
 	dig, m, err := Inspect(ctx, refStr, o)
 	if err != nil {
@@ -104,7 +105,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	ref, _ := o.ref(refStr)
 	var cnt counter
 	ropts := o.remote(ctx, &cnt)
-	c := cache{CacheDir(stateDir)}
+	c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
 	if err := os.MkdirAll(c.dir, 0o700); err != nil {
 		return res, err
 	}
@@ -175,7 +176,7 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 
 // refusal says which pull an artifact's refusal is of.
 func refusal(ref string, err error) error {
-	if errors.Is(err, domain.ErrInvalid) {
+	if errors.Is(err, base.ErrInvalid) {
 		return fmt.Errorf("pull of %s refused: %w", ref, err)
 	}
 	return err

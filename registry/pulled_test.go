@@ -20,8 +20,10 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"libvirt.org/go/libvirtxml"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
 	"kvbox.dev/kvbox/testenv/gate"
 )
 
@@ -195,7 +197,7 @@ func (a *artifact) pull() (string, snapshot.Snapshot, error) {
 		os.Chown(p, 0, qemuGID)
 		os.Chmod(p, 0o750|os.ModeSetgid)
 	}
-	c := cache{CacheDir(stateDir)}
+	c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
 	os.MkdirAll(c.dir, 0o700)
 	m := a.manifest(c)
 	st := snapshot.Store{Dir: filepath.Join(stateDir, "snapshots")}
@@ -212,7 +214,7 @@ func (a *artifact) refused(want string) {
 		a.t.Errorf("the artifact was installed; want it refused with %q", want)
 		return
 	}
-	if !errors.Is(err, domain.ErrInvalid) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "\n") {
+	if !errors.Is(err, base.ErrInvalid) || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "\n") {
 		a.t.Errorf("refused with %q; want one line with %q (an ErrInvalid)", err, want)
 	}
 	for _, d := range []string{"snapshots", "images"} {
@@ -413,7 +415,7 @@ func TestPullBoundsSizes(t *testing.T) {
 func TestPullRollsBack(t *testing.T) {
 	a := honest(t)
 	stateDir := t.TempDir()
-	c := cache{CacheDir(stateDir)}
+	c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
 	os.MkdirAll(c.dir, 0o700)
 	m := a.manifest(c)
 	// something else at the snapshot's name (no snapshot: no snapshot.json)

@@ -33,6 +33,7 @@ import (
 
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // Manifest annotations.
@@ -146,9 +147,6 @@ type PushResult struct {
 	Transfer time.Duration `json:"transfer_ns"`
 }
 
-// CacheDir is the blob cache under a state directory.
-func CacheDir(stateDir string) string { return filepath.Join(stateDir, "registry-cache") }
-
 // imageDir is the base image version folder of a snapshot (its disk's folder).
 func imageDir(s snapshot.Snapshot) string { return filepath.Dir(s.BaseDisk) }
 
@@ -177,7 +175,7 @@ func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapsho
 	if err != nil {
 		return PushResult{}, err
 	}
-	c := cache{CacheDir(stateDir)}
+	c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
 	p := &pusher{c: c, memo: loadMemo(c), o: o, res: PushResult{Ref: ref.String()}}
 	t0 := time.Now()
 	idir := imageDir(s)

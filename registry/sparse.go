@@ -10,7 +10,7 @@ import (
 
 	"github.com/klauspost/compress/zstd"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
 )
 
@@ -111,12 +111,12 @@ func readPartHeader(br io.Reader, apparent, data int64) ([]extent, error) {
 	size := int64(binary.BigEndian.Uint64(hdr[8:]))
 	n := binary.BigEndian.Uint64(hdr[16:])
 	if size != apparent {
-		return nil, fmt.Errorf("the part is a file of %d bytes, its manifest says %d: %w", uint64(size), apparent, domain.ErrInvalid)
+		return nil, base.Errorf(base.Invalid, "the part is a file of %d bytes, its manifest says %d", uint64(size), apparent)
 	}
 	// An extent holds at least 512 bytes of data after a hole of at least
 	// as much: a map longer than that is no file's.
 	if n > maxExtents || n > uint64(size/512+1) {
-		return nil, fmt.Errorf("kvbox part: bad header (size %d, %d extents): %w", size, n, domain.ErrInvalid)
+		return nil, base.Errorf(base.Invalid, "kvbox part: bad header (size %d, %d extents)", size, n)
 	}
 	ex := make([]extent, n)
 	var prev, total int64
@@ -127,14 +127,14 @@ func readPartHeader(br io.Reader, apparent, data int64) ([]extent, error) {
 		}
 		e := extent{Off: int64(binary.BigEndian.Uint64(b[:8])), Len: int64(binary.BigEndian.Uint64(b[8:]))}
 		if e.Off < prev || e.Len < 0 || e.Off+e.Len > size || e.Off+e.Len < e.Off {
-			return nil, fmt.Errorf("kvbox part: extent %d out of order or out of range: %w", i, domain.ErrInvalid)
+			return nil, base.Errorf(base.Invalid, "kvbox part: extent %d out of order or out of range", i)
 		}
 		prev = e.Off + e.Len
 		total += e.Len
 		ex[i] = e
 	}
 	if total != data {
-		return nil, fmt.Errorf("the part holds %d bytes of data, its manifest says %d: %w", total, data, domain.ErrInvalid)
+		return nil, base.Errorf(base.Invalid, "the part holds %d bytes of data, its manifest says %d", total, data)
 	}
 	return ex, nil
 }

@@ -12,6 +12,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"golang.org/x/sys/unix"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
@@ -56,7 +57,7 @@ var versionRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
 
 // refused is one line saying what of an artifact kvbox refuses.
 func refused(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, domain.ErrInvalid)...)
+	return base.Errorf(base.Invalid, format, a...)
 }
 
 // part is one checked layer of an artifact.
@@ -84,7 +85,7 @@ func checkManifest(m *v1.Manifest) (*plan, error) {
 	}
 	a := m.Annotations
 	p := &plan{srcState: a[AnnotStateDir], srcImageDir: a[AnnotImageDir], imgName: a[AnnotImageName], parts: map[string]part{}}
-	if err := domain.ValidName(p.imgName); err != nil {
+	if err := base.ValidName(p.imgName); err != nil {
 		return nil, refused("the artifact names the image %q: %v", printable(p.imgName), err)
 	}
 	for _, d := range []struct{ what, path string }{{"state dir", p.srcState}, {"image folder", p.srcImageDir}} {

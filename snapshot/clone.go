@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
@@ -44,7 +45,7 @@ type CloneOptions struct {
 // CloneWith is Clone with o's bounds.
 func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, o CloneOptions) (domain.Box, step.Timings, error) {
 	agentTimeout := o.AgentTimeout
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return domain.Box{}, nil, err
 	}
 	srcXML, err := os.ReadFile(snap.Path(DomainXMLFile))
@@ -100,7 +101,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	// The snapshot may have been deleted since it was read; under the lock
 	// snapshots rm cannot delete it until this clone is defined.
 	if _, err := os.Stat(snap.Path(MetaFile)); err != nil {
-		return fmt.Errorf("snapshot %q is gone: %w", snap.Name, domain.ErrNotFound)
+		return base.Errorf(base.NotFound, "snapshot %q is gone", snap.Name)
 	}
 	// A clone is in its snapshot's group, if the snapshot's box was in one.
 	src, _, err := domain.MetaOfXML(cl.srcXML)

@@ -11,6 +11,7 @@ import (
 
 	"libvirt.org/go/libvirtxml"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
 )
@@ -65,7 +66,7 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 		return "", fmt.Errorf("parse the snapshot's domain XML: %w", err)
 	}
 	if s.Name == "" || s.Meta.Dir == "" || s.Disk == "" || s.MemPath == "" {
-		return "", fmt.Errorf("%w: clone XML: name, dir, disk and memory path are required", domain.ErrInvalid)
+		return "", base.Errorf(base.Invalid, "clone XML: name, dir, disk and memory path are required")
 	}
 	d.ID = nil
 	d.Name = s.Name
@@ -82,7 +83,7 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 	}
 	d.Metadata = md
 	if d.Devices == nil {
-		return "", fmt.Errorf("%w: the snapshot's domain XML has no devices", domain.ErrInvalid)
+		return "", base.Errorf(base.Invalid, "the snapshot's domain XML has no devices")
 	}
 	if err := cloneDisk(d.Devices, s.Disk); err != nil {
 		return "", err
@@ -254,7 +255,7 @@ func cloneDisk(devs *libvirtxml.DomainDeviceList, disk string) error {
 		dk.Driver.Type = "qcow2"
 		return nil
 	}
-	return fmt.Errorf("%w: the snapshot's domain XML has no file disk", domain.ErrInvalid)
+	return base.Errorf(base.Invalid, "the snapshot's domain XML has no file disk")
 }
 
 // cloneInterface gives the box's interface the clone's MAC, bridge and tap
@@ -266,10 +267,10 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 		return nil // a box without network (--network none)
 	}
 	if m.MAC == "" {
-		return fmt.Errorf("%w: clone XML: the clone has no MAC", domain.ErrInvalid)
+		return base.Errorf(base.Invalid, "clone XML: the clone has no MAC")
 	}
 	if len(devs.Interfaces) != 1 {
-		return fmt.Errorf("%w: the snapshot's domain has %d network interfaces; a kvbox box has one", domain.ErrInvalid, len(devs.Interfaces))
+		return base.Errorf(base.Invalid, "the snapshot's domain has %d network interfaces; a kvbox box has one", len(devs.Interfaces))
 	}
 	ifc := &devs.Interfaces[0]
 	ifc.MAC = &libvirtxml.DomainInterfaceMAC{Address: m.MAC}
@@ -278,7 +279,7 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 		ifc.Source = &libvirtxml.DomainInterfaceSource{Bridge: &libvirtxml.DomainInterfaceSourceBridge{Bridge: m.Bridge}}
 	}
 	if m.IP == "" {
-		return fmt.Errorf("%w: clone XML: the clone has no address for its port filter", domain.ErrInvalid)
+		return base.Errorf(base.Invalid, "clone XML: the clone has no address for its port filter")
 	}
 	// kvbox's port filter holds the clone's tap with its own MAC and
 	// address; a snapshot of a box an older kvbox made references
@@ -320,7 +321,7 @@ func cloneChardevs(devs *libvirtxml.DomainDeviceList, dir string) error {
 		ch.Log = cloneLog(ch.Log, dir)
 	}
 	if seen == 0 && domain.Transport() != "vsock" {
-		return fmt.Errorf("%w: the snapshot's domain XML has no kvbox agent channel", domain.ErrInvalid)
+		return base.Errorf(base.Invalid, "the snapshot's domain XML has no kvbox agent channel")
 	}
 	// The source's vsock CID is taken while it runs: the clone gets its
 	// own (the agent listens on any CID, so the guest needs no change).
@@ -367,7 +368,7 @@ func sanitize(s string) string {
 // adds -incoming defer. Other pass-through arguments are kept.
 func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libvirtxml.DomainQEMUCommandlineArg, error) {
 	if cl == nil {
-		return nil, fmt.Errorf("%w: the snapshot's domain XML has no qemu:commandline with kvbox's RAM backend", domain.ErrInvalid)
+		return nil, base.Errorf(base.Invalid, "the snapshot's domain XML has no qemu:commandline with kvbox's RAM backend")
 	}
 	in := make([]string, len(cl.Args))
 	for i, a := range cl.Args {
@@ -387,7 +388,7 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 			v, ok := optValue(next, "size")
 			n, err := strconv.ParseInt(v, 10, 64)
 			if !ok || err != nil || n <= 0 {
-				return nil, fmt.Errorf("%w: kvbox's RAM backend in the snapshot's domain XML has no size in bytes: %q", domain.ErrInvalid, next)
+				return nil, base.Errorf(base.Invalid, "kvbox's RAM backend in the snapshot's domain XML has no size in bytes: %q", next)
 			}
 			size = n
 			i++
@@ -401,10 +402,10 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 		}
 	}
 	if size < 0 || !machine {
-		return nil, fmt.Errorf("%w: the snapshot's domain XML lacks kvbox's RAM backend (-object memory-backend-file,id=%s and -machine memory-backend=%s)", domain.ErrInvalid, ramID, ramID)
+		return nil, base.Errorf(base.Invalid, "the snapshot's domain XML lacks kvbox's RAM backend (-object memory-backend-file,id=%s and -machine memory-backend=%s)", ramID, ramID)
 	}
 	if s.MemBytes > 0 && s.MemBytes != size {
-		return nil, fmt.Errorf("%w: the snapshot records %d bytes of RAM but its domain XML maps %d", domain.ErrInvalid, s.MemBytes, size)
+		return nil, base.Errorf(base.Invalid, "the snapshot records %d bytes of RAM but its domain XML maps %d", s.MemBytes, size)
 	}
 	switch {
 	case s.Boot:

@@ -14,10 +14,12 @@ import (
 	"golang.org/x/sys/unix"
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
+	"kvbox.dev/kvbox/statedir"
 	"kvbox.dev/kvbox/step"
 )
 
@@ -160,11 +162,11 @@ type CopyProgress struct {
 // (a snapshot holds a running machine, so that its clones start warm) and
 // stopped again afterwards.
 func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name string, ph Phases) (Result, error) {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Result{}, err
 	}
 	if _, err := st.Get(name); err == nil {
-		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
+		return Result{}, base.Errorf(base.Exists, "snapshot %q already exists (kvbox snapshots rm %s, or pick another name)", name, name)
 	}
 	b, err := h.Get(boxName)
 	if err != nil {
@@ -201,7 +203,7 @@ func Create(ctx context.Context, h *domain.Host, st Store, boxName, name string)
 }
 
 func create(ctx context.Context, h *domain.Host, st Store, boxName, name string, progress func(CopyProgress)) (Result, error) {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Result{}, err
 	}
 	box, dom, release, err := h.LockedLookup(boxName)
@@ -210,9 +212,9 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	}
 	defer release()
 	if box.State != "running" {
-		return Result{}, fmt.Errorf("box %q is %s; kvbox snapshots a running box: %w", boxName, box.State, domain.ErrBusy)
+		return Result{}, base.Errorf(base.Busy, "box %q is %s; kvbox snapshots a running box", boxName, box.State)
 	}
-	if err := os.MkdirAll(st.Dir, domain.SharedDirMode); err != nil {
+	if err := os.MkdirAll(st.Dir, statedir.SharedDirMode); err != nil {
 		return Result{}, err
 	}
 	// The name is taken by a complete snapshot, or by one in progress.
@@ -222,7 +224,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	}
 	defer unlockName()
 	if _, err := os.Stat(filepath.Join(st.Dir, name)); err == nil {
-		return Result{}, fmt.Errorf("snapshot %q %w (kvbox snapshots rm %s, or pick another name)", name, domain.ErrExists, name)
+		return Result{}, base.Errorf(base.Exists, "snapshot %q already exists (kvbox snapshots rm %s, or pick another name)", name, name)
 	}
 	c := &creation{h: h, st: st, box: box, dom: dom, q: h.QMP(dom, box.Name), name: name, tmp: st.partialDir(name), progress: progress}
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
@@ -370,7 +372,7 @@ func (c *creation) makeFolder(context.Context) error {
 	}
 	// setgid: what kvbox makes in it is QEMU's group (the snapshot's files
 	// stay readable to QEMU through it; anything else has no world bits).
-	err := c.h.ShareWithQEMU(c.tmp, domain.SharedDirMode|os.ModeSetgid)
+	err := c.h.ShareWithQEMU(c.tmp, statedir.SharedDirMode|os.ModeSetgid)
 	if err == nil {
 		err = makeForQEMU(c.h, filepath.Join(c.tmp, StateFile))
 	}
@@ -582,7 +584,7 @@ func (c *creation) giveToken(ctx context.Context) (agent.Info, error) {
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	a, err := c.h.Dial(actx, c.box)
-	for errors.Is(err, domain.ErrBusy) && actx.Err() == nil {
+	for errors.Is(err, base.ErrBusy) && actx.Err() == nil {
 		// Other kvbox commands hold every agent port: one frees soon.
 		time.Sleep(100 * time.Millisecond)
 		a, err = c.h.Dial(actx, c.box)
@@ -946,17 +948,17 @@ func seal(h *domain.Host, dir string, s Snapshot) error {
 			return fmt.Errorf("sync %s: %w", p, err)
 		}
 		// Root's, read-only to QEMU through its group, nothing for others.
-		if err := h.ShareWithQEMU(p, domain.SharedFileMode); err != nil {
+		if err := h.ShareWithQEMU(p, statedir.SharedFileMode); err != nil {
 			return err
 		}
 	}
 	if err := writeJSON(filepath.Join(dir, MetaFile), s); err != nil {
 		return err
 	}
-	if err := h.ShareWithQEMU(filepath.Join(dir, MetaFile), domain.SharedFileMode); err != nil {
+	if err := h.ShareWithQEMU(filepath.Join(dir, MetaFile), statedir.SharedFileMode); err != nil {
 		return err
 	}
-	return h.ShareWithQEMU(dir, domain.SharedDirMode)
+	return h.ShareWithQEMU(dir, statedir.SharedDirMode)
 }
 
 func writeJSON(path string, v any) error {
@@ -970,9 +972,9 @@ func writeJSON(path string, v any) error {
 // lockName holds a snapshot name while a snapshot of that name is built or
 // recovered; the lock file goes with the unlock.
 func lockName(st Store, name string) (func(), error) {
-	l, err := domain.LockFile(filepath.Join(st.Dir, "."+name+".lock"), false)
-	if errors.Is(err, domain.ErrLocked) {
-		return nil, fmt.Errorf("snapshot %q is being taken by another kvbox: %w", name, domain.ErrBusy)
+	l, err := base.Lock(filepath.Join(st.Dir, "."+name+".lock"), false)
+	if errors.Is(err, base.ErrLocked) {
+		return nil, base.Errorf(base.Busy, "snapshot %q is being taken by another kvbox", name)
 	}
 	if err != nil {
 		return nil, err

@@ -2,11 +2,11 @@ package snapshot
 
 import (
 	"context"
-	"fmt"
 	"path/filepath"
 	"sort"
 	"strings"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/overlay"
@@ -60,7 +60,7 @@ func RemoveImage(ctx context.Context, h *domain.Host, st Store, images image.Sto
 	}
 	if names != nil {
 		sort.Strings(names)
-		return fmt.Errorf("%w: image %q is the base of %s; remove them first", domain.ErrBusy, name, strings.Join(names, ", "))
+		return base.Errorf(base.Busy, "image %q is the base of %s; remove them first", name, strings.Join(names, ", "))
 	}
 	return images.Remove(name)
 }

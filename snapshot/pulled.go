@@ -11,6 +11,7 @@ import (
 
 	"libvirt.org/go/libvirtxml"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/templates"
@@ -81,7 +82,7 @@ var (
 
 // refusedf is one line saying what of the pushed domain XML kvbox refuses.
 func refusedf(format string, a ...any) error {
-	return fmt.Errorf("the snapshot's domain XML %s: %w", fmt.Sprintf(format, a...), domain.ErrInvalid)
+	return base.Errorf(base.Invalid, "the snapshot's domain XML %s", fmt.Sprintf(format, a...))
 }
 
 // PulledXML returns the domain XML of a pulled snapshot (see above), and

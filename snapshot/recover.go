@@ -12,6 +12,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/qmp"
 )
@@ -71,7 +72,7 @@ func recoverOne(ctx context.Context, h *domain.Host, st Store, name string) erro
 // undoOnBox puts a box back as it was before an interrupted snapshot.
 func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	box, dom, err := h.Lookup(p.Box)
-	if errors.Is(err, domain.ErrNotFound) {
+	if errors.Is(err, base.ErrNotFound) {
 		return nil
 	}
 	if err != nil {
@@ -142,8 +143,8 @@ func RemoveIf(h *domain.Host, st Store, name string, check func(Snapshot) error)
 		return err
 	}
 	if len(users) > 0 {
-		return fmt.Errorf("snapshot %q is in use by boxes %s (their memory and disks build on it); remove them first: %w",
-			name, strings.Join(users, ", "), domain.ErrBusy)
+		return base.Errorf(base.Busy, "snapshot %q is in use by boxes %s (their memory and disks build on it); remove them first",
+			name, strings.Join(users, ", "))
 	}
 	// Rename first: the snapshot disappears from listings at once, and a
 	// crash during the delete leaves only a hidden folder.

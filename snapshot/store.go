@@ -28,8 +28,10 @@ import (
 	"strings"
 	"time"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // Files in a snapshot folder.
@@ -97,13 +99,13 @@ type Store struct{ Dir string }
 
 // Get returns the named complete snapshot.
 func (st Store) Get(name string) (Snapshot, error) {
-	if err := domain.ValidName(name); err != nil {
+	if err := base.ValidName(name); err != nil {
 		return Snapshot{}, err
 	}
 	dir := filepath.Join(st.Dir, name)
 	b, err := os.ReadFile(filepath.Join(dir, MetaFile))
 	if errors.Is(err, os.ErrNotExist) {
-		return Snapshot{}, fmt.Errorf("snapshot %q does not exist (kvbox snapshots ls lists them): %w", name, domain.ErrNotFound)
+		return Snapshot{}, base.Errorf(base.NotFound, "snapshot %q does not exist (kvbox snapshots ls lists them)", name)
 	}
 	if err != nil {
 		return Snapshot{}, err
@@ -132,7 +134,7 @@ func (st Store) List() ([]Snapshot, error) {
 			continue
 		}
 		s, err := st.Get(e.Name())
-		if errors.Is(err, domain.ErrNotFound) {
+		if errors.Is(err, base.ErrNotFound) {
 			continue
 		}
 		if err != nil {
@@ -160,7 +162,7 @@ func SetExpires(h *domain.Host, st Store, name string, at *time.Time) (Snapshot,
 	if err := writeJSON(path, s); err != nil {
 		return Snapshot{}, err
 	}
-	if err := h.ShareWithQEMU(path, domain.SharedFileMode); err != nil {
+	if err := h.ShareWithQEMU(path, statedir.SharedFileMode); err != nil {
 		return Snapshot{}, err
 	}
 	return s, overlay.SyncDir(s.Dir)

@@ -12,6 +12,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
@@ -71,7 +72,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	}
 	defer release()
 	if box.State != "running" {
-		return SuspendResult{}, fmt.Errorf("box %q is %s; kvbox suspends a running box: %w", name, box.State, domain.ErrBusy)
+		return SuspendResult{}, base.Errorf(base.Busy, "box %q is %s; kvbox suspends a running box", name, box.State)
 	}
 	s := &suspending{h: h, box: box, dom: dom, q: h.QMP(dom, name), running: true}
 	if err := s.readDefinitions(); err != nil {
@@ -151,11 +152,11 @@ func (s *suspending) readDefinitions() (err error) {
 // keepDefinitions keeps the box's running XML (what resume starts from)
 // and its own definition (what it boots from afterwards).
 func (s *suspending) keepDefinitions(context.Context) error {
-	if err := os.MkdirAll(filepath.Dir(s.h.SuspendFile(s.box.Name, "live")), 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Dir(s.h.Layout().SuspendFile(s.box.Name, "live")), 0o700); err != nil {
 		return err
 	}
 	for k, x := range map[string]string{"live": s.live, "boot": s.boot} {
-		if err := overlay.WriteFileAtomic(s.h.SuspendFile(s.box.Name, k), []byte(x), 0o600); err != nil {
+		if err := overlay.WriteFileAtomic(s.h.Layout().SuspendFile(s.box.Name, k), []byte(x), 0o600); err != nil {
 			return err
 		}
 	}
@@ -270,7 +271,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	defer release()
 	if box.State != "suspended" {
-		return ResumeResult{}, fmt.Errorf("box %q is %s, not suspended: %w", name, box.State, domain.ErrBusy)
+		return ResumeResult{}, base.Errorf(base.Busy, "box %q is %s, not suspended", name, box.State)
 	}
 	r := &resuming{h: h, box: box, dom: dom, saved: *box.Suspended}
 	if err := r.readSaved(); err != nil {
@@ -334,10 +335,10 @@ func (r *resuming) readSaved() (err error) {
 	if _, err := os.Stat(r.statePath); err != nil {
 		return fmt.Errorf("box %q: its saved state: %w", name, err)
 	}
-	if r.live, err = os.ReadFile(r.h.SuspendFile(name, "live")); err != nil {
+	if r.live, err = os.ReadFile(r.h.Layout().SuspendFile(name, "live")); err != nil {
 		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
 	}
-	if r.boot, err = os.ReadFile(r.h.SuspendFile(name, "boot")); err != nil {
+	if r.boot, err = os.ReadFile(r.h.Layout().SuspendFile(name, "boot")); err != nil {
 		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
 	}
 	if r.suspendedDef, err = r.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
@@ -486,7 +487,7 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 	}
 	defer l.Unlock()
 	box, dom, err := h.Lookup(name)
-	if errors.Is(err, domain.ErrNotFound) {
+	if errors.Is(err, base.ErrNotFound) {
 		h.RemoveSuspendFiles(name)
 		return nil
 	}
@@ -499,7 +500,7 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 		return fmt.Errorf("%s", domain.LibvirtMessage(err))
 	}
 	persistentSuspended := strings.Contains(inactive, "<suspended>") || strings.Contains(inactive, ":suspended>")
-	boot, err := os.ReadFile(h.SuspendFile(name, "boot"))
+	boot, err := os.ReadFile(h.Layout().SuspendFile(name, "boot"))
 	if err != nil {
 		return err
 	}

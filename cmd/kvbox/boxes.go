@@ -12,6 +12,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
@@ -102,7 +103,7 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		}
 		return a.runNewMany(c, o)
 	}
-	if err := domain.ValidName(o.name); err != nil {
+	if err := base.ValidName(o.name); err != nil {
 		return err
 	}
 	if err := o.checkNetwork(c); err != nil {
@@ -129,11 +130,11 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 // runNewImage boots a box from an image (the default one is built first
 // if it is missing).
 func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
-	mem, err := domain.ParseSize(o.memory)
+	mem, err := base.ParseSize(o.memory)
 	if err != nil {
 		return err
 	}
-	disk, err := domain.ParseSize(o.disk)
+	disk, err := base.ParseSize(o.disk)
 	if err != nil {
 		return err
 	}
@@ -142,7 +143,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	im, err := a.images().Get(o.image)
-	if errors.Is(err, domain.ErrNotFound) && o.image == image.DefaultImage {
+	if errors.Is(err, base.ErrNotFound) && o.image == image.DefaultImage {
 		// The default image is built on first use, once.
 		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
 		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
@@ -151,7 +152,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	if im.Agent == "no" {
-		return fmt.Errorf("%w: image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", domain.ErrInvalid, im.Name)
+		return base.Errorf(base.Invalid, "image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", im.Name)
 	}
 	start := time.Now()
 	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
@@ -170,7 +171,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 		}
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)%s\n",
-		b.Name, b.IP, b.From(), b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
+		b.Name, b.IP, b.From(), b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
 	if err := a.publish(c.Context(), h, b, o); err != nil {
 		return err
 	}
@@ -211,7 +212,7 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 		}
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)%s\n",
-		b.Name, b.IP, snap.Name, b.CPUs, domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
+		b.Name, b.IP, snap.Name, b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
 	if err := a.publish(c.Context(), h, b, o); err != nil {
 		return err
 	}
@@ -241,7 +242,7 @@ func (a *app) newCmdLs() *cobra.Command {
 			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE", "TTL")
 			for _, b := range boxes {
 				w.row(b.Name, b.State, b.IP, b.From(), b.CPUs,
-					domain.FormatSize(b.MemoryBytes), domain.FormatSize(b.DiskBytes), age(b.Created), ttlLeft(b.Expires))
+					base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), age(b.Created), ttlLeft(b.Expires))
 			}
 			return w.Flush()
 		},
@@ -461,10 +462,10 @@ func (o *newOptions) checkNetwork(c *cobra.Command) error {
 			return fmt.Errorf("--network %q: %w", o.network, err)
 		}
 	default:
-		return fmt.Errorf("%w: --network %q: give isolated (the default), group:NAME or none", domain.ErrInvalid, o.network)
+		return base.Errorf(base.Invalid, "--network %q: give isolated (the default), group:NAME or none", o.network)
 	}
 	if o.from != "" && c.Flags().Changed("network") {
-		return fmt.Errorf("%w: --network with --from: a clone keeps its snapshot's network (with it or without it)", domain.ErrInvalid)
+		return base.Errorf(base.Invalid, "--network with --from: a clone keeps its snapshot's network (with it or without it)")
 	}
 	return nil
 }

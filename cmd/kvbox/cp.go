@@ -16,7 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	agent "kvbox.dev/kvbox/guest-agent"
 )
 
@@ -62,7 +62,7 @@ BOX:DST; DST - writes BOX:SRC to stdout as a tar stream, as the box sends it
   kvbox cp dev:/var/log - | tar -t`,
 		Args: exactArgs(2, "a source and a destination (kvbox cp ./repo dev:/srv/)"),
 		RunE: func(c *cobra.Command, args []string) error {
-			maxBytes, err := domain.ParseSize(maxSize)
+			maxBytes, err := base.ParseSize(maxSize)
 			if err != nil {
 				return fmt.Errorf("%w: --max-size %q is not a size like 16G", errUsage, maxSize)
 			}
@@ -102,7 +102,7 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 	if dremote {
 		boxName = dbox
 	}
-	if err := domain.ValidName(boxName); err != nil {
+	if err := base.ValidName(boxName); err != nil {
 		return err
 	}
 	if dremote && src != "-" {
@@ -141,7 +141,7 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 
 func localPathError(p string, err error) error {
 	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("%s: no such file or directory: %w", p, domain.ErrNotFound)
+		return base.Errorf(base.NotFound, "%s: no such file or directory", p)
 	}
 	return err
 }
@@ -152,12 +152,12 @@ func cpError(box string, err error) error {
 	var fe *agent.FilesError
 	if errors.As(err, &fe) {
 		if fe.NotFound {
-			return fmt.Errorf("box %q: %s: %w", box, fe.Msg, domain.ErrNotFound)
+			return base.Errorf(base.NotFound, "box %q: %s", box, fe.Msg)
 		}
 		return fmt.Errorf("box %q: %s", box, fe.Msg)
 	}
 	if errors.Is(err, agent.ErrPathNotFound) {
-		return fmt.Errorf("%w: %w", err, domain.ErrNotFound)
+		return base.Errorf(base.NotFound, "%w", err)
 	}
 	var big *agent.TooBigError
 	if errors.As(err, &big) {
@@ -165,7 +165,7 @@ func cpError(box string, err error) error {
 		if big.At != "" {
 			at = " (at " + big.At + ")"
 		}
-		return fmt.Errorf("box %q: the copy would write more than --max-size %s on the host%s; nothing was written (a larger --max-size or KVBOX_CP_MAX_SIZE lets it through)", box, domain.FormatSize(big.Limit), at)
+		return fmt.Errorf("box %q: the copy would write more than --max-size %s on the host%s; nothing was written (a larger --max-size or KVBOX_CP_MAX_SIZE lets it through)", box, base.FormatSize(big.Limit), at)
 	}
 	if errors.Is(err, agent.ErrTooOld) {
 		return fmt.Errorf("box %q: %w", box, err)
@@ -352,12 +352,12 @@ func (p *copyProgress) line() string {
 	secs := time.Since(p.start).Seconds()
 	rate := ""
 	if secs > 0 {
-		rate = fmt.Sprintf(" at %s/s", domain.FormatSize(int64(float64(done)/secs)))
+		rate = fmt.Sprintf(" at %s/s", base.FormatSize(int64(float64(done)/secs)))
 	}
 	if total > 0 {
-		return fmt.Sprintf("%s of %s (%d%%)%s", domain.FormatSize(min(done, total)), domain.FormatSize(total), min(done, total)*100/total, rate)
+		return fmt.Sprintf("%s of %s (%d%%)%s", base.FormatSize(min(done, total)), base.FormatSize(total), min(done, total)*100/total, rate)
 	}
-	return fmt.Sprintf("%s%s", domain.FormatSize(done), rate)
+	return fmt.Sprintf("%s%s", base.FormatSize(done), rate)
 }
 
 func (p *copyProgress) stop() {

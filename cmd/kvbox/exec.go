@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 )
@@ -169,7 +170,7 @@ func (a *app) dial(ctx context.Context, h *domain.Host, b domain.Box) (*agent.Cl
 	client, err := h.Dial(dctx, b)
 	if err != nil {
 		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
-			return nil, fmt.Errorf("the agent of box %q did not answer within %s (--dial-timeout): %w", b.Name, a.dialTimeout, domain.ErrUnavailable)
+			return nil, base.Errorf(base.Unavailable, "the agent of box %q did not answer within %s (--dial-timeout)", b.Name, a.dialTimeout)
 		}
 		return nil, fmt.Errorf("reach the agent of box %q: %w", b.Name, err)
 	}

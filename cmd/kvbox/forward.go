@@ -16,6 +16,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 )
@@ -137,7 +138,7 @@ func (a *app) openForwarder(ctx context.Context, name string, before func(*agent
 	if err != nil {
 		client.Close()
 		if errors.Is(err, agent.ErrNoForward) {
-			return nil, nil, fmt.Errorf("box %q: %v: %w", name, err, domain.ErrUnavailable)
+			return nil, nil, base.Errorf(base.Unavailable, "box %q: %v", name, err)
 		}
 		return nil, nil, fmt.Errorf("box %q: %w", name, err)
 	}
@@ -204,7 +205,7 @@ func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
 	for {
 		b, err := h.Get(name)
 		switch {
-		case errors.Is(err, domain.ErrNotFound):
+		case errors.Is(err, base.ErrNotFound):
 			return fmt.Errorf("box %q was removed: port forwarding ended", name)
 		case err == nil && b.State != "running":
 			if stoppedAt.IsZero() {

@@ -5,7 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -41,8 +41,8 @@ func (a *app) newCmdImagesLs() *cobra.Command {
 				if im.Kernel != "" {
 					boot = "kernel"
 				}
-				w.row(im.Name, domain.FormatSize(im.VirtualSize),
-					domain.FormatSize(im.SizeBytes), boot, im.Agent, im.Created.Local().Format("2006-01-02 15:04"))
+				w.row(im.Name, base.FormatSize(im.VirtualSize),
+					base.FormatSize(im.SizeBytes), boot, im.Agent, im.Created.Local().Format("2006-01-02 15:04"))
 			}
 			return w.Flush()
 		},
@@ -78,7 +78,7 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 					return err
 				}
 			}
-			fmt.Fprintf(a.io.Out, "✓ image %s registered (%s disk, %s on disk)\n", im.Name, domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
+			fmt.Fprintf(a.io.Out, "✓ image %s registered (%s disk, %s on disk)\n", im.Name, base.FormatSize(im.VirtualSize), base.FormatSize(im.SizeBytes))
 			return nil
 		},
 	}

@@ -5,7 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -52,7 +52,7 @@ unless the whole build succeeds.`,
 				}
 			} else {
 				fmt.Fprintf(a.io.Out, "✓ image %s is already built (%s, %s disk, %s on disk); --force rebuilds it\n", im.Name,
-					im.Created.Local().Format("2006-01-02 15:04"), domain.FormatSize(im.VirtualSize), domain.FormatSize(im.SizeBytes))
+					im.Created.Local().Format("2006-01-02 15:04"), base.FormatSize(im.VirtualSize), base.FormatSize(im.SizeBytes))
 			}
 			return nil
 		},

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 )
 
@@ -95,7 +96,7 @@ func TestMessageDropsSentinel(t *testing.T) {
 		want string
 	}{
 		{domain.NoBoxError{Name: "nonexist"}, `box "nonexist" does not exist (kvbox ls lists boxes)`},
-		{fmt.Errorf("box %q is paused: %w", "a", domain.ErrBusy), `box "a" is paused`},
+		{base.Errorf(base.Busy, "box %q is paused", "a"), `box "a" is paused`},
 		{fmt.Errorf("%w: kvbox exec takes a box name", errUsage), "kvbox exec takes a box name"},
 		{errors.New("plain"), "plain"},
 	} {
@@ -109,7 +110,7 @@ func TestMessageDropsSentinel(t *testing.T) {
 	if exitCode(failedError{"could not remove a", domain.NoBoxError{Name: "a"}}) != exitNotFound {
 		t.Error("a failed rm does not keep its first failure's exit code")
 	}
-	if exitCode(fmt.Errorf("x: %w", domain.ErrInterrupted)) != exitInterrupted {
+	if exitCode(base.Errorf(base.Interrupted, "x")) != exitInterrupted {
 		t.Error("an interrupted lock wait does not exit 130")
 	}
 }

@@ -5,7 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
 )
 
@@ -80,7 +80,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 func (a *app) network() (network.Config, error) {
 	nc, err := network.Parse(a.bridge, a.subnet)
 	if err != nil {
-		return network.Config{}, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+		return network.Config{}, base.Errorf(base.Invalid, "%v", err)
 	}
 	return nc, nil
 }

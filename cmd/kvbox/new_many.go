@@ -11,6 +11,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
@@ -46,7 +47,7 @@ func countNames(prefix string, n int) ([]string, error) {
 	names := make([]string, n)
 	for i := range names {
 		names[i] = fmt.Sprintf("%s-%d", prefix, i+1)
-		if err := domain.ValidName(names[i]); err != nil {
+		if err := base.ValidName(names[i]); err != nil {
 			return nil, fmt.Errorf("--count %d with prefix %q: %w", n, prefix, err)
 		}
 	}
@@ -74,16 +75,16 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 			return b, tm.String(), err
 		}}, nil
 	}
-	mem, err := domain.ParseSize(o.memory)
+	mem, err := base.ParseSize(o.memory)
 	if err != nil {
 		return starter{}, err
 	}
-	disk, err := domain.ParseSize(o.disk)
+	disk, err := base.ParseSize(o.disk)
 	if err != nil {
 		return starter{}, err
 	}
 	im, err := a.images().Get(o.image)
-	if errors.Is(err, domain.ErrNotFound) && o.image == image.DefaultImage {
+	if errors.Is(err, base.ErrNotFound) && o.image == image.DefaultImage {
 		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
 		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
 	}
@@ -91,7 +92,7 @@ func (a *app) newStarter(c *cobra.Command, o *newOptions, h *domain.Host) (start
 		return starter{}, err
 	}
 	if im.Agent == "no" {
-		return starter{}, fmt.Errorf("%w: image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", domain.ErrInvalid, im.Name)
+		return starter{}, base.Errorf(base.Invalid, "image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", im.Name)
 	}
 	return starter{from: "image " + im.Name, start: func(ctx context.Context, name string) (domain.Box, string, error) {
 		b, err := h.Create(ctx, domain.Spec{
@@ -115,7 +116,7 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 		if names, err = countNames(o.name, o.count); err != nil {
 			return err
 		}
-	} else if err := domain.ValidName(o.name); err != nil {
+	} else if err := base.ValidName(o.name); err != nil {
 		return err
 	}
 	if err := o.checkNetwork(c); err != nil {

@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 )
 
 // partProgress draws, on a terminal, one status line with every part in
@@ -57,7 +57,7 @@ func (p *partProgress) draw() {
 		if v[1] > 0 {
 			pct = int(v[0] * 100 / v[1])
 		}
-		items = append(items, fmt.Sprintf("%s %d%% of %s", printable(t), pct, domain.FormatSize(v[1])))
+		items = append(items, fmt.Sprintf("%s %d%% of %s", printable(t), pct, base.FormatSize(v[1])))
 	}
 	fmt.Fprint(p.w, "\r\033[K")
 	p.shown = len(items) > 0

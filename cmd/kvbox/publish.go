@@ -36,6 +36,7 @@ import (
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // legacyPublishFile is where an earlier kvbox kept the record: in the
@@ -154,7 +155,7 @@ func (a *app) startPublish(b domain.Box, specs []portSpec, ls []*net.TCPListener
 	}
 	defer rp.Close()
 	files = append(files, wp)
-	if err := os.MkdirAll(filepath.Dir(a.publishPath(b.Name, "")), domain.PrivateDirMode); err != nil {
+	if err := os.MkdirAll(filepath.Dir(a.publishPath(b.Name, "")), statedir.PrivateDirMode); err != nil {
 		return err
 	}
 	logPath := a.publishPath(b.Name, ".log")

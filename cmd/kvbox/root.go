@@ -14,10 +14,12 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
 	"kvbox.dev/kvbox/templates"
 )
 
@@ -98,17 +100,17 @@ func run(ctx context.Context, args []string, ios IO) int {
 // exitCode is kvbox's exit code for err (the README lists them).
 func exitCode(err error) int {
 	switch {
-	case errors.Is(err, domain.ErrInterrupted), errors.Is(err, context.Canceled):
+	case errors.Is(err, base.ErrInterrupted), errors.Is(err, context.Canceled):
 		return exitInterrupted
-	case errors.Is(err, domain.ErrInvalid), errors.Is(err, errUsage):
+	case errors.Is(err, base.ErrInvalid), errors.Is(err, errUsage):
 		return exitUsage
-	case errors.Is(err, domain.ErrNotFound):
+	case errors.Is(err, base.ErrNotFound):
 		return exitNotFound
-	case errors.Is(err, domain.ErrExists):
+	case errors.Is(err, base.ErrExists):
 		return exitExists
-	case errors.Is(err, domain.ErrBusy):
+	case errors.Is(err, base.ErrBusy):
 		return exitBusy
-	case errors.Is(err, domain.ErrUnavailable):
+	case errors.Is(err, base.ErrUnavailable):
 		return exitUnavailable
 	}
 	return exitError
@@ -121,7 +123,7 @@ var errUsage = errors.New("usage")
 // repeat what the sentence already says.
 func message(err error) string {
 	s := err.Error()
-	for _, e := range []error{domain.ErrNotFound, domain.ErrExists, domain.ErrBusy, domain.ErrInvalid, domain.ErrUnavailable, errUsage} {
+	for _, e := range []error{base.ErrNotFound, base.ErrExists, base.ErrBusy, base.ErrInvalid, base.ErrUnavailable, errUsage} {
 		if t, ok := strings.CutSuffix(s, ": "+e.Error()); ok && t != "" {
 			return t
 		}
@@ -261,13 +263,13 @@ func (a *app) Host() (*domain.Host, error) {
 	}
 	nc, err := network.Parse(a.bridge, a.subnet)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+		return nil, base.Errorf(base.Invalid, "%v", err)
 	}
 	tmpl := templates.Box
 	if a.template != "" {
 		b, err := os.ReadFile(a.template)
 		if err != nil {
-			return nil, fmt.Errorf("%w: template: %v", domain.ErrInvalid, err)
+			return nil, base.Errorf(base.Invalid, "template: %v", err)
 		}
 		tmpl = string(b)
 	}
@@ -279,11 +281,11 @@ func (a *app) Host() (*domain.Host, error) {
 		return nil, fmt.Errorf("%w: --domain-type %q: give auto, kvm or qemu", errUsage, a.domType)
 	}
 	if os.Geteuid() != 0 {
-		return nil, fmt.Errorf("%w: kvbox manages bridges and libvirt domains: run it as root", domain.ErrUnavailable)
+		return nil, base.Errorf(base.Unavailable, "kvbox manages bridges and libvirt domains: run it as root")
 	}
 	// Nothing kvbox or its children (qemu-img) create gets world bits.
 	syscall.Umask(0o027)
-	if err := os.MkdirAll(a.stateDir, domain.StateDirMode); err != nil {
+	if err := os.MkdirAll(a.stateDir, statedir.RootMode); err != nil {
 		return nil, err
 	}
 	conn, err := domain.Connect(a.uri)

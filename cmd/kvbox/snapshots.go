@@ -7,6 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -87,7 +88,7 @@ boxes are still cloned from then is kept until the last of them is removed
 				kind = "incremental"
 			}
 			fmt.Fprintf(a.io.Out, "✓ snapshot %s saved from box %s (%s on disk, %s disk copy, paused %d ms); start a warm clone with: kvbox new --from %s NAME\n",
-				s.Name, s.Box, domain.FormatSize(s.SizeBytes), kind, res.Pause.Milliseconds(), s.Name)
+				s.Name, s.Box, base.FormatSize(s.SizeBytes), kind, res.Pause.Milliseconds(), s.Name)
 			if s.Expires != nil {
 				fmt.Fprintf(a.io.Out, "  removed at %s (TTL), or once its last clone is removed if it has clones then\n", s.Expires.Format(time.RFC3339))
 			}
@@ -154,7 +155,7 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 				if len(r.Clones) > 0 {
 					clones = strings.Join(r.Clones, ",")
 				}
-				w.row(r.Name, r.Box, domain.FormatSize(r.SizeBytes), age(r.Created)+" ago", clones, snapshotTTL(r))
+				w.row(r.Name, r.Box, base.FormatSize(r.SizeBytes), age(r.Created)+" ago", clones, snapshotTTL(r))
 			}
 			return w.Flush()
 		},
@@ -200,7 +201,7 @@ func copyProgressLine(p snapshot.CopyProgress) string {
 		how = "while it is paused (TCG)"
 	}
 	return fmt.Sprintf("memory copied %s: %s written, %d%% of its RAM gone through",
-		how, domain.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1))
+		how, base.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1))
 }
 
 // newSnapshotExpiry is when a new snapshot given --ttl is removed (nil

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/registry"
@@ -111,7 +112,7 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 				return a.printJSON(res)
 			}
 			fmt.Fprintf(a.io.Out, "✓ pushed %s@%s: %s sent, %s on disk (encode %.1fs, transfer %.1fs)\n",
-				res.Ref, res.Digest, domain.FormatSize(res.Sent), domain.FormatSize(res.OnDisk), res.Encode.Seconds(), res.Transfer.Seconds())
+				res.Ref, res.Digest, base.FormatSize(res.Sent), base.FormatSize(res.OnDisk), res.Encode.Seconds(), res.Transfer.Seconds())
 			return nil
 		},
 	}
@@ -145,7 +146,7 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 			if err != nil {
 				return err
 			}
-			if err := domain.ValidName(args[1]); err != nil {
+			if err := base.ValidName(args[1]); err != nil {
 				return err
 			}
 			h, err := a.Host()
@@ -168,7 +169,7 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 				return a.printJSON(res)
 			}
 			fmt.Fprintf(a.io.Out, "✓ snapshot %s pulled from %s@%s: %s received, %s on disk (transfer %.1fs, unpack %.1fs); start a warm clone with: kvbox new --from %s NAME\n",
-				res.Snapshot.Name, args[0], res.Digest, domain.FormatSize(res.Received), domain.FormatSize(res.Snapshot.SizeBytes),
+				res.Snapshot.Name, args[0], res.Digest, base.FormatSize(res.Received), base.FormatSize(res.Snapshot.SizeBytes),
 				res.Transfer.Seconds(), res.Decode.Seconds(), res.Snapshot.Name)
 			return nil
 		},
@@ -244,8 +245,8 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 			}
 			fmt.Fprintf(w, "lineage    image %s -> box %s (cloned from snapshot %s) -> %s\n", in.Image, in.Box, parent, in.Name)
 			fmt.Fprintf(w, "on disk    %s own, standing on base image %s (%s, shared with every snapshot of it)\n",
-				domain.FormatSize(in.SizeBytes), in.BaseDisk, domain.FormatSize(in.BaseBytes))
-			fmt.Fprintf(w, "memory     %s guest RAM\n", domain.FormatSize(in.MemoryBytes))
+				base.FormatSize(in.SizeBytes), in.BaseDisk, base.FormatSize(in.BaseBytes))
+			fmt.Fprintf(w, "memory     %s guest RAM\n", base.FormatSize(in.MemoryBytes))
 			fmt.Fprintf(w, "clones     %d mapping it: %s\n", len(in.Clones), strings.Join(in.Clones, ", "))
 			fmt.Fprintf(w, "needs      domain type %s, %s machine %s, CPU %s %s, QEMU >= %s (libvirt %s took it)\n",
 				compat.DomainType, compat.Arch, compat.Machine, compat.CPUMode, compat.CPUModel,
@@ -272,7 +273,7 @@ func retireCopiedToken(ctx context.Context, h *domain.Host, s snapshot.Snapshot)
 		return err
 	}
 	for _, b := range boxes {
-		if filepath.Dir(b.Dir) != h.BoxesDir() || !slices.ContainsFunc(domain.AgentTokens(b.Dir), func(t []byte) bool { return bytes.Equal(t, tok) }) {
+		if filepath.Dir(b.Dir) != h.Layout().Boxes() || !slices.ContainsFunc(domain.AgentTokens(b.Dir), func(t []byte) bool { return bytes.Equal(t, tok) }) {
 			continue
 		}
 		if err := h.RetireAgentToken(ctx, b.Name, tok); err != nil {

@@ -6,6 +6,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -43,7 +44,7 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 					how = "RAM copied while paused (TCG)"
 				}
 				fmt.Fprintf(a.io.Out, "✓ box %s is suspended (%s, %s on disk, paused %d ms, %.2fs); wake it with: kvbox resume %s\n",
-					n, how, domain.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
+					n, how, base.FormatSize(res.StateBytes), res.Pause.Milliseconds(), res.Total.Seconds(), n)
 				if verbose {
 					fmt.Fprintf(a.io.Err, "timing: %s (pause %dms), total %dms\n", res.Steps, res.Pause.Milliseconds(), res.Total.Milliseconds())
 				}
@@ -98,7 +99,7 @@ func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time
 		return nil
 	}
 	if b.State != "suspended" {
-		return fmt.Errorf("box %q is %s, neither suspended nor paused: %w", n, b.State, domain.ErrBusy)
+		return base.Errorf(base.Busy, "box %q is %s, neither suspended nor paused", n, b.State)
 	}
 	stop := a.spin("waking " + n)
 	res, err := snapshot.Resume(c.Context(), h, n, timeout)

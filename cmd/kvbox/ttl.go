@@ -12,6 +12,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
@@ -170,10 +171,10 @@ func (a *app) reapSnapshotIfDue(ctx context.Context, h *domain.Host, name, id st
 		return false, nil, nil
 	}
 	err = snapshot.RemoveIf(h, a.snapshots(), name, dueSnapshot(id))
-	if errors.Is(err, domain.ErrNotDue) || errors.Is(err, domain.ErrNotFound) {
+	if errors.Is(err, base.ErrNotDue) || errors.Is(err, base.ErrNotFound) {
 		return false, nil, nil
 	}
-	if errors.Is(err, domain.ErrBusy) {
+	if errors.Is(err, base.ErrBusy) {
 		clones, _ := snapshot.Clones(h, name)
 		return false, clones, nil
 	}
@@ -203,10 +204,10 @@ func snapshotID(s snapshot.Snapshot) string { return s.Created.UTC().Format(time
 func dueSnapshot(id string) func(snapshot.Snapshot) error {
 	return func(s snapshot.Snapshot) error {
 		if id != "" && snapshotID(s) != id {
-			return fmt.Errorf("snapshot %q is another snapshot now (made %s, not %s): %w", s.Name, snapshotID(s), id, domain.ErrNotDue)
+			return base.Errorf(base.NotDue, "snapshot %q is another snapshot now (made %s, not %s)", s.Name, snapshotID(s), id)
 		}
 		if s.Expires == nil || time.Now().Before(*s.Expires) {
-			return fmt.Errorf("snapshot %q has no past deadline any more: %w", s.Name, domain.ErrNotDue)
+			return base.Errorf(base.NotDue, "snapshot %q has no past deadline any more", s.Name)
 		}
 		return nil
 	}
@@ -255,7 +256,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 	for _, b := range boxes {
 		// A box of another state dir on the same libvirt has its own
 		// kvbox, reapers and sweep.
-		if b.Expires == nil || filepath.Dir(b.Dir) != h.BoxesDir() {
+		if b.Expires == nil || filepath.Dir(b.Dir) != h.Layout().Boxes() {
 			continue
 		}
 		if !time.Now().Before(*b.Expires) {
@@ -265,7 +266,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 			err := a.removeBoxIf(ctx, h, b.Name, true, domain.DueBox(b.UUID))
 			if err == nil {
 				fmt.Fprintf(a.io.Err, "kvbox: removed box %s, whose TTL ended at %s\n", b.Name, b.Expires.Format(time.RFC3339))
-			} else if !errors.Is(err, domain.ErrNotFound) && !errors.Is(err, domain.ErrNotDue) {
+			} else if !errors.Is(err, base.ErrNotFound) && !errors.Is(err, base.ErrNotDue) {
 				fmt.Fprintf(a.io.Err, "kvbox: warning: removing expired box %s: %v\n", b.Name, err)
 			}
 			continue
@@ -371,7 +372,7 @@ func (a *app) runReaper(ctx context.Context, kind, name, id string) error {
 func (a *app) deadline(h *domain.Host, kind, name, id string) (at *time.Time, gone bool, err error) {
 	if kind == domain.ReapBox {
 		b, err := h.Get(name)
-		if errors.Is(err, domain.ErrNotFound) {
+		if errors.Is(err, base.ErrNotFound) {
 			return nil, true, nil
 		}
 		if err != nil {
@@ -380,7 +381,7 @@ func (a *app) deadline(h *domain.Host, kind, name, id string) (at *time.Time, go
 		return b.Expires, b.UUID != id, nil
 	}
 	s, err := a.snapshots().Get(name)
-	if errors.Is(err, domain.ErrNotFound) {
+	if errors.Is(err, base.ErrNotFound) {
 		return nil, true, nil
 	}
 	if err != nil {
@@ -409,9 +410,9 @@ func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, l
 	}
 	err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(id))
 	switch {
-	case errors.Is(err, domain.ErrNotFound):
+	case errors.Is(err, base.ErrNotFound):
 		logf("nothing to do (gone)")
-	case errors.Is(err, domain.ErrNotDue):
+	case errors.Is(err, base.ErrNotDue):
 		logf("nothing removed: %v", err)
 	case err != nil:
 		logf("removing the expired box: %v", err)

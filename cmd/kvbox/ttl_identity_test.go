@@ -14,6 +14,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -99,7 +100,7 @@ func TestTTLRemovesByIdentity(t *testing.T) {
 		}
 		// The sweep's removal of a box it listed as expired.
 		err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(old))
-		if !errors.Is(err, domain.ErrNotDue) {
+		if !errors.Is(err, base.ErrNotDue) {
 			t.Errorf("the sweep's removal of the old box: %v, want ErrNotDue", err)
 		}
 		if b, err := h.Get(name); err != nil || b.UUID != reused {
@@ -114,12 +115,12 @@ func TestTTLRemovesByIdentity(t *testing.T) {
 	if err := a.reap(ctx, h, domain.ReapBox, name, uuid, logf); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Get(name); !errors.Is(err, domain.ErrNotFound) {
+	if _, err := h.Get(name); !errors.Is(err, base.ErrNotFound) {
 		t.Errorf("the expired box is still there: %v", err)
 	}
 	later := time.Now().Add(time.Hour)
 	uuid = defineTestBox(t, h, name, &later)
-	if err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(uuid)); !errors.Is(err, domain.ErrNotDue) {
+	if err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(uuid)); !errors.Is(err, base.ErrNotDue) {
 		t.Errorf("removal of a box whose deadline is ahead: %v, want ErrNotDue", err)
 	}
 	if _, err := h.Get(name); err != nil {
@@ -159,7 +160,7 @@ func TestSnapshotTTLRemovesByIdentity(t *testing.T) {
 	if err := a.reap(ctx, h, domain.ReapSnapshot, "nightly", snapshotID(reused), logf); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := st.Get("nightly"); !errors.Is(err, domain.ErrNotFound) {
+	if _, err := st.Get("nightly"); !errors.Is(err, base.ErrNotFound) {
 		t.Errorf("the expired snapshot is still there: %v", err)
 	}
 	if out := a.io.Out.(*bytes.Buffer).String(); strings.Contains(out, "warning") {

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"time"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/step"
 )
@@ -63,7 +63,7 @@ func benchClone(ctx context.Context, e *env) error {
 	}
 	total := median(walls)
 	fmt.Printf("cold boot to agent-ready (median of %d)   %8.0f ms\n", e.boots, ms(median(boot)))
-	fmt.Printf("snapshot pause (source box)              %8.0f ms   (snapshot size %s)\n", ms(e.warmPause), domain.FormatSize(snap.SizeBytes))
+	fmt.Printf("snapshot pause (source box)              %8.0f ms   (snapshot size %s)\n", ms(e.warmPause), base.FormatSize(snap.SizeBytes))
 	fmt.Printf("warm clone to ready, 1 vCPU (median of %d) %6.0f ms\n", e.n, ms(total))
 	// The clone's own steps (snapshot.Clone's plan), by name.
 	for _, name := range timings[0].Names() {

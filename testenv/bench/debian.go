@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
@@ -46,7 +47,7 @@ func benchDebian(ctx context.Context, e *env) error {
 	}
 	for _, r := range []debianRun{two, one} {
 		fmt.Printf("Debian, 4 GiB RAM, %d vCPU, ~1.5 GB touched: cold boot %.1f s, snapshot %s on disk, paused %.0f ms\n",
-			r.cpus, r.boot.Seconds(), domain.FormatSize(r.snap.SizeBytes), ms(r.pause))
+			r.cpus, r.boot.Seconds(), base.FormatSize(r.snap.SizeBytes), ms(r.pause))
 		fmt.Printf("warm clone to ready (median of %d)       %8.0f ms\n", len(r.walls), ms(median(r.walls)))
 		for _, name := range r.timings[0].Names() {
 			var ds []time.Duration
@@ -59,7 +60,7 @@ func benchDebian(ctx context.Context, e *env) error {
 	}
 	clone := median(two.walls)
 	fmt.Printf("peer virsh restore of a saved 2-vCPU clone %6.0f ms   (median of %d; save file %s, in page cache, as the snapshot's files are for the clones above)\n",
-		ms(peer.warm), peerRuns, domain.FormatSize(peer.size))
+		ms(peer.warm), peerRuns, base.FormatSize(peer.size))
 	fmt.Printf("ratio virsh restore / kvbox warm clone (2 vCPU): %.1fx\n", float64(peer.warm)/float64(clone))
 	fmt.Printf("from disk (medians of %d): virsh restore --bypass-cache %.0f ms; kvbox warm clone, the snapshot's files dropped from page cache first: %.0f ms; ratio %.1fx\n",
 		peerRuns, ms(peer.cold), ms(cold), float64(peer.cold)/float64(cold))

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -21,7 +22,7 @@ const lifeRuns = 3
 // `virsh start` of the saved box (plus the agent's first answer), in the
 // same run.
 func benchLifecycle(ctx context.Context, e *env) error {
-	fmt.Printf("tiny box, %s RAM, 1 vCPU; %d rounds each; resume = until the agent answers\n", domain.FormatSize(e.memBytes), lifeRuns)
+	fmt.Printf("tiny box, %s RAM, 1 vCPU; %d rounds each; resume = until the agent answers\n", base.FormatSize(e.memBytes), lifeRuns)
 	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	src := "bench-life-src"
 	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {

@@ -19,6 +19,7 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/network"
@@ -127,7 +128,7 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}
-	if e.memBytes, err = domain.ParseSize(memSize); err != nil {
+	if e.memBytes, err = base.ParseSize(memSize); err != nil {
 		return err
 	}
 	defer func() {

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/registry"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -82,10 +82,10 @@ func registryTimes(ctx context.Context, e *env, snap snapshot.Snapshot) error {
 	}
 
 	fmt.Printf("\nregistry %s, snapshot %s with its base image (%d parts)\n", *registryAddr, snap.Name, len(first.Parts))
-	fmt.Printf("  on disk %s, apparent %s\n", domain.FormatSize(first.OnDisk), domain.FormatSize(apparent))
-	fmt.Printf("  push            %8.0f ms   sent %s (encode %.0f ms)\n", ms(pushT), domain.FormatSize(first.Sent), ms(first.Encode))
-	fmt.Printf("  push again      %8.0f ms   sent %s (unchanged: nothing but requests)\n", ms(againT), domain.FormatSize(again.Sent))
-	fmt.Printf("  pull            %8.0f ms   received %s, unpacked %s on disk\n", ms(pullT), domain.FormatSize(pulled.Received), domain.FormatSize(pulled.Snapshot.SizeBytes))
+	fmt.Printf("  on disk %s, apparent %s\n", base.FormatSize(first.OnDisk), base.FormatSize(apparent))
+	fmt.Printf("  push            %8.0f ms   sent %s (encode %.0f ms)\n", ms(pushT), base.FormatSize(first.Sent), ms(first.Encode))
+	fmt.Printf("  push again      %8.0f ms   sent %s (unchanged: nothing but requests)\n", ms(againT), base.FormatSize(again.Sent))
+	fmt.Printf("  pull            %8.0f ms   received %s, unpacked %s on disk\n", ms(pullT), base.FormatSize(pulled.Received), base.FormatSize(pulled.Snapshot.SizeBytes))
 	fmt.Printf("  peer tar --sparse | zstd -1   %8.0f ms   %s bytes\n", ms(peerT), peer)
 	fmt.Printf("  ratio sent / on disk: %.3f\n", float64(first.Sent)/float64(max(first.OnDisk, 1)))
 	return nil

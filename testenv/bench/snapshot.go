@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/snapshot"
@@ -37,7 +38,7 @@ type snapCase struct {
 func benchSnapshot(ctx context.Context, e *env) error {
 	mem := max(e.memBytes, 512<<20)
 	return snapshotTable(ctx, e, snapCase{
-		what:   fmt.Sprintf("tiny box, %s RAM, 1 vCPU", domain.FormatSize(mem)),
+		what:   fmt.Sprintf("tiny box, %s RAM, 1 vCPU", base.FormatSize(mem)),
 		prefix: "bench-snap",
 		spec: func(name string) domain.Spec {
 			s := e.spec(name, 1)
@@ -94,7 +95,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	if err := fill(src, sc.fill); err != nil {
 		return err
 	}
-	base, err := baselineGap(ctx, srcBox.IP)
+	idle, err := baselineGap(ctx, srcBox.IP)
 	if err != nil {
 		return err
 	}
@@ -127,7 +128,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	if err != nil {
 		return err
 	}
-	printSnapshotTable(base, a, b, pr)
+	printSnapshotTable(idle, a, b, pr)
 	return nil
 }
 
@@ -153,13 +154,13 @@ func writeTime(dir string, n int64) (time.Duration, error) {
 	return time.Since(t0), nil
 }
 
-func printSnapshotTable(base time.Duration, a, b kvSnaps, pr peerSnaps) {
-	fmt.Printf("ping gap with no snapshot (1 s, box idle)   %8.0f ms\n", ms(base))
+func printSnapshotTable(idle time.Duration, a, b kvSnaps, pr peerSnaps) {
+	fmt.Printf("ping gap with no snapshot (1 s, box idle)   %8.0f ms\n", ms(idle))
 	a.print("kvbox snapshot of a source box")
 	a.printRatio()
 	b.print("kvbox snapshot of a clone")
 	b.printRatio()
-	fmt.Printf("peer virsh save (box down throughout)       %8.0f ms   (file %s)\n", ms(median(pr.save)), domain.FormatSize(pr.saveSize))
+	fmt.Printf("peer virsh save (box down throughout)       %8.0f ms   (file %s)\n", ms(median(pr.save)), base.FormatSize(pr.saveSize))
 	if pr.liveNote != "" {
 		fmt.Printf("peer virsh snapshot-create-as --live        %s\n", pr.liveNote)
 	} else {
@@ -291,8 +292,8 @@ func (k *kvSnaps) takeAll(ctx context.Context, e *env, st snapshot.Store, box, i
 		if i == 0 {
 			m := hostMemory(box)
 			k.memory = fmt.Sprintf("host memory around the first: page cache %s -> %s (the snapshot written: %s), QEMU resident (VmRSS: %s) %s -> %s",
-				domain.FormatSize(before.cached), domain.FormatSize(m.cached), domain.FormatSize(k.size()),
-				resident, domain.FormatSize(before.qemu), domain.FormatSize(m.qemu))
+				base.FormatSize(before.cached), base.FormatSize(m.cached), base.FormatSize(k.size()),
+				resident, base.FormatSize(before.qemu), base.FormatSize(m.qemu))
 		}
 		w, err := writeTime(e.stateDir, k.sizes[i])
 		if err != nil {
@@ -382,7 +383,7 @@ func runs(ds []time.Duration) string {
 
 func (k *kvSnaps) print(what string) {
 	fmt.Printf("%-43s pause %6.0f ms   ping gap %6.0f ms   total %6.0f ms   (size %s)\n",
-		what, ms(median(k.pause)), ms(median(k.gap)), ms(median(k.total)), domain.FormatSize(k.size()))
+		what, ms(median(k.pause)), ms(median(k.gap)), ms(median(k.total)), base.FormatSize(k.size()))
 	if len(k.pause) > 1 {
 		fmt.Printf("  first: pause %.0f ms, ping gap %.0f ms; later ones: pause %.0f ms, ping gap %.0f ms\n",
 			ms(k.pause[0]), ms(k.gap[0]), ms(median(k.pause[1:])), ms(median(k.gap[1:])))

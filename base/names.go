@@ -1,4 +1,4 @@
-package domain
+package base
 
 import (
 	"fmt"
@@ -13,17 +13,17 @@ const MaxNameLen = 63
 
 var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]*$`)
 
-// ValidName checks a box, snapshot or image name.
+// ValidName checks a box, snapshot, image or group name.
 func ValidName(name string) error {
 	switch {
 	case name == "":
-		return fmt.Errorf("%w: a name must not be empty", ErrInvalid)
+		return Errorf(Invalid, "a name must not be empty")
 	case len(name) > MaxNameLen:
-		return fmt.Errorf("%w: name %q is %d characters long; at most %d are allowed", ErrInvalid, name, len(name), MaxNameLen)
+		return Errorf(Invalid, "name %q is %d characters long; at most %d are allowed", name, len(name), MaxNameLen)
 	case strings.Contains(name, ".."):
-		return fmt.Errorf("%w: name %q must not contain \"..\"", ErrInvalid, name)
+		return Errorf(Invalid, "name %q must not contain \"..\"", name)
 	case !nameRE.MatchString(name):
-		return fmt.Errorf("%w: name %q may only hold letters, digits, '-', '_' and '.', and must start with a letter or digit", ErrInvalid, name)
+		return Errorf(Invalid, "name %q may only hold letters, digits, '-', '_' and '.', and must start with a letter or digit", name)
 	}
 	return nil
 }
@@ -52,7 +52,7 @@ func ParseSize(s string) (int64, error) {
 	}
 	f, err := strconv.ParseFloat(s, 64)
 	if err != nil || f <= 0 || f != f || f*float64(mult) > 1<<50 {
-		return 0, fmt.Errorf("%w: size %q is not a positive size like 512M, 4G or a number of bytes", ErrInvalid, orig)
+		return 0, Errorf(Invalid, "size %q is not a positive size like 512M, 4G or a number of bytes", orig)
 	}
 	return int64(f * float64(mult)), nil
 }

@@ -1,8 +1,7 @@
-package domain
+package base
 
 import (
 	"errors"
-	"os"
 	"strings"
 	"testing"
 )
@@ -20,8 +19,11 @@ func TestValidName(t *testing.T) {
 		if (err == nil) != tc.ok {
 			t.Errorf("ValidName(%q) = %v, want ok=%v", tc.name, err, tc.ok)
 		}
-		if err != nil && !errors.Is(err, ErrInvalid) {
-			t.Errorf("ValidName(%q) error does not wrap ErrInvalid", tc.name)
+		if err != nil && (!errors.Is(err, ErrInvalid) || KindOf(err) != Invalid) {
+			t.Errorf("ValidName(%q) error is not of kind Invalid", tc.name)
+		}
+		if err != nil && strings.Contains(err.Error(), "invalid") {
+			t.Errorf("ValidName(%q) = %q: the kind is glued into the message", tc.name, err)
 		}
 	}
 }
@@ -51,13 +53,5 @@ func TestFormatSize(t *testing.T) {
 		if got := FormatSize(in); got != want {
 			t.Errorf("FormatSize(%d) = %q, want %q", in, got, want)
 		}
-	}
-}
-
-func TestNameservers(t *testing.T) {
-	f := t.TempDir() + "/resolv.conf"
-	os.WriteFile(f, []byte("# generated\nnameserver 127.0.0.53\nnameserver 192.0.2.53\nnameserver ::1\nnameserver 2001:db8::53\noptions edns0\n"), 0o644)
-	if got := nameservers(f); strings.Join(got, " ") != "192.0.2.53 2001:db8::53" {
-		t.Errorf("nameservers = %v", got)
 	}
 }

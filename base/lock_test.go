@@ -1,4 +1,4 @@
-package domain
+package base
 
 import (
 	"errors"
@@ -8,20 +8,20 @@ import (
 	"time"
 )
 
-func TestLockFile(t *testing.T) {
+func TestLock(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "x.lock")
-	a, err := LockFile(path, true)
+	a, err := Lock(path, true)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := LockFile(path, false); !errors.Is(err, ErrLocked) {
+	if _, err := Lock(path, false); !errors.Is(err, ErrLocked) {
 		t.Fatalf("second non-blocking lock: %v, want ErrLocked", err)
 	}
 	// A waiter that opened the file before the holder removes it must not
 	// end up holding the removed file.
 	got := make(chan *FileLock)
 	go func() {
-		l, err := LockFile(path, true)
+		l, err := Lock(path, true)
 		if err != nil {
 			t.Error(err)
 		}
@@ -33,7 +33,7 @@ func TestLockFile(t *testing.T) {
 	if _, err := os.Stat(path); err != nil {
 		t.Fatalf("the waiter holds a lock on a file that is gone: %v", err)
 	}
-	if _, err := LockFile(path, false); !errors.Is(err, ErrLocked) {
+	if _, err := Lock(path, false); !errors.Is(err, ErrLocked) {
 		t.Fatalf("lock after the waiter took it: %v, want ErrLocked", err)
 	}
 	b.RemoveAndUnlock()

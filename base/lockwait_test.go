@@ -1,4 +1,4 @@
-package domain
+package base
 
 import (
 	"errors"
@@ -7,21 +7,21 @@ import (
 	"time"
 )
 
-// A wait on a lock another kvbox holds ends when Interrupt closes (the CLI
+// A wait on a lock another kvbox holds ends when stop closes (the CLI
 // closes it on Ctrl-C or SIGTERM), and the lock is taken once it is free.
 func TestLockWaitInterrupt(t *testing.T) {
 	dir := t.TempDir()
-	held, err := LockFile(filepath.Join(dir, "lock"), false)
+	path := filepath.Join(dir, "lock")
+	held, err := Lock(path, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	stop := make(chan struct{})
-	h := &Host{StateDir: dir, Interrupt: stop}
 	done := make(chan error, 1)
 	go func() {
-		unlock, err := h.Lock()
+		l, err := Wait(path, stop, nil)
 		if err == nil {
-			unlock()
+			l.Unlock()
 		}
 		done <- err
 	}()
@@ -33,7 +33,7 @@ func TestLockWaitInterrupt(t *testing.T) {
 	close(stop)
 	select {
 	case err := <-done:
-		if !errors.Is(err, ErrInterrupted) {
+		if !errors.Is(err, ErrInterrupted) || KindOf(err) != Interrupted {
 			t.Fatalf("interrupted Lock: %v, want ErrInterrupted", err)
 		}
 	case <-time.After(5 * time.Second):
@@ -42,10 +42,10 @@ func TestLockWaitInterrupt(t *testing.T) {
 	held.Unlock()
 
 	// Once free, the lock is taken, with or without Interrupt.
-	h.Interrupt = make(chan struct{})
-	unlock, err := h.Lock()
-	if err != nil {
-		t.Fatal(err)
+	said := 0
+	l, err := Wait(path, make(chan struct{}), func() { said++ })
+	if err != nil || said != 0 {
+		t.Fatalf("Wait on a free lock: %v, said it waits %d times", err, said)
 	}
-	unlock()
+	l.Unlock()
 }

@@ -1,0 +1,108 @@
+// Package statedir is the layout of kvbox's state directory: the one place
+// that knows where each thing kvbox keeps is, so that no package spells a
+// path of it out again.
+package statedir
+
+import "path/filepath"
+
+// Default is the state directory kvbox uses unless told otherwise.
+const Default = "/var/lib/kvbox"
+
+// Modes of what kvbox keeps under its state dir. Nothing has world bits:
+// the state dir is root:QEMU-group 0710, so a local user who is neither
+// root nor QEMU cannot even traverse it.
+const (
+	RootMode       = 0o710 // root:QEMU group: QEMU traverses, nobody lists
+	SharedDirMode  = 0o750 // root:QEMU group: boxes/, snapshots/, images/ and their sealed folders
+	SharedFileMode = 0o440 // root:QEMU group: sealed snapshot files and base images, read-only to QEMU
+	PrivateDirMode = 0o700 // root's alone: locks/, logs/, registry-cache/, publish/, ...
+)
+
+// Layout is a state directory.
+type Layout struct{ Root string }
+
+func (l Layout) join(p ...string) string { return filepath.Join(append([]string{l.Root}, p...)...) }
+
+// Boxes holds one folder per box: disk overlay, agent sockets, console
+// log, a suspended box's saved state. QEMU's user writes these folders.
+func (l Layout) Boxes() string { return l.join("boxes") }
+
+// Box is the folder of box name.
+func (l Layout) Box(name string) string { return l.join("boxes", name) }
+
+// Snapshots holds one sealed folder per snapshot.
+func (l Layout) Snapshots() string { return l.join("snapshots") }
+
+// Images holds one folder per base image (with its versions).
+func (l Layout) Images() string { return l.join("images") }
+
+// Shared are the folders QEMU reads through its group.
+func (l Layout) Shared() []string { return []string{l.Boxes(), l.Snapshots(), l.Images()} }
+
+// Private are the folders that are root's alone.
+func (l Layout) Private() []string {
+	return []string{l.join("locks"), l.Logs(), l.RegistryCache(), l.join("publish"), l.join("labels"),
+		l.join("reapers"), l.join("suspend"), l.join("ssh")}
+}
+
+// HostLock is the host-wide lock: it serializes every change of which
+// boxes exist and which addresses they hold.
+func (l Layout) HostLock() string { return l.join("lock") }
+
+// BoxLock is the lock of box name, held by commands that change it.
+func (l Layout) BoxLock(name string) string { return l.join("locks", name+".lock") }
+
+// PullLock is held while a snapshot is pulled under name.
+func (l Layout) PullLock(name string) string { return l.join("locks", "pull-"+name+".lock") }
+
+// ReaperLock is held by the live reaper of KIND NAME, its pid inside.
+func (l Layout) ReaperLock(kind, name string) string {
+	return l.join("reapers", kind+"-"+name+".lock")
+}
+
+// Logs holds what outlives a box or a command: failed boxes' console logs,
+// QMP transcripts, snapshot reapers' logs.
+func (l Layout) Logs() string { return l.join("logs") }
+
+// FailedConsoleLog is where the console log of a box whose creation failed
+// is kept after its folder is removed: the next failure of that name
+// replaces it.
+func (l Layout) FailedConsoleLog(name string) string { return l.join("logs", name+".console.log") }
+
+// QMPLog is the transcript of the QMP commands kvbox sent to box name's
+// QEMU and QEMU's replies.
+func (l Layout) QMPLog(name string) string { return l.join("logs", name+".qmp.log") }
+
+// SnapshotReaperLog is where the reaper of snapshot name writes what it did.
+func (l Layout) SnapshotReaperLog(name string) string {
+	return l.join("logs", name+".snapshot-reaper.log")
+}
+
+// BoxReaperLog is where the reaper of box name writes what it did: the
+// box's folder, so that it goes with the box.
+func (l Layout) BoxReaperLog(name string) string { return l.join("boxes", name, "reaper.log") }
+
+// SuspendFile is a file kvbox keeps for suspended box name (kind "live" or
+// "boot": its domain XML at the suspend, and the one it gets back).
+func (l Layout) SuspendFile(name, kind string) string {
+	return l.join("suspend", name+"."+kind+".xml")
+}
+
+// SuspendFiles matches the "boot" suspend files of every box.
+func (l Layout) SuspendFiles() string { return l.join("suspend", "*.boot.xml") }
+
+// Publish is box name's publish record (ext ".json") or its port holder's
+// log (".log").
+func (l Layout) Publish(name, ext string) string { return l.join("publish", name+ext) }
+
+// Labels is box name's labels, root's alone.
+func (l Layout) Labels(name string) string { return l.join("labels", name+".json") }
+
+// RegistryCache holds what push and pull keep between runs.
+func (l Layout) RegistryCache() string { return l.join("registry-cache") }
+
+// SSHKey is kvbox's SSH private key (".pub" beside it).
+func (l Layout) SSHKey() string { return l.join("ssh", "id_ed25519") }
+
+// Emulator is where kvbox keeps its QEMU wrapper.
+func (l Layout) Emulator() string { return l.join("libexec", "qemu-system-x86_64") }
