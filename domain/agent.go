@@ -33,13 +33,13 @@ func AgentSockets(dir string) []AgentPort {
 
 // Dial connects to a box's agent over the box's transport.
 func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
-	if b.State == "paused" {
+	if b.State == StatePaused {
 		return nil, base.Errorf(base.Busy, "box %q is paused, not running (kvbox start %s resumes it)", b.Name, b.Name)
 	}
-	if b.State == "suspended" {
+	if b.State == StateSuspended {
 		return nil, base.Errorf(base.Busy, "box %q is suspended, not running (kvbox resume %s wakes it)", b.Name, b.Name)
 	}
-	if b.State != "running" {
+	if b.State != StateRunning {
 		return nil, base.Errorf(base.Busy, "box %q is %s, not running (kvbox start %s)", b.Name, b.State, b.Name)
 	}
 	if !filepath.IsAbs(b.Dir) {
@@ -109,7 +109,7 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 	return h.waitAgent(ctx, d, b, func() (*agent.Client, string, bool, error) {
 		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		c, err := h.Dial(actx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID})
+		c, err := h.Dial(actx, Box{Name: b.Name, State: StateRunning, Meta: b.Meta, VsockCID: b.VsockCID})
 		if errors.Is(err, agent.ErrUnauthorized) {
 			return nil, "", false, fmt.Errorf("the agent of box %q refused kvbox's token: %w", b.Name, err)
 		}
@@ -145,7 +145,7 @@ func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, 
 	return h.waitAgent(ctx, d, b, func() (*agent.Client, string, bool, error) {
 		// A clone's agent has its snapshot's token, which it serves on a
 		// virtio-serial port only.
-		c, err := h.dialToken(ctx, Box{Name: b.Name, State: "running", Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0].tok, false, newToken)
+		c, err := h.dialToken(ctx, Box{Name: b.Name, State: StateRunning, Meta: b.Meta, VsockCID: b.VsockCID}, tokens[0].tok, false, newToken)
 		if err != nil {
 			return nil, "", true, err
 		}
@@ -175,7 +175,7 @@ func (h *Host) waitAgent(ctx context.Context, d *libvirt.Domain, b Box, try func
 	var last error
 	for {
 		if st, _, err := d.GetState(); err == nil && st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_PAUSED {
-			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateName(st), h.Layout().FailedConsoleLog(b.Name))
+			return nil, "", fmt.Errorf("box %q stopped while booting (%s); its console log is kept in %s", b.Name, stateOf(st, false), h.Layout().FailedConsoleLog(b.Name))
 		}
 		c, bootID, again, err := try()
 		if !again {
@@ -446,7 +446,7 @@ func (h *Host) RetireAgentToken(ctx context.Context, name string, tok []byte) er
 	if err := os.Remove(agentTokenPath(b.Dir)); err != nil {
 		return err
 	}
-	if b.State != "running" {
+	if b.State != StateRunning {
 		return nil
 	}
 	return h.RenewAgentToken(ctx, b)

@@ -15,7 +15,7 @@ import (
 type Box struct {
 	Name        string `json:"name"`
 	UUID        string `json:"uuid"`
-	State       string `json:"state"`
+	State       State  `json:"state"`
 	Meta               // image or snapshot, ip, mac, ...
 	CPUs        int    `json:"cpus"`
 	MemoryBytes int64  `json:"memory_bytes"`
@@ -44,24 +44,58 @@ func (b Box) From() string {
 	return "image " + b.Image
 }
 
-func stateName(s libvirt.DomainState) string {
+// State is what a box is doing, as kvbox lists it.
+type State string
+
+// The states of a box. Suspended is kvbox's own suspend (its memory and
+// device state on disk, no QEMU); a guest that put itself to sleep (ACPI
+// S3, which libvirt calls pmsuspended) is StatePMSuspended, a running QEMU
+// whose guest waits for a wake-up.
+const (
+	StateRunning      State = "running"
+	StateBlocked      State = "blocked"
+	StatePaused       State = "paused"
+	StateShuttingDown State = "shutting-down"
+	StateStopped      State = "stopped"
+	StateCrashed      State = "crashed"
+	StateSuspended    State = "suspended"
+	StatePMSuspended  State = "pmsuspended"
+	StateUnknown      State = "unknown"
+)
+
+// NoQEMU says no QEMU runs for a box in this state: it can be removed
+// without powering it off.
+func (s State) NoQEMU() bool {
+	return s == StateStopped || s == StateCrashed || s == StateSuspended
+}
+
+// Bootable says the box can be booted (kvbox start): it is stopped or
+// crashed.
+func (s State) Bootable() bool { return s == StateStopped || s == StateCrashed }
+
+// stateOf is the state of a domain in libvirt state s; suspended says the
+// box's metadata holds a kvbox suspend (which libvirt sees as shut off).
+func stateOf(s libvirt.DomainState, suspended bool) State {
 	switch s {
 	case libvirt.DOMAIN_RUNNING:
-		return "running"
+		return StateRunning
 	case libvirt.DOMAIN_BLOCKED:
-		return "blocked"
+		return StateBlocked
 	case libvirt.DOMAIN_PAUSED:
-		return "paused"
+		return StatePaused
 	case libvirt.DOMAIN_SHUTDOWN:
-		return "shutting-down"
+		return StateShuttingDown
 	case libvirt.DOMAIN_SHUTOFF:
-		return "stopped"
+		if suspended {
+			return StateSuspended
+		}
+		return StateStopped
 	case libvirt.DOMAIN_CRASHED:
-		return "crashed"
+		return StateCrashed
 	case libvirt.DOMAIN_PMSUSPENDED:
-		return "suspended"
+		return StatePMSuspended
 	}
-	return "unknown"
+	return StateUnknown
 }
 
 // boxOf reads a domain; ok is false when it is not a kvbox box.
@@ -81,10 +115,7 @@ func boxOf(d *libvirt.Domain) (b Box, ok bool, err error) {
 	if err != nil {
 		return Box{}, false, fmt.Errorf("read domain state: %w", err)
 	}
-	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateName(st), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
-	if b.Suspended != nil && st == libvirt.DOMAIN_SHUTOFF {
-		b.State = "suspended"
-	}
+	b = Box{Name: dx.Name, UUID: dx.UUID, State: stateOf(st, dx.Metadata.Suspended != nil), Meta: *dx.Metadata, CPUs: dx.VCPU, MemoryBytes: dx.memoryBytes()}
 	if dx.Devices.Vsock != nil {
 		b.VsockCID = dx.Devices.Vsock.CID.Address
 	}

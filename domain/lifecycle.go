@@ -454,7 +454,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 		return Box{}, err
 	}
 	defer release()
-	if b.State != "stopped" && b.State != "crashed" {
+	if !b.State.Bootable() {
 		return Box{}, base.Errorf(base.Busy, "box %q is %s, not stopped", name, b.State)
 	}
 	if err := h.EnsureBoxNetwork(b); err != nil {
@@ -486,10 +486,10 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 		return err
 	}
 	defer release()
-	if b.State == "stopped" {
+	if b.State == StateStopped {
 		return nil
 	}
-	if b.State == "suspended" {
+	if b.State == StateSuspended {
 		return base.Errorf(base.Busy, "box %q is suspended, not running (kvbox resume %s wakes it, kvbox rm %s deletes it)", name, name, name)
 	}
 	if !force {
@@ -524,7 +524,7 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 			return err
 		}
 	}
-	if b.State != "stopped" && b.State != "crashed" && b.State != "suspended" {
+	if !b.State.NoQEMU() {
 		if !force {
 			return base.Errorf(base.Busy, "box %q is %s; stop it first or use --force", name, b.State)
 		}
@@ -648,20 +648,39 @@ func EmptyMemory(dir string) error {
 	return f.Truncate(0)
 }
 
-// Resume continues a paused box (one a failed or interrupted snapshot left
+// Unpause continues a paused box (one a failed or interrupted snapshot left
 // paused): the guest carries on where it stopped.
-func (h *Host) Resume(name string) (Box, error) {
+func (h *Host) Unpause(name string) (Box, error) {
 	b, dom, release, err := h.LockedLookup(name)
 	if err != nil {
 		return Box{}, err
 	}
 	defer release()
-	if b.State != "paused" {
+	if b.State != StatePaused {
 		return Box{}, base.Errorf(base.Busy, "box %q is %s, not paused", name, b.State)
 	}
 	if err := dom.Resume(); err != nil {
-		return Box{}, fmt.Errorf("resume box %q: %s", name, LibvirtMessage(err))
+		return Box{}, fmt.Errorf("continue box %q: %s", name, LibvirtMessage(err))
 	}
-	b.State = "running"
+	b.State = StateRunning
+	return b, nil
+}
+
+// Wake wakes a box whose guest put itself to sleep (ACPI S3, libvirt's
+// pmsuspended): its QEMU runs on, and the guest continues from where it
+// slept.
+func (h *Host) Wake(name string) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	if b.State != StatePMSuspended {
+		return Box{}, base.Errorf(base.Busy, "box %q is %s, not asleep (pmsuspended)", name, b.State)
+	}
+	if err := dom.PMWakeup(0); err != nil {
+		return Box{}, fmt.Errorf("wake box %q: %s", name, LibvirtMessage(err))
+	}
+	b.State = StateRunning
 	return b, nil
 }

@@ -204,7 +204,7 @@ func (cl *cloning) resume(context.Context) error {
 	if err := cl.c.Dom.Resume(); err != nil {
 		return fmt.Errorf("resume clone %q: %s", cl.c.Name, domain.LibvirtMessage(err))
 	}
-	cl.c.Box.State = "running"
+	cl.c.Box.State = domain.StateRunning
 	return nil
 }
 

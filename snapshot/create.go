@@ -178,7 +178,7 @@ func CreateOf(ctx context.Context, h *domain.Host, st Store, boxName, name strin
 		}
 		return f()
 	}
-	if b.State == "stopped" {
+	if b.State == domain.StateStopped {
 		done := phase(ph.Booting)
 		_, err := h.Start(ctx, boxName, 90*time.Second)
 		done()
@@ -211,7 +211,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 		return Result{}, err
 	}
 	defer release()
-	if box.State != "running" {
+	if box.State != domain.StateRunning {
 		return Result{}, base.Errorf(base.Busy, "box %q is %s; kvbox snapshots a running box", boxName, box.State)
 	}
 	if err := os.MkdirAll(st.Dir, statedir.SharedDirMode); err != nil {

@@ -79,7 +79,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 		return err
 	}
 	defer dom.Free()
-	if box.UUID != p.BoxUUID || (box.State != "running" && box.State != "paused") {
+	if box.UUID != p.BoxUUID || (box.State != domain.StateRunning && box.State != domain.StatePaused) {
 		return nil // another box of that name now, or QEMU is gone with all it had
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)

@@ -71,7 +71,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 		return SuspendResult{}, err
 	}
 	defer release()
-	if box.State != "running" {
+	if box.State != domain.StateRunning {
 		return SuspendResult{}, base.Errorf(base.Busy, "box %q is %s; kvbox suspends a running box", name, box.State)
 	}
 	s := &suspending{h: h, box: box, dom: dom, q: h.QMP(dom, name), running: true}
@@ -270,7 +270,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 		return ResumeResult{}, err
 	}
 	defer release()
-	if box.State != "suspended" {
+	if box.State != domain.StateSuspended {
 		return ResumeResult{}, base.Errorf(base.Busy, "box %q is %s, not suspended", name, box.State)
 	}
 	r := &resuming{h: h, box: box, dom: dom, saved: *box.Suspended}
@@ -438,7 +438,7 @@ func (r *resuming) setClock(ctx context.Context, timeout time.Duration) error {
 	actx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	b := r.box
-	b.State, b.Suspended = "running", nil
+	b.State, b.Suspended = domain.StateRunning, nil
 	c, _, err := r.h.WaitAgent(actx, r.dom, b)
 	if err != nil {
 		return err

@@ -1,9 +1,17 @@
 package snapshot
 
 import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 )
 
@@ -31,5 +39,43 @@ func TestSuspendedXML(t *testing.T) {
 		if _, err := suspendedXML(bad, b); err == nil {
 			t.Errorf("suspendedXML accepted %q", bad)
 		}
+	}
+}
+
+// A guest that put itself to sleep (ACPI S3: libvirt's pmsuspended) is
+// not a box kvbox suspended: resume refuses it in one line, where it took
+// it for a suspended box and read the saved state its metadata does not
+// have (a nil pointer).
+func TestResumeRefusesASleepingGuest(t *testing.T) {
+	dir := t.TempDir()
+	md, err := domain.MarshalMeta(domain.Meta{Dir: filepath.Join(dir, "boxes", "sleeper"), Transport: "virtio-serial", Created: time.Now().UTC()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// libvirt's test driver, from a file of our own: a domain in state 7
+	// (VIR_DOMAIN_PMSUSPENDED), which no driver call can put it in.
+	node := filepath.Join(dir, "node.xml")
+	x := `<node><domain type='test' xmlns:test='http://libvirt.org/schemas/domain/test/1.0'><name>sleeper</name>
+<memory unit='KiB'>65536</memory><vcpu>1</vcpu><os><type>hvm</type></os><metadata>` + md + `</metadata>
+<test:runstate>7</test:runstate></domain></node>`
+	if err := os.WriteFile(node, []byte(x), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := libvirt.NewConnect("test://" + node)
+	if err != nil {
+		t.Skipf("libvirt's test driver: %v", err)
+	}
+	defer conn.Close()
+	h := &domain.Host{Conn: conn, StateDir: dir}
+	b, err := h.Get("sleeper")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.State != domain.StatePMSuspended {
+		t.Fatalf("a guest in S3 is listed %q, want %q", b.State, domain.StatePMSuspended)
+	}
+	_, err = Resume(context.Background(), h, "sleeper", time.Second)
+	if !errors.Is(err, base.ErrBusy) || !strings.Contains(err.Error(), "pmsuspended, not suspended") {
+		t.Errorf("resume of a sleeping guest: %v", err)
 	}
 }

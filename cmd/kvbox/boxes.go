@@ -307,7 +307,7 @@ func (a *app) newCmdStart() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if b, err := h.Get(args[0]); err == nil && (b.State == "paused" || b.State == "suspended") {
+			if b, err := h.Get(args[0]); err == nil && (b.State == domain.StatePaused || b.State == domain.StateSuspended || b.State == domain.StatePMSuspended) {
 				return a.resumeBox(c, h, args[0], timeout, false)
 			}
 			stop := a.spin("booting " + args[0] + ", waiting for its agent")

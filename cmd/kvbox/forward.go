@@ -201,13 +201,13 @@ func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
 	// is said stopped only if it is still there a second later.
 	deadline := time.Now().Add(5 * time.Second)
 	var stoppedAt time.Time
-	state := ""
+	var state domain.State
 	for {
 		b, err := h.Get(name)
 		switch {
 		case errors.Is(err, base.ErrNotFound):
 			return fmt.Errorf("box %q was removed: port forwarding ended", name)
-		case err == nil && b.State != "running":
+		case err == nil && b.State != domain.StateRunning:
 			if stoppedAt.IsZero() {
 				stoppedAt, state = time.Now(), b.State
 			}

@@ -91,14 +91,21 @@ func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time
 	if err != nil {
 		return err
 	}
-	if b.State == "paused" {
-		if _, err := h.Resume(n); err != nil {
+	if b.State == domain.StatePaused {
+		if _, err := h.Unpause(n); err != nil {
 			return err
 		}
 		fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", b.Name, b.IP)
 		return nil
 	}
-	if b.State != "suspended" {
+	if b.State == domain.StatePMSuspended {
+		if _, err := h.Wake(n); err != nil {
+			return err
+		}
+		fmt.Fprintf(a.io.Out, "✓ box %s is awake (its guest was asleep) at %s\n", b.Name, b.IP)
+		return nil
+	}
+	if b.State != domain.StateSuspended {
 		return base.Errorf(base.Busy, "box %q is %s, neither suspended nor paused", n, b.State)
 	}
 	stop := a.spin("waking " + n)

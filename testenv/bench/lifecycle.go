@@ -134,7 +134,7 @@ func managedSaveRounds(ctx context.Context, e *env, peer string) (msave, mstart 
 		if out, err := virsh(ctx, "start", peer); err != nil {
 			return nil, nil, fmt.Errorf("virsh start: %v: %s", err, out)
 		}
-		peerBox.State = "running"
+		peerBox.State = domain.StateRunning
 		if err := pingAgent(ctx, e.h, peerBox); err != nil {
 			return nil, nil, err
 		}
