@@ -138,7 +138,7 @@ func MetaOfXML(x string) (m Meta, ok bool, err error) {
 // Boxes lists every box, sorted by name. Domains without kvbox metadata are
 // not boxes and are left out.
 func (h *Host) Boxes() ([]Box, error) {
-	doms, err := h.Conn.ListAllDomains(0)
+	doms, err := h.Conn().ListAllDomains(0)
 	if err != nil {
 		return nil, fmt.Errorf("list domains: %s", LibvirtMessage(err))
 	}
@@ -175,7 +175,7 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 	if err := base.ValidName(name); err != nil {
 		return Box{}, nil, err
 	}
-	d, err := h.Conn.LookupDomainByName(name)
+	d, err := h.Conn().LookupDomainByName(name)
 	if isNoDomain(err) {
 		return Box{}, nil, NoBoxError{name}
 	}
@@ -221,7 +221,7 @@ func (h *Host) UsedAddrs() ([]netip.Addr, error) {
 
 // NameFree reports an error of kind Exists when a domain (a box or not) has the name.
 func (h *Host) NameFree(name string) error {
-	d, err := h.Conn.LookupDomainByName(name)
+	d, err := h.Conn().LookupDomainByName(name)
 	if err == nil {
 		d.Free()
 		return base.Errorf(base.Exists, "a box or domain named %q already exists (pick another name, or kvbox rm %s)", name, name)

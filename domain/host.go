@@ -1,13 +1,14 @@
 // Package domain owns boxes as libvirt domains: their XML (rendered from a
 // template, with kvbox's facts in the domain's metadata), their folders on
 // the host, and their life cycle (create, start, stop, remove), including
-// waiting for a box's guest agent and giving the guest its identity. It
-// also holds kvbox's sentinel errors and name and size rules.
+// waiting for a box's guest agent and giving the guest its identity.
 package domain
 
 import (
+	"errors"
 	"os"
 	"os/exec"
+	"sync"
 
 	"libvirt.org/go/libvirt"
 
@@ -21,9 +22,9 @@ import (
 const AgentPorts = 4
 
 // Host is kvbox on one libvirt host: the connection, the state directory
-// and the network boxes are put on.
+// and the network boxes are put on. It is safe for concurrent use once its
+// fields are set; its connection is made again when libvirtd restarted.
 type Host struct {
-	Conn     *libvirt.Connect
 	URI      string
 	StateDir string
 	Net      network.Config
@@ -38,15 +39,75 @@ type Host struct {
 	// ReaperCommand builds the command of a detached reaper (kvbox re-run
 	// as `kvbox ... __reap KIND NAME ID`); nil starts none.
 	ReaperCommand func(kind, name, id string) *exec.Cmd
-	facts         *hostFacts
+
+	mu    sync.Mutex
+	conn  *libvirt.Connect
+	facts *hostFacts
+}
+
+// SetConn gives the host its libvirt connection (Connect's, or a test
+// driver's).
+func (h *Host) SetConn(c *libvirt.Connect) {
+	h.mu.Lock()
+	h.conn = c
+	h.mu.Unlock()
+}
+
+// Conn is the host's libvirt connection. One libvirtd closed (it
+// restarted, or dropped an idle client) is replaced by a new one to URI
+// first; when that fails the broken one is returned, and what is asked of
+// it fails with libvirt's error.
+func (h *Host) Conn() *libvirt.Connect {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.conn == nil || h.URI == "" {
+		return h.conn
+	}
+	alive, err := h.conn.IsAlive()
+	if err == nil && alive {
+		return h.conn
+	}
+	if c, cerr := Connect(h.URI); cerr == nil {
+		if err == nil { // an invalid pointer is not closed twice
+			h.conn.Close()
+		}
+		h.conn = c
+	}
+	return h.conn
+}
+
+// Close closes the host's libvirt connection.
+func (h *Host) Close() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.conn == nil {
+		return nil
+	}
+	_, err := h.conn.Close()
+	h.conn = nil
+	return err
+}
+
+// Define defines (or redefines) a domain from its XML and frees libvirt's
+// handle: for a definition kvbox does not use right after (a box's next
+// boot, a suspended box's). The error is libvirt's message.
+func (h *Host) Define(xml string) error {
+	d, err := h.Conn().DomainDefineXML(xml)
+	if err != nil {
+		return errors.New(LibvirtMessage(err))
+	}
+	return d.Free()
 }
 
 // Layout is the host's state directory.
 func (h *Host) Layout() statedir.Layout { return statedir.Layout{Root: h.StateDir} }
 
 func (h *Host) hostFacts() (hostFacts, error) {
+	conn := h.Conn()
+	h.mu.Lock()
+	defer h.mu.Unlock()
 	if h.facts == nil {
-		f, err := readHostFacts(h.Conn)
+		f, err := readHostFacts(conn)
 		if err != nil {
 			return hostFacts{}, err
 		}

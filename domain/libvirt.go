@@ -7,6 +7,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"libvirt.org/go/libvirt"
 
@@ -23,12 +25,37 @@ func DefaultURI() string {
 }
 
 // Connect opens libvirt. A daemon that does not answer is Unavailable.
+// The connection sends keepalives, and libvirt's event loop runs in this
+// process (once): a libvirtd that restarted or went away shows as a
+// connection that is not alive (Host.Conn then makes a new one), rather
+// than as the failure of the next call on it.
 func Connect(uri string) (*libvirt.Connect, error) {
+	startEventLoop()
 	c, err := libvirt.NewConnect(uri)
 	if err != nil {
 		return nil, base.Errorf(base.Unavailable, "cannot reach libvirt at %s (is libvirtd running?): %s", uri, LibvirtMessage(err))
 	}
+	c.SetKeepAlive(5, 3) // a driver without keepalives (test:///) refuses: fine
 	return c, nil
+}
+
+var eventLoop sync.Once
+
+// startEventLoop runs libvirt's default event loop, which watches the
+// connections' sockets and sends their keepalives.
+func startEventLoop() {
+	eventLoop.Do(func() {
+		if libvirt.EventRegisterDefaultImpl() != nil {
+			return
+		}
+		go func() {
+			for {
+				if libvirt.EventRunDefaultImpl() != nil {
+					time.Sleep(time.Second)
+				}
+			}
+		}()
+	})
 }
 
 // LibvirtMessage is the message of a libvirt error without its code prefix.

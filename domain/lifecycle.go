@@ -180,7 +180,7 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 	if err != nil {
 		return err
 	}
-	if c.Dom, err = h.Conn.DomainDefineXML(xml); err != nil {
+	if c.Dom, err = h.Conn().DomainDefineXML(xml); err != nil {
 		return fmt.Errorf("define box %q: %s", s.Name, LibvirtMessage(err))
 	}
 	r.Add(func() { Undefine(c.Dom) })
@@ -281,7 +281,7 @@ func (h *Host) RecoverBoxes() ([]string, error) {
 		if err != nil {
 			continue // no marker, or a live kvbox is creating the box
 		}
-		if d, err := h.Conn.LookupDomainByName(e.Name()); err == nil {
+		if d, err := h.Conn().LookupDomainByName(e.Name()); err == nil {
 			if b, ok, _ := boxOf(d); ok && b.Dir == dir {
 				powerOff(d, e.Name())
 				if err := Undefine(d); err != nil && !isNoDomain(err) {
@@ -328,7 +328,7 @@ func (h *Host) RemoveOrphanFolders() []string {
 // domain.
 func (h *Host) removeOrphan(name, dir string) bool {
 	owned := func() bool {
-		d, err := h.Conn.LookupDomainByName(name)
+		d, err := h.Conn().LookupDomainByName(name)
 		if err != nil {
 			return !isNoDomain(err) // when in doubt, it is somebody's
 		}
@@ -400,7 +400,7 @@ func (h *Host) LockedLookup(name string) (b Box, dom *libvirt.Domain, release fu
 	}
 	return b, dom, func() {
 		dom.Free()
-		d, err := h.Conn.LookupDomainByName(name)
+		d, err := h.Conn().LookupDomainByName(name)
 		if err == nil {
 			d.Free()
 		}
@@ -608,11 +608,9 @@ func (h *Host) UpgradeRAM(dom *libvirt.Domain, b Box) error {
 		return fmt.Errorf("read box %q: %s", b.Name, LibvirtMessage(err))
 	}
 	if x, ok := ReplaceQemuArg(x, LegacyRAMArgs(b.MemoryBytes, MemoryFile(b.Dir))[1], RAMArgs(b.MemoryBytes)[1]); ok {
-		d, err := h.Conn.DomainDefineXML(x)
-		if err != nil {
-			return fmt.Errorf("give box %q anonymous RAM: %s", b.Name, LibvirtMessage(err))
+		if err := h.Define(x); err != nil {
+			return fmt.Errorf("give box %q anonymous RAM: %w", b.Name, err)
 		}
-		d.Free()
 	}
 	if err := os.Remove(MemoryFile(b.Dir)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err

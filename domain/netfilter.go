@@ -36,7 +36,7 @@ func (h *Host) EnsurePortFilter() error {
 			}
 		}
 	}
-	return network.EnsureFilter(h.Conn)
+	return network.EnsureFilter(h.Conn())
 }
 
 // portFiltered reports whether a box's port is in kvbox's port filter: a

@@ -1,12 +1,13 @@
 package domain
 
 import (
-	"kvbox.dev/kvbox/base"
 	"os"
 	"os/exec"
 	"strconv"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // A reaper holds its lock while it lives; StopReaper signals only a

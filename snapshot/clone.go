@@ -154,7 +154,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if err := h.EnsureEmulator(xml); err != nil {
 		return err
 	}
-	if c.Dom, err = h.Conn.DomainDefineXML(xml); err != nil {
+	if c.Dom, err = h.Conn().DomainDefineXML(xml); err != nil {
 		return fmt.Errorf("define clone %q: %s", c.Name, domain.LibvirtMessage(err))
 	}
 	r.Add(func() { domain.Undefine(c.Dom) })
@@ -218,11 +218,9 @@ func (cl *cloning) persist(context.Context) error {
 	if err != nil {
 		return err
 	}
-	d, err := c.Host.Conn.DomainDefineXML(boot)
-	if err != nil {
-		return fmt.Errorf("define clone %q for its next boot: %s", c.Name, domain.LibvirtMessage(err))
+	if err := c.Host.Define(boot); err != nil {
+		return fmt.Errorf("define clone %q for its next boot: %w", c.Name, err)
 	}
-	d.Free()
 	return nil
 }
 

@@ -411,7 +411,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// rest (makeRest). The guest is asked now, while it surely runs: a
 	// paused copy (copyPaused) stops it next.
 	c.guest = meanwhile(func() (agent.Info, error) { return c.giveToken(ctx) })
-	c.compat = meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn, c.liveXML) })
+	c.compat = meanwhile(func() (Compat, error) { return CompatOf(c.h.Conn(), c.liveXML) })
 	// The switch-over inactivates the disk, and the pause ends with its
 	// activation: it must find the page cache of the files the box shares
 	// kept.

@@ -221,11 +221,9 @@ func (s *suspending) cancelSave() {
 // before QEMU goes (from the moment QEMU is gone no start may boot over the
 // saved memory), and marks the box suspended in its metadata.
 func (s *suspending) defineSuspended(context.Context) error {
-	d, err := s.h.Conn.DomainDefineXML(s.suspendedDef)
-	if err != nil {
-		return fmt.Errorf("define suspended box %q: %s", s.box.Name, domain.LibvirtMessage(err))
+	if err := s.h.Define(s.suspendedDef); err != nil {
+		return fmt.Errorf("define suspended box %q: %w", s.box.Name, err)
 	}
-	d.Free()
 	meta := s.box.Meta
 	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: true, PauseMillis: s.pause.Milliseconds()}
 	if err := domain.WriteMeta(s.dom, meta, false); err != nil {
@@ -237,9 +235,7 @@ func (s *suspending) defineSuspended(context.Context) error {
 
 // defineBoot puts the box's own definition and metadata back.
 func (s *suspending) defineBoot() {
-	if d, err := s.h.Conn.DomainDefineXML(s.boot); err == nil {
-		d.Free()
-	}
+	s.h.Define(s.boot)
 	domain.WriteMeta(s.dom, s.box.Meta, true)
 }
 
@@ -383,17 +379,11 @@ func (r *resuming) wake() step.Plan {
 			if err := r.h.EnsureEmulator(r.wakeDef); err != nil {
 				return err
 			}
-			d, err := r.h.Conn.DomainDefineXML(r.wakeDef)
-			if err != nil {
-				return fmt.Errorf("define box %q to resume it: %s", name, domain.LibvirtMessage(err))
+			if err := r.h.Define(r.wakeDef); err != nil {
+				return fmt.Errorf("define box %q to resume it: %w", name, err)
 			}
-			d.Free()
 			return nil
-		}, Undo: func() {
-			if d, err := r.h.Conn.DomainDefineXML(r.suspendedDef); err == nil {
-				d.Free()
-			}
-		}},
+		}, Undo: func() { r.h.Define(r.suspendedDef) }},
 		{Name: "start-paused", Do: func(context.Context) error {
 			if err := r.dom.CreateWithFlags(libvirt.DOMAIN_START_PAUSED); err != nil {
 				return fmt.Errorf("start box %q: %s", name, domain.LibvirtMessage(err))
@@ -419,11 +409,9 @@ func (r *resuming) wake() step.Plan {
 // cold boot, with the metadata as it is now (kvbox ttl may have changed it
 // while it slept).
 func (r *resuming) defineBoot(context.Context) error {
-	d, err := r.h.Conn.DomainDefineXML(string(r.boot))
-	if err != nil {
-		return fmt.Errorf("define box %q for its next boot: %s", r.box.Name, domain.LibvirtMessage(err))
+	if err := r.h.Define(string(r.boot)); err != nil {
+		return fmt.Errorf("define box %q for its next boot: %w", r.box.Name, err)
 	}
-	d.Free()
 	meta := r.box.Meta
 	meta.Suspended = nil
 	if err := domain.WriteMeta(r.dom, meta, true); err != nil {
@@ -564,22 +552,18 @@ func suspendAgain(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot stri
 	if err != nil {
 		return err
 	}
-	d, err := h.Conn.DomainDefineXML(sx)
-	if err != nil {
-		return fmt.Errorf("define suspended box: %s", domain.LibvirtMessage(err))
+	if err := h.Define(sx); err != nil {
+		return fmt.Errorf("define suspended box: %w", err)
 	}
-	d.Free()
 	return domain.WriteMeta(dom, box.Meta, false)
 }
 
 // settleResumed finishes a resume killed after the guest ran: its own
 // definition back, the suspended mark and the saved state gone.
 func settleResumed(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot string) error {
-	d, err := h.Conn.DomainDefineXML(boot)
-	if err != nil {
-		return fmt.Errorf("define box for its next boot: %s", domain.LibvirtMessage(err))
+	if err := h.Define(boot); err != nil {
+		return fmt.Errorf("define box for its next boot: %w", err)
 	}
-	d.Free()
 	meta := box.Meta
 	state := meta.Suspended.State
 	meta.Suspended = nil

@@ -66,7 +66,8 @@ func TestResumeRefusesASleepingGuest(t *testing.T) {
 		t.Skipf("libvirt's test driver: %v", err)
 	}
 	defer conn.Close()
-	h := &domain.Host{Conn: conn, StateDir: dir}
+	h := &domain.Host{StateDir: dir}
+	h.SetConn(conn)
 	b, err := h.Get("sleeper")
 	if err != nil {
 		t.Fatal(err)

@@ -84,7 +84,7 @@ func run(ctx context.Context, args []string, ios IO) int {
 	root.SetErr(a.io.Err)
 	err := root.ExecuteContext(ctx)
 	if a.host != nil {
-		a.host.Conn.Close()
+		a.host.Close()
 	}
 	if err == nil {
 		return 0
@@ -292,8 +292,9 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.host = &domain.Host{Conn: conn, URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt,
+	a.host = &domain.Host{URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt,
 		ReaperCommand: a.reaperCommand}
+	a.host.SetConn(conn)
 	if err := a.host.SecureStateDir(); err != nil {
 		return nil, fmt.Errorf("state dir %s: %w", a.stateDir, err)
 	}

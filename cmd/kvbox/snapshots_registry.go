@@ -103,7 +103,7 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 			}
 			done := a.progress(&o)
 			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", s.Name, args[1])
-			res, err := registry.Push(c.Context(), h.Conn, a.stateDir, s, args[1], o)
+			res, err := registry.Push(c.Context(), h.Conn(), a.stateDir, s, args[1], o)
 			done()
 			if err != nil {
 				return err
@@ -160,7 +160,7 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 				return err
 			}
 			done := a.progress(&o)
-			res, err := registry.Pull(c.Context(), h.Conn, a.stateDir, args[0], args[1], o)
+			res, err := registry.Pull(c.Context(), h.Conn(), a.stateDir, args[0], args[1], o)
 			done()
 			if err != nil {
 				return err
@@ -211,7 +211,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			compat, err := snapshot.LoadCompat(h.Conn, s.Dir)
+			compat, err := snapshot.LoadCompat(h.Conn(), s.Dir)
 			if err != nil {
 				return err
 			}
@@ -231,7 +231,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if err := compat.Check(h.Conn, typ); err != nil {
+			if err := compat.Check(h.Conn(), typ); err != nil {
 				in.HostOK = err.Error()
 			}
 			if asJSON {
@@ -291,7 +291,7 @@ func verString(v uint64) string {
 // (domain type, machine type, QEMU version, CPU), before a clone starts
 // and fails halfway.
 func checkHostFor(h *domain.Host, s snapshot.Snapshot) error {
-	compat, err := snapshot.LoadCompat(h.Conn, s.Dir)
+	compat, err := snapshot.LoadCompat(h.Conn(), s.Dir)
 	if err != nil {
 		return err
 	}
@@ -299,7 +299,7 @@ func checkHostFor(h *domain.Host, s snapshot.Snapshot) error {
 	if err != nil {
 		return err
 	}
-	if err := compat.Check(h.Conn, typ); err != nil {
+	if err := compat.Check(h.Conn(), typ); err != nil {
 		return fmt.Errorf("snapshot %q: %w", s.Name, err)
 	}
 	return nil

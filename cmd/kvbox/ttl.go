@@ -429,8 +429,6 @@ func (a *app) reconnect(h *domain.Host) {
 	if err != nil {
 		return
 	}
-	if h.Conn != nil {
-		h.Conn.Close()
-	}
-	h.Conn = c
+	h.Close()
+	h.SetConn(c)
 }

@@ -32,7 +32,8 @@ func testDriverApp(t *testing.T) (*app, *domain.Host) {
 	dir := t.TempDir()
 	var out bytes.Buffer
 	a := &app{io: IO{Out: &out, Err: &out}, stateDir: dir, reaper: true}
-	a.host = &domain.Host{Conn: conn, URI: "test:///default", StateDir: dir}
+	a.host = &domain.Host{StateDir: dir}
+	a.host.SetConn(conn)
 	return a, a.host
 }
 
@@ -46,7 +47,7 @@ func defineTestBox(t *testing.T, h *domain.Host, name string, at *time.Time) str
 	}
 	x := fmt.Sprintf(`<domain type='test'><name>%s</name><memory unit='KiB'>65536</memory><vcpu>1</vcpu>
 <os><type>hvm</type></os><metadata>%s</metadata></domain>`, name, md)
-	d, err := h.Conn.DomainDefineXML(x)
+	d, err := h.Conn().DomainDefineXML(x)
 	if err != nil {
 		t.Fatalf("define %s: %v", name, err)
 	}
@@ -60,7 +61,7 @@ func defineTestBox(t *testing.T, h *domain.Host, name string, at *time.Time) str
 
 func undefineTestBox(t *testing.T, h *domain.Host, name string) {
 	t.Helper()
-	d, err := h.Conn.LookupDomainByName(name)
+	d, err := h.Conn().LookupDomainByName(name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +81,7 @@ func TestTTLRemovesByIdentity(t *testing.T) {
 	logf := func(format string, v ...any) { t.Logf(format, v...) }
 	name := "kvbox-unit-ttl-reused"
 	t.Cleanup(func() {
-		if d, err := h.Conn.LookupDomainByName(name); err == nil {
+		if d, err := h.Conn().LookupDomainByName(name); err == nil {
 			d.Undefine()
 			d.Free()
 		}

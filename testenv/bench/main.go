@@ -124,7 +124,8 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 	}
 	defer conn.Close()
 	e := &env{conn: conn, stateDir: stateDir, n: n, boots: boots,
-		h: &domain.Host{Conn: conn, URI: domain.DefaultURI(), StateDir: stateDir, Net: nc, Template: templates.Box}}
+		h: &domain.Host{URI: domain.DefaultURI(), StateDir: stateDir, Net: nc, Template: templates.Box}}
+	e.h.SetConn(conn)
 	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}
