@@ -135,9 +135,33 @@ func MetaOfXML(x string) (m Meta, ok bool, err error) {
 	return *dx.Metadata, true, nil
 }
 
-// Boxes lists every box, sorted by name. Domains without kvbox metadata are
-// not boxes and are left out.
+// Boxes lists this state dir's boxes, sorted by name. Domains without
+// kvbox metadata are not boxes, and the boxes of another state dir (another
+// kvbox on the same libvirt) are another kvbox's: both are left out.
 func (h *Host) Boxes() ([]Box, error) {
+	all, err := h.AllBoxes()
+	return h.own(all), err
+}
+
+// Owns says box b is one of this state dir's: its folder is in it.
+func (h *Host) Owns(b Box) bool {
+	return b.Dir != "" && filepath.Dir(b.Dir) == h.Layout().Boxes()
+}
+
+// own is the boxes of boxes that this state dir owns.
+func (h *Host) own(boxes []Box) []Box {
+	var out []Box
+	for _, b := range boxes {
+		if h.Owns(b) {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+// AllBoxes lists the boxes of every state dir on this libvirt, for what
+// they share: addresses, bridges, group subnets.
+func (h *Host) AllBoxes() ([]Box, error) {
 	doms, err := h.Conn().ListAllDomains(0)
 	if err != nil {
 		return nil, fmt.Errorf("list domains: %s", LibvirtMessage(err))
@@ -191,6 +215,10 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 		d.Free()
 		return Box{}, nil, base.Errorf(base.NotFound, "domain %q is not a kvbox box (it has no kvbox metadata)", name)
 	}
+	if !h.Owns(b) {
+		d.Free()
+		return Box{}, nil, base.Errorf(base.NotFound, "box %q is another kvbox's (its folder %s is not in state dir %s)", name, b.Dir, h.StateDir)
+	}
 	return b, d, nil
 }
 
@@ -204,9 +232,10 @@ func (h *Host) Get(name string) (Box, error) {
 	return b, nil
 }
 
-// UsedAddrs lists every address held by a box. Call it under Lock.
+// UsedAddrs lists every address held by a box of any state dir. Call it
+// under Lock.
 func (h *Host) UsedAddrs() ([]netip.Addr, error) {
-	boxes, err := h.Boxes()
+	boxes, err := h.AllBoxes()
 	if err != nil {
 		return nil, err
 	}

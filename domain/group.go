@@ -3,12 +3,14 @@ package domain
 import (
 	"fmt"
 	"net/netip"
+	"path/filepath"
 	"strings"
 
 	"github.com/vishvananda/netlink"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // Box groups (network/group.go): boxes of one group share a bridge of their
@@ -21,13 +23,34 @@ import (
 // ValidGroup checks a group name: a box name's rules.
 func ValidGroup(group string) error { return base.ValidName(group) }
 
+// groupKey names group's network on the host (its bridge, and the mark
+// on it): the group's name in the default state dir, and the name with the
+// state dir in another, so that the groups of one name of two kvboxes on
+// one host (two state dirs) are two networks that never reach each other.
+func (h *Host) groupKey(group string) string {
+	if h.StateDir == statedir.Default {
+		return group
+	}
+	return group + "@" + filepath.Clean(h.StateDir)
+}
+
+// ownsGroupKey says a group's network, by the key its bridge is marked
+// with, is one of this state dir's groups.
+func (h *Host) ownsGroupKey(key string) bool {
+	if h.StateDir == statedir.Default {
+		return !strings.Contains(key, "@")
+	}
+	return strings.HasSuffix(key, "@"+filepath.Clean(h.StateDir))
+}
+
 // groupOf is the network of the group box b is in.
-func groupOf(b Box) (network.Config, error) {
+func (h *Host) groupOf(b Box) (network.Config, error) {
+	key := h.groupKey(b.Group)
 	gw, err := netip.ParseAddr(b.Gateway)
-	if err != nil || b.Prefix <= 0 || (b.Bridge != network.GroupBridge(b.Group) && b.Bridge != network.LegacyGroupBridge(b.Group)) {
+	if err != nil || b.Prefix <= 0 || (b.Bridge != network.GroupBridge(key) && b.Bridge != network.LegacyGroupBridge(b.Group)) {
 		return network.Config{}, fmt.Errorf("box %q: its metadata holds no network for group %q (gateway %q/%d, bridge %q)", b.Name, b.Group, b.Gateway, b.Prefix, b.Bridge)
 	}
-	return network.GroupConfig(b.Group, b.Bridge, netip.PrefixFrom(gw, b.Prefix)), nil
+	return network.GroupConfig(key, b.Bridge, netip.PrefixFrom(gw, b.Prefix)), nil
 }
 
 // GroupNetwork is the network a new box of group goes on, set up: the main
@@ -44,34 +67,38 @@ func (h *Host) GroupNetwork(group string) (network.Config, error) {
 	if err := ValidGroup(group); err != nil {
 		return network.Config{}, fmt.Errorf("group %q: %w", group, err)
 	}
-	boxes, err := h.Boxes()
+	all, err := h.AllBoxes()
 	if err != nil {
 		return network.Config{}, err
 	}
-	h.pruneGroups(boxes)
-	taken := []netip.Prefix{h.Net.Subnet}
-	for _, b := range boxes {
-		if b.Group == "" {
-			continue
-		}
-		nc, err := groupOf(b)
-		if err != nil {
-			return network.Config{}, err
-		}
+	h.pruneGroups(h.own(all))
+	for _, b := range h.own(all) {
 		if b.Group == group {
+			nc, err := h.groupOf(b)
+			if err != nil {
+				return network.Config{}, err
+			}
 			return nc, nc.EnsureGroup(h.Net)
 		}
-		taken = append(taken, nc.Subnet)
 	}
-	br := network.GroupBridge(group)
-	if err := bridgeFree(boxes, group, br); err != nil {
+	// A new group: a bridge no box is on, and a subnet no group of any
+	// state dir has (its bridge may be down until its first box starts).
+	key := h.groupKey(group)
+	br := network.GroupBridge(key)
+	if err := bridgeFree(all, group, br); err != nil {
 		return network.Config{}, err
+	}
+	taken := []netip.Prefix{h.Net.Subnet}
+	for _, b := range all {
+		if gw, err := netip.ParseAddr(b.Gateway); err == nil && b.Group != "" && b.Prefix > 0 {
+			taken = append(taken, netip.PrefixFrom(gw, b.Prefix).Masked())
+		}
 	}
 	sub, err := network.GroupSubnet(taken)
 	if err != nil {
 		return network.Config{}, err
 	}
-	nc := network.GroupConfig(group, br, sub)
+	nc := network.GroupConfig(key, br, sub)
 	return nc, nc.EnsureGroup(h.Net)
 }
 
@@ -97,15 +124,15 @@ func (h *Host) EnsureBoxNetwork(b Box) error {
 	if b.Group == "" {
 		return nil
 	}
-	nc, err := groupOf(b)
+	nc, err := h.groupOf(b)
 	if err != nil {
 		return err
 	}
 	return nc.EnsureGroup(h.Net)
 }
 
-// PruneGroups removes the networks of groups no box is in any more: a
-// group's bridge, firewall and NAT go with its last box.
+// PruneGroups removes the networks of this state dir's groups no box is in
+// any more: a group's bridge, firewall and NAT go with its last box.
 func (h *Host) PruneGroups() error {
 	boxes, unlock, err := h.lockedBoxes()
 	if err != nil {
@@ -128,6 +155,13 @@ func (h *Host) pruneGroups(boxes []Box) error {
 	for _, l := range links {
 		name := l.Attrs().Name
 		if l.Type() != "bridge" || !strings.HasPrefix(name, network.GroupBridgePrefix) || inUse[name] {
+			continue
+		}
+		// Another state dir's group is another kvbox's to remove; a
+		// bridge no kvbox marked is the default state dir's (as before
+		// bridges were marked).
+		key, marked := network.BridgeGroup(l.Attrs().Alias)
+		if (marked && !h.ownsGroupKey(key)) || (!marked && h.StateDir != statedir.Default) {
 			continue
 		}
 		addrs, _ := netlink.AddrList(l, netlink.FAMILY_V4)

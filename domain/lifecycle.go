@@ -170,7 +170,7 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 	}
 	meta := Meta{
 		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: nc.Subnet.Bits(), Gateway: nc.Gateway().String(),
-		MAC: network.NewMAC(), Bridge: nc.Bridge, Group: nc.Group, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
+		MAC: network.NewMAC(), Bridge: nc.Bridge, Group: s.Group, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
 		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
 	if s.NoNetwork {

@@ -10,11 +10,15 @@ import (
 // rules for it, refusing (Busy, naming them) while boxes are on it. It
 // holds the host lock, so no box is defined on the bridge meanwhile.
 func (h *Host) RemoveNetwork() error {
-	boxes, unlock, err := h.lockedBoxes()
+	unlock, err := h.Lock()
 	if err != nil {
 		return err
 	}
 	defer unlock()
+	boxes, err := h.AllBoxes() // another state dir's boxes may be on it too
+	if err != nil {
+		return err
+	}
 	var users []string
 	for _, b := range boxes {
 		if b.Bridge == h.Net.Bridge {

@@ -44,7 +44,15 @@ const GroupBridgePrefix = "kvbg"
 
 // groupAlias is the interface alias that marks a group's bridge as that
 // group's.
-func groupAlias(group string) string { return "kvbox group " + group }
+func groupAlias(group string) string { return groupAliasPrefix + group }
+
+const groupAliasPrefix = "kvbox group "
+
+// BridgeGroup is the group a bridge's alias marks it as (the Group of its
+// Config); ok is false for a bridge no kvbox marked.
+func BridgeGroup(alias string) (group string, ok bool) {
+	return strings.CutPrefix(alias, groupAliasPrefix)
+}
 
 // claim makes sure a group's bridge is its group's, and marks it so: a
 // bridge marked with another group's name (their bridge names agree) is

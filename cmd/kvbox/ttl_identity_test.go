@@ -41,7 +41,7 @@ func testDriverApp(t *testing.T) (*app, *domain.Host) {
 // with deadline at (nil: none) and returns its UUID.
 func defineTestBox(t *testing.T, h *domain.Host, name string, at *time.Time) string {
 	t.Helper()
-	md, err := domain.MarshalMeta(domain.Meta{Created: time.Now().UTC(), Expires: at, Transport: "virtio-serial"})
+	md, err := domain.MarshalMeta(domain.Meta{Dir: h.Layout().Box(name), Created: time.Now().UTC(), Expires: at, Transport: "virtio-serial"})
 	if err != nil {
 		t.Fatal(err)
 	}
