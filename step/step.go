@@ -9,6 +9,11 @@
 // An operation is a Plan, so a variant of it is an edit of the list: a
 // clone is the box-creation plan with its boot steps replaced.
 //
+// Work that overlaps is said in the plan, never hidden in a step: a step
+// Beside runs in a goroutine of its own while the plan goes on, and a
+// later step that Needs it waits for its end; Together runs the parts of
+// one step at once.
+//
 //	p := step.Plan{
 //		{Name: "reserve", Do: reserve, Undo: release},
 //		{Name: "define", Do: define, Undo: undefine},
@@ -19,9 +24,11 @@ package step
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -35,6 +42,14 @@ type Step struct {
 	Do func(ctx context.Context) error
 	// Undo, if set, takes the change back when a later step fails.
 	Undo func()
+	// Beside runs Do in a goroutine of its own: the plan goes on with the
+	// next step at once. A step beside has no Undo (what it makes, the
+	// undo of an earlier step takes back); its kill point is its end.
+	Beside bool
+	// Needs names steps before this one that run Beside: it starts once
+	// they have ended, and the plan fails with the first of their errors.
+	// Its time includes the wait.
+	Needs []string
 }
 
 // Plan is an ordered list of steps.
@@ -135,25 +150,136 @@ func (p Plan) Run(ctx context.Context) (Timings, error) {
 
 // RunKeep runs the plan adding each step's undo to r, and leaves r to the
 // caller: the caller decides when the whole change has succeeded. On
-// failure it does not undo anything itself.
+// failure it does not undo anything itself. It returns once every step
+// that ran beside the others has ended, so that an undo never races one.
 func (p Plan) RunKeep(ctx context.Context, r *revert.Reverter) (Timings, error) {
-	ts := make(Timings, 0, len(p))
+	rn := &run{ts: make(Timings, 0, len(p)), beside: map[string]*besideStep{}}
 	for _, s := range p {
-		if err := ctx.Err(); err != nil {
-			return ts, err
+		if err := rn.step(ctx, s, r); err != nil {
+			rn.waitAll()
+			return rn.ts, err
+		}
+	}
+	if err := rn.waitAll(); err != nil {
+		return rn.ts, err
+	}
+	return rn.ts, nil
+}
+
+// run is a plan being run: its timings, and the steps running beside it.
+type run struct {
+	ts     Timings
+	beside map[string]*besideStep
+	order  []string // the steps beside, in the order they started
+}
+
+// besideStep is a step running Beside: done closes when it has ended.
+type besideStep struct {
+	done   chan struct{}
+	err    error
+	took   time.Duration
+	joined bool
+}
+
+func (rn *run) step(ctx context.Context, s Step, r *revert.Reverter) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if s.Beside {
+		rn.start(ctx, s)
+		return nil
+	}
+	start := time.Now()
+	err := rn.wait(s.Needs...)
+	if err == nil {
+		err = s.Do(ctx)
+	}
+	rn.ts = append(rn.ts, Timing{s.Name, time.Since(start)})
+	if err != nil {
+		return err
+	}
+	if s.Undo != nil {
+		r.Add(s.Undo)
+	}
+	KillPoint(s.Name)
+	return nil
+}
+
+// start runs a step beside the plan.
+func (rn *run) start(ctx context.Context, s Step) {
+	if s.Undo != nil {
+		panic("step: " + s.Name + " runs beside the plan and has an undo")
+	}
+	b := &besideStep{done: make(chan struct{})}
+	rn.beside[s.Name] = b
+	rn.order = append(rn.order, s.Name)
+	needs := make([]*besideStep, len(s.Needs))
+	for i, n := range s.Needs {
+		needs[i] = rn.besideStep(n)
+	}
+	go func() {
+		defer close(b.done)
+		for _, n := range needs {
+			if <-n.done; n.err != nil {
+				b.err = n.err
+				return
+			}
 		}
 		start := time.Now()
-		err := s.Do(ctx)
-		ts = append(ts, Timing{s.Name, time.Since(start)})
-		if err != nil {
-			return ts, err
+		b.err = s.Do(ctx)
+		b.took = time.Since(start)
+		if b.err == nil {
+			KillPoint(s.Name)
 		}
-		if s.Undo != nil {
-			r.Add(s.Undo)
-		}
-		KillPoint(s.Name)
+	}()
+}
+
+func (rn *run) besideStep(name string) *besideStep {
+	b, ok := rn.beside[name]
+	if !ok {
+		panic("step: no step " + name + " runs beside the plan before the step that needs it")
 	}
-	return ts, nil
+	return b
+}
+
+// wait waits for the named steps beside the plan, records the time of
+// each the first time it is waited for, and returns the first error.
+func (rn *run) wait(names ...string) error {
+	var first error
+	for _, n := range names {
+		b := rn.besideStep(n)
+		<-b.done
+		if !b.joined {
+			b.joined = true
+			rn.ts = append(rn.ts, Timing{n, b.took})
+		}
+		if first == nil {
+			first = b.err
+		}
+	}
+	return first
+}
+
+// waitAll waits for every step still running beside the plan.
+func (rn *run) waitAll() error { return rn.wait(rn.order...) }
+
+// Together is a step's Do that runs fs at once and returns once each has
+// ended, with their errors joined: a step whose parts overlap says so in
+// the plan.
+func Together(fs ...func(context.Context) error) func(context.Context) error {
+	return func(ctx context.Context) error {
+		errs := make([]error, len(fs))
+		var wg sync.WaitGroup
+		for i, f := range fs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = f(ctx)
+			}()
+		}
+		wg.Wait()
+		return errors.Join(errs...)
+	}
 }
 
 // KillEnv names the environment variable that makes KillPoint kill kvbox.

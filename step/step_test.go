@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -150,4 +151,130 @@ func TestAfterInsertsIntoACopy(t *testing.T) {
 		}
 	}()
 	p.After("missing")
+}
+
+// hangGuard fails the test instead of hanging it when ch never closes: a
+// step meant to run beside the plan that ran in line would wait forever.
+var hangAfter = 10 * time.Second
+
+func hangGuard(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(hangAfter):
+		t.Fatalf("%s never happened: the steps did not overlap", what)
+	}
+}
+
+func TestBesideRunsWhileThePlanGoesOn(t *testing.T) {
+	bDone, aDone := make(chan struct{}), make(chan struct{})
+	var aSawB, cSawA bool
+	p := Plan{
+		{Name: "a", Beside: true, Do: func(context.Context) error {
+			hangGuard(t, bDone, "step b, after a in the plan,")
+			aSawB = true
+			time.Sleep(5 * time.Millisecond)
+			close(aDone)
+			return nil
+		}},
+		{Name: "b", Do: func(context.Context) error { close(bDone); return nil }},
+		{Name: "c", Needs: []string{"a"}, Do: func(context.Context) error {
+			select {
+			case <-aDone:
+				cSawA = true
+			default:
+			}
+			return nil
+		}},
+	}
+	ts, err := p.Run(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !aSawB || !cSawA {
+		t.Fatalf("a ran beside b: %v; c waited for a: %v", aSawB, cSawA)
+	}
+	if !slices.Equal(ts.Names(), []string{"b", "a", "c"}) || ts.Get("a") < 5*time.Millisecond || ts.Get("c") < ts.Get("a")-time.Millisecond {
+		t.Fatalf("timings %v: want b, a (when c waited for it) and c, c's including its wait", ts)
+	}
+}
+
+func TestBesideFailureFailsTheStepThatNeedsIt(t *testing.T) {
+	var log []string
+	p := Plan{
+		recorder(&log, "first", false),
+		{Name: "a", Beside: true, Do: func(context.Context) error { return errors.New("a broke") }},
+		{Name: "b", Needs: []string{"a"}, Do: func(context.Context) error { log = append(log, "do b"); return nil }},
+	}
+	ts, err := p.Run(context.Background())
+	if err == nil || err.Error() != "a broke" {
+		t.Fatalf("err = %v, want the step beside's own error", err)
+	}
+	if !slices.Equal(log, []string{"do first", "undo first"}) {
+		t.Fatalf("log = %v: b must not run, first must be undone", log)
+	}
+	if !slices.Contains(ts.Names(), "a") {
+		t.Fatalf("timings %v lack the failed step beside", ts)
+	}
+}
+
+func TestFailureWaitsForStepsBeside(t *testing.T) {
+	release := make(chan struct{})
+	var ended bool
+	var undoSawEnd bool
+	p := Plan{
+		{Name: "first", Do: func(context.Context) error { return nil }, Undo: func() { undoSawEnd = ended }},
+		{Name: "a", Beside: true, Do: func(context.Context) error {
+			hangGuard(t, release, "step b, after a in the plan,")
+			time.Sleep(20 * time.Millisecond)
+			ended = true
+			return nil
+		}},
+		{Name: "b", Do: func(context.Context) error { close(release); return errors.New("b broke") }},
+	}
+	if _, err := p.Run(context.Background()); err == nil {
+		t.Fatal("no error from a failing step")
+	}
+	if !ended || !undoSawEnd {
+		t.Fatalf("the plan returned (ended %v) or undid (after the end: %v) before the step beside it ended", ended, undoSawEnd)
+	}
+}
+
+func TestBesideAtTheEndIsWaitedFor(t *testing.T) {
+	p := Plan{{Name: "a", Beside: true, Do: func(context.Context) error { return errors.New("a broke") }}}
+	ts, err := p.Run(context.Background())
+	if err == nil || !slices.Equal(ts.Names(), []string{"a"}) {
+		t.Fatalf("err %v, timings %v: a plan ends with the steps beside it", err, ts)
+	}
+}
+
+func TestBesideMisuseIsAProgrammingError(t *testing.T) {
+	for name, p := range map[string]Plan{
+		"beside with an undo": {{Name: "a", Beside: true, Do: func(context.Context) error { return nil }, Undo: func() {}}},
+		"needs no such step":  {{Name: "a", Needs: []string{"x"}, Do: func(context.Context) error { return nil }}},
+		"needs a step in line": {
+			{Name: "x", Do: func(context.Context) error { return nil }},
+			{Name: "a", Needs: []string{"x"}, Do: func(context.Context) error { return nil }},
+		},
+	} {
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Errorf("%s: no panic", name)
+				}
+			}()
+			p.Run(context.Background())
+		}()
+	}
+}
+
+func TestTogetherRunsAtOnce(t *testing.T) {
+	aUp, bUp := make(chan struct{}), make(chan struct{})
+	err := Together(
+		func(context.Context) error { close(aUp); hangGuard(t, bUp, "b"); return errors.New("a broke") },
+		func(context.Context) error { close(bUp); hangGuard(t, aUp, "a"); return errors.New("b broke") },
+	)(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "a broke") || !strings.Contains(err.Error(), "b broke") {
+		t.Fatalf("err = %v, want both errors", err)
+	}
 }
