@@ -115,6 +115,31 @@ func ReplaceQemuArg(xml, old, repl string) (string, bool) {
 	return xml, false
 }
 
+// SplitQemuOpts splits a QEMU option string at single commas (",," is an
+// escaped comma).
+func SplitQemuOpts(s string) []string {
+	var parts []string
+	var cur strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == ',' {
+			if i+1 < len(s) && s[i+1] == ',' {
+				cur.WriteByte(',')
+				i++
+				continue
+			}
+			parts = append(parts, cur.String())
+			cur.Reset()
+			continue
+		}
+		cur.WriteByte(s[i])
+	}
+	return append(parts, cur.String())
+}
+
+// BalloonAlias is the alias of a box's balloon (templates/box.xml), whose
+// properties kvbox overrides.
+const BalloonAlias = "balloon0"
+
 // QemuOptEscape doubles commas, QEMU's escape inside an option value.
 func QemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 

@@ -4,6 +4,7 @@ import (
 	"encoding/xml"
 	"errors"
 	"html"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -197,5 +198,13 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 		if _, err := Render(tmpl, testData()); !errors.Is(err, base.ErrInvalid) || strings.Contains(err.Error(), "\n") {
 			t.Errorf("%s: rendered or not one clear line: %v", name, err)
 		}
+	}
+}
+
+func TestSplitOpts(t *testing.T) {
+	got := SplitQemuOpts("memory-backend-file,id=kvbox.ram,mem-path=/a,,b,size=1")
+	want := []string{"memory-backend-file", "id=kvbox.ram", "mem-path=/a,b", "size=1"}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("SplitQemuOpts = %q", got)
 	}
 }

@@ -60,6 +60,17 @@ func SyncDir(dir string) error {
 	return nil
 }
 
+// SyncFile fsyncs the file at path, never through a link (a folder QEMU
+// writes may hold one).
+func SyncFile(path string) error {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Sync()
+}
+
 // WriteFileAtomic replaces path with data so that after a crash path holds
 // either its old content or all of data, never a part: it writes a temporary
 // file in the same directory, fsyncs it, renames it over path and fsyncs the

@@ -25,6 +25,7 @@ import (
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/statedir"
 	"kvbox.dev/kvbox/testenv/gate"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // The pushing host of the crafted artifacts below: its state dir, and its
@@ -261,7 +262,7 @@ func TestPullInstallsHonestArtifact(t *testing.T) {
 	}
 	// a clone's XML derives from what was installed
 	x, _ := os.ReadFile(s.Path(snapshot.DomainXMLFile))
-	cx, err := snapshot.CloneXML(string(x), snapshot.CloneXMLSpec{Name: "c1", Meta: domain.Meta{Dir: "/b/c1", MAC: "52:54:00:00:00:01", IP: "172.30.0.9", Bridge: "kvbox0"},
+	cx, err := vmstate.RestoreXML(string(x), vmstate.RestoreSpec{Name: "c1", Meta: domain.Meta{Dir: "/b/c1", MAC: "52:54:00:00:00:01", IP: "172.30.0.9", Bridge: "kvbox0"},
 		Disk: "/b/c1/disk.qcow2", MemPath: s.Path("state"), MemOffset: s.Memory.Offset, MemBytes: s.MemoryBytes})
 	if err != nil {
 		t.Fatalf("clone XML of the pulled snapshot: %v", err)

@@ -11,9 +11,10 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
-	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/revert"
 	"kvbox.dev/kvbox/step"
+	"kvbox.dev/kvbox/vmstate"
+	"libvirt.org/go/libvirtxml"
 )
 
 // Clone starts a warm clone of snap named name: a new domain whose RAM maps
@@ -66,9 +67,9 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 type cloning struct {
 	c      *domain.Creation
 	snap   Snapshot
-	srcXML string         // the snapshot's domain XML
-	spec   CloneXMLSpec   // what the clone's XML is made from
-	net    network.Config // the network it is on: the main one or its group's
+	srcXML string              // the snapshot's domain XML
+	spec   vmstate.RestoreSpec // what the clone's XML is made from
+	net    network.Config      // the network it is on: the main one or its group's
 
 	hooksDeadline time.Duration // CloneOptions.HooksDeadline
 }
@@ -142,12 +143,12 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
 		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge, meta.Group = "", 0, "", "", "", ""
 	}
-	cl.spec = CloneXMLSpec{
+	cl.spec = vmstate.RestoreSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
 		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
 		DACLabel: dac,
 	}
-	xml, err := CloneXML(cl.srcXML, cl.spec)
+	xml, err := vmstate.RestoreXML(cl.srcXML, cl.spec)
 	if err != nil {
 		return err
 	}
@@ -194,7 +195,7 @@ func (cl *cloning) openPort(context.Context) error {
 }
 
 func (cl *cloning) load(ctx context.Context) error {
-	if err := loadState(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.c.Name, cl.snap); err != nil {
+	if err := vmstate.Load(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.c.Name, cl.snap.Path(StateFile), cl.snap.Memory.MappedRAM); err != nil {
 		return fmt.Errorf("load snapshot %q into clone %q: %w", cl.snap.Name, cl.c.Name, err)
 	}
 	return nil
@@ -214,7 +215,7 @@ func (cl *cloning) persist(context.Context) error {
 	c := cl.c
 	spec := cl.spec
 	spec.UUID, spec.Boot = c.Box.UUID, true
-	boot, err := CloneXML(cl.srcXML, spec)
+	boot, err := vmstate.RestoreXML(cl.srcXML, spec)
 	if err != nil {
 		return err
 	}
@@ -222,59 +223,6 @@ func (cl *cloning) persist(context.Context) error {
 		return fmt.Errorf("define clone %q for its next boot: %w", c.Name, err)
 	}
 	return nil
-}
-
-// loadState loads the snapshot's CPU and device state into the paused
-// clone. x-ignore-shared makes QEMU skip RAM that lives in a named file;
-// with mapped-ram, RAM sits at fixed offsets in the state file (a snapshot
-// of a clone) and, its page bitmap being zeroed, none of it is read: the
-// clone maps it. Both are put back afterwards: a box left
-// with x-ignore-shared on writes RAM-less images on `virsh save`.
-func loadState(ctx context.Context, c *qmp.Client, box string, snap Snapshot) error {
-	return loadStateFile(ctx, c, box, snap.Path(StateFile), snap.Memory.MappedRAM)
-}
-
-// loadStateFile loads the migration stream in path (written with
-// mapped-ram, or with x-ignore-shared) into the paused domain of box.
-func loadStateFile(ctx context.Context, c *qmp.Client, box, path string, mappedRAM bool) error {
-	// The load's end activates the disk: it must find the page cache of
-	// the files the box shares kept.
-	keepPageCache(ctx, c, box, true)
-	// The stream records which capabilities wrote it and QEMU refuses
-	// a mismatch ("Capability x-ignore-shared is on, but received
-	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM
-	// is private) was written without x-ignore-shared.
-	caps := map[string]bool{qmp.CapIgnoreShared: true}
-	if mappedRAM {
-		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
-	}
-	// No announce at the load's end: the guest would be asked (virtio-net's
-	// guest announce, five rounds) to send gratuitous ARPs and neighbour
-	// advertisements for the address it is about to give up, on a port
-	// that is closed, on cold code while its first contact is served; and
-	// QEMU's own RARPs would go nowhere. The box announces its new address
-	// itself once re-identified (arp_notify).
-	params := map[string]any{qmp.ParamAnnounceRounds: 0}
-	restore, err := c.ApplyMigrationSettings(ctx, caps, params)
-	if err != nil {
-		return err
-	}
-	if err := c.MigrateIncoming(ctx, "file:"+path); err != nil {
-		return errJoin(err, restore(ctx))
-	}
-	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-	defer cancel()
-	if err := c.WaitMigration(wctx, 2*time.Millisecond); err != nil {
-		return errJoin(err, restore(ctx))
-	}
-	return restore(ctx)
-}
-
-func errJoin(err, more error) error {
-	if more == nil {
-		return err
-	}
-	return fmt.Errorf("%w (and: %v)", err, more)
 }
 
 // hooks runs the box's after-clone hooks (/etc/kvbox/after-clone.d): after
@@ -285,4 +233,11 @@ func (cl *cloning) hooks(ctx context.Context) error {
 		return fmt.Errorf("clone %q: %w", cl.c.Name, err)
 	}
 	return nil
+}
+
+// hasInterface reports whether a domain XML has a network interface (a box
+// made with --network none has none).
+func hasInterface(domXML string) bool {
+	var d libvirtxml.Domain
+	return d.Unmarshal(domXML) == nil && d.Devices != nil && len(d.Devices.Interfaces) > 0
 }

@@ -21,6 +21,7 @@ import (
 	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/statedir"
 	"kvbox.dev/kvbox/step"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // Names kvbox gives the things it adds to a running QEMU while it takes a
@@ -415,7 +416,7 @@ func (c *creation) prepare(ctx context.Context) (err error) {
 	// The switch-over inactivates the disk, and the pause ends with its
 	// activation: it must find the page cache of the files the box shares
 	// kept.
-	keepPageCache(ctx, c.q, c.box.Name, false)
+	vmstate.KeepPageCache(ctx, c.q, c.box.Name, false)
 	saved, err := c.q.QueryMigrateCapabilities(ctx)
 	if err != nil {
 		return err
@@ -837,7 +838,7 @@ func (c *creation) copyDisk(ctx context.Context) error {
 	}
 	settings := meanwhile(func() (struct{}, error) { return struct{}{}, c.setBackMigration(ctx) })
 	mem := meanwhile(func() (int64, error) {
-		return prepareMappedRAM(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
+		return vmstate.PrepareMapped(filepath.Join(c.tmp, StateFile), c.box.MemoryBytes)
 	})
 	job, err := c.q.WaitJob(ctx, backupJob, 5*time.Millisecond)
 	if err != nil {

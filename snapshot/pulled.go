@@ -797,7 +797,7 @@ func checkQemuArgs(cl *libvirtxml.DomainQEMUCommandline, size int64) ([]string, 
 		switch {
 		case a == "-object" && kvboxRAM(next, size) && !obj:
 			obj = true
-		case a == "-machine" && next == "memory-backend="+ramID && !machine:
+		case a == "-machine" && next == "memory-backend="+domain.RAMBackendID && !machine:
 			machine = true
 		case a == "-incoming" && next == "defer":
 		default:
@@ -806,7 +806,7 @@ func checkQemuArgs(cl *libvirtxml.DomainQEMUCommandline, size int64) ([]string, 
 		i++
 	}
 	if !obj || !machine {
-		return nil, refusedf("lacks kvbox's RAM backend (-object ...,id=%s and -machine memory-backend=%s) of %d bytes", ramID, ramID, size)
+		return nil, refusedf("lacks kvbox's RAM backend (-object ...,id=%s and -machine memory-backend=%s) of %d bytes", domain.RAMBackendID, domain.RAMBackendID, size)
 	}
 	return domain.RAMArgs(size), nil
 }
@@ -814,7 +814,7 @@ func checkQemuArgs(cl *libvirtxml.DomainQEMUCommandline, size int64) ([]string, 
 // kvboxRAM says whether a -object value is kvbox's RAM backend of size
 // bytes in a form kvbox writes.
 func kvboxRAM(v string, size int64) bool {
-	opts := splitOpts(v)
+	opts := domain.SplitQemuOpts(v)
 	if len(opts) < 3 || opts[0] != "memory-backend-ram" && opts[0] != "memory-backend-file" {
 		return false
 	}
@@ -827,7 +827,7 @@ func kvboxRAM(v string, size int64) bool {
 		seen[k] = true
 		switch k {
 		case "id":
-			if val != ramID {
+			if val != domain.RAMBackendID {
 				return false
 			}
 		case "size":
@@ -849,7 +849,7 @@ func checkOverride(o *libvirtxml.DomainQEMUOverride) (bool, error) {
 	if o == nil || len(o.Devices) == 0 {
 		return false, nil
 	}
-	if len(o.Devices) != 1 || o.Devices[0].Alias != balloonAlias {
+	if len(o.Devices) != 1 || o.Devices[0].Alias != domain.BalloonAlias {
 		return false, refusedf("overrides properties of QEMU device %q (a pulled snapshot runs kvbox's own devices)", printable(o.Devices[0].Alias))
 	}
 	for _, p := range o.Devices[0].Frontend.Properties {

@@ -8,6 +8,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // pushedSpec is what a pull of testdata/pushed-*.xml (snapshots a kvbox
@@ -48,7 +49,7 @@ func TestPulledXML(t *testing.T) {
 			*d.Devices.Disks[0].Address.PCI.Bus != *s.Devices.Disks[0].Address.PCI.Bus {
 			t.Errorf("%s: the machine, CPU, controllers or addresses are not the pushed ones:\n%s", f, x)
 		}
-		if _, err := CloneXML(x, CloneXMLSpec{Name: "c", Meta: domain.Meta{Dir: "/b/c", MAC: "52:54:00:00:00:01", IP: "172.30.0.9", Bridge: "kvbox0"},
+		if _, err := vmstate.RestoreXML(x, vmstate.RestoreSpec{Name: "c", Meta: domain.Meta{Dir: "/b/c", MAC: "52:54:00:00:00:01", IP: "172.30.0.9", Bridge: "kvbox0"},
 			Disk: "/b/c/disk.qcow2", MemPath: p.Dir + "/state", MemOffset: 1 << 20, MemBytes: p.MemoryBytes}); err != nil {
 			t.Errorf("%s: a clone's XML: %v", f, err)
 		}
@@ -120,7 +121,7 @@ func checkPulled(x string, p PulledSpec) string {
 // FuzzPulledXML: whatever the pushed domain XML, what PulledXML accepts
 // is kvbox's own (checkPulled), and pulled again gives the same XML.
 func FuzzPulledXML(f *testing.F) {
-	for _, p := range []string{"testdata/pushed-box.xml", "testdata/pushed-clone.xml", "testdata/domain-migratable.xml"} {
+	for _, p := range []string{"testdata/pushed-box.xml", "testdata/pushed-clone.xml", "../vmstate/testdata/domain-migratable.xml"} {
 		if b, err := os.ReadFile(p); err == nil {
 			f.Add(string(b))
 			s := string(b)

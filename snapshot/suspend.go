@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"libvirt.org/go/libvirt"
@@ -17,6 +16,7 @@ import (
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/step"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // Suspend and resume use the live-snapshot machinery on the box itself
@@ -131,7 +131,7 @@ func (s *suspending) plan() step.Plan {
 			s.cancelSave()
 			s.resume() // QEMU stopped the guest for the last pass
 		}},
-		{Name: "sync-state", Do: func(context.Context) error { return syncFile(s.statePath) }},
+		{Name: "sync-state", Do: func(context.Context) error { return overlay.SyncFile(s.statePath) }},
 		{Name: "define-suspended", Do: s.defineSuspended, Undo: s.defineBoot},
 		{Name: "end-qemu", Do: func(context.Context) error { return domain.PullPlug(s.dom, s.box.Name) }},
 	}
@@ -352,10 +352,10 @@ func (r *resuming) readSaved() (err error) {
 // again). A box an earlier kvbox suspended saved only its device state;
 // its RAM is its memory file.
 func (r *resuming) wakeXML() (string, error) {
-	spec := CloneXMLSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: r.box.Disk(), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
+	spec := vmstate.RestoreSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: r.box.Disk(), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
 		MemPath: r.statePath}
 	if r.saved.MappedRAM {
-		off, err := prepareMappedRAM(r.statePath, r.box.MemoryBytes)
+		off, err := vmstate.PrepareMapped(r.statePath, r.box.MemoryBytes)
 		if err != nil {
 			return "", fmt.Errorf("its saved state: %w", err)
 		}
@@ -363,7 +363,7 @@ func (r *resuming) wakeXML() (string, error) {
 	} else {
 		spec.RAMFile = domain.MemoryFile(r.box.Dir)
 	}
-	return CloneXML(string(r.live), spec)
+	return vmstate.RestoreXML(string(r.live), spec)
 }
 
 // wake lists the steps that start the box from its saved state, up to the
@@ -391,7 +391,7 @@ func (r *resuming) wake() step.Plan {
 			return nil
 		}, Undo: func() { domain.PullPlug(r.dom, name) }},
 		{Name: "load", Do: func(ctx context.Context) error {
-			if err := loadStateFile(ctx, r.h.QMP(r.dom, name), name, r.statePath, r.saved.MappedRAM); err != nil {
+			if err := vmstate.Load(ctx, r.h.QMP(r.dom, name), name, r.statePath, r.saved.MappedRAM); err != nil {
 				return fmt.Errorf("load the saved state of box %q: %w", name, err)
 			}
 			return nil
@@ -436,15 +436,6 @@ func (r *resuming) setClock(ctx context.Context, timeout time.Duration) error {
 		return fmt.Errorf("set the clock of box %q: %w", r.box.Name, err)
 	}
 	return nil
-}
-
-func syncFile(path string) error {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Sync()
 }
 
 // RecoverSuspends finishes or undoes a suspend or resume whose kvbox was

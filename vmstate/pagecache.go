@@ -1,4 +1,4 @@
-package snapshot
+package vmstate
 
 import (
 	"context"
@@ -6,10 +6,11 @@ import (
 	"slices"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
 )
 
-// keepPageCache turns off QEMU's drop-cache on the image files of a box's
+// KeepPageCache turns off QEMU's drop-cache on the image files of a box's
 // disk: reopened with the options libvirt opened them with, and
 // "drop-cache": false, which libvirt has no attribute for.
 //
@@ -33,7 +34,7 @@ import (
 // block job's, an operator's) keeps its options, and a QEMU that refuses
 // the reopen keeps its cache dropping; neither changes what a snapshot or
 // a clone holds. It costs a clone about 5 ms.
-func keepPageCache(ctx context.Context, q *qmp.Client, box string, fresh bool) error {
+func KeepPageCache(ctx context.Context, q *qmp.Client, box string, fresh bool) error {
 	opened, err := domain.Blockdevs(box)
 	if err != nil {
 		return err
@@ -55,7 +56,7 @@ func keepPageCache(ctx context.Context, q *qmp.Client, box string, fresh bool) e
 		// runs on: with 40 MB of it, the box's longest ping gap in
 		// this step was 19-21 ms when QEMU did it, 8-11 ms after.
 		for _, o := range reopen {
-			syncFile(o["filename"].(string)) // best effort
+			overlay.SyncFile(o["filename"].(string)) // best effort
 		}
 	}
 	return q.BlockdevReopen(ctx, reopen)

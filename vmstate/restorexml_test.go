@@ -1,4 +1,4 @@
-package snapshot
+package vmstate
 
 import (
 	"encoding/xml"
@@ -30,8 +30,8 @@ func readTestdata(t *testing.T, name string) string {
 	return string(b)
 }
 
-func testSpec(dir string) CloneXMLSpec {
-	return CloneXMLSpec{
+func testSpec(dir string) RestoreSpec {
+	return RestoreSpec{
 		Name: "agent-1",
 		Meta: domain.Meta{
 			Image: "tiny", Snapshot: "warm", IP: "172.30.0.9", Prefix: 24, Gateway: "172.30.0.1",
@@ -82,7 +82,7 @@ func TestCloneXML(t *testing.T) {
 			src := parseDomain(t, srcXML)
 			spec := testSpec(dir)
 			spec.MemOffset = tc.offset
-			out, err := CloneXML(srcXML, spec)
+			out, err := RestoreXML(srcXML, spec)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -214,13 +214,13 @@ func subtract(a, b map[string]bool) []string {
 // A clone's own XML is a valid source too (template of a template): the
 // previous RAM mapping and -incoming are replaced, not doubled.
 func TestCloneXMLOfAClone(t *testing.T) {
-	first, err := CloneXML(readTestdata(t, "domain-live.xml"), testSpec("/b/one"))
+	first, err := RestoreXML(readTestdata(t, "domain-live.xml"), testSpec("/b/one"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	spec := testSpec("/b/two")
 	spec.Name, spec.Meta.MAC, spec.MemPath, spec.MemOffset = "two", "52:54:00:00:00:02", "/s/t,x/state", 1<<20
-	out, err := CloneXML(first, spec)
+	out, err := RestoreXML(first, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +262,7 @@ func TestWithoutCPUUnavailableFeaturesKeepsOthers(t *testing.T) {
 func TestCloneXMLBoot(t *testing.T) {
 	spec := testSpec("/b/one")
 	spec.UUID, spec.Boot = "6c3e1c1e-0000-4000-8000-000000000001", true
-	out, err := CloneXML(readTestdata(t, "domain-migratable.xml"), spec)
+	out, err := RestoreXML(readTestdata(t, "domain-migratable.xml"), spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -285,9 +285,9 @@ func TestCloneXMLLegacyResume(t *testing.T) {
 	}
 }
 
-func mustCloneXML(t *testing.T, spec CloneXMLSpec) string {
+func mustCloneXML(t *testing.T, spec RestoreSpec) string {
 	t.Helper()
-	out, err := CloneXML(readTestdata(t, "domain-migratable.xml"), spec)
+	out, err := RestoreXML(readTestdata(t, "domain-migratable.xml"), spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -301,7 +301,7 @@ func TestCloneXMLKeepsForeignMetadataAndArgs(t *testing.T) {
 	src = strings.Replace(src, "<qemu:commandline>", `<qemu:commandline>
     <qemu:arg value='-msg'/>
     <qemu:arg value='guest-name=on'/>`, 1)
-	out, err := CloneXML(src, testSpec("/b/one"))
+	out, err := RestoreXML(src, testSpec("/b/one"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -325,15 +325,15 @@ func TestCloneXMLErrors(t *testing.T) {
 	noAgent := strings.ReplaceAll(src, "org.kvbox.agent.", "org.example.")
 	for name, tc := range map[string]struct {
 		xml  string
-		edit func(*CloneXMLSpec)
+		edit func(*RestoreSpec)
 	}{
 		"not xml":          {"<domain", nil},
 		"no RAM backend":   {noRAM, nil},
 		"no commandline":   {noCmd, nil},
 		"two interfaces":   {twoNICs, nil},
 		"no agent channel": {noAgent, nil},
-		"size mismatch":    {src, func(s *CloneXMLSpec) { s.MemBytes = 512 << 20 }},
-		"no name":          {src, func(s *CloneXMLSpec) { s.Name = "" }},
+		"size mismatch":    {src, func(s *RestoreSpec) { s.MemBytes = 512 << 20 }},
+		"no name":          {src, func(s *RestoreSpec) { s.Name = "" }},
 	} {
 		spec := testSpec("/b/one")
 		if tc.edit != nil {
@@ -342,17 +342,9 @@ func TestCloneXMLErrors(t *testing.T) {
 		if name == "no agent channel" && domain.Transport() == "vsock" {
 			continue
 		}
-		if out, err := CloneXML(tc.xml, spec); err == nil {
+		if out, err := RestoreXML(tc.xml, spec); err == nil {
 			t.Errorf("%s: no error; got\n%s", name, out)
 		}
-	}
-}
-
-func TestSplitOpts(t *testing.T) {
-	got := splitOpts("memory-backend-file,id=kvbox.ram,mem-path=/a,,b,size=1")
-	want := []string{"memory-backend-file", "id=kvbox.ram", "mem-path=/a,b", "size=1"}
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("splitOpts = %q", got)
 	}
 }
 
@@ -361,7 +353,7 @@ func TestSplitOpts(t *testing.T) {
 func TestCloneXMLVsockGetsItsOwnCID(t *testing.T) {
 	src := strings.Replace(readTestdata(t, "domain-live.xml"), "</devices>",
 		"<vsock model='virtio'><cid auto='yes' address='3'/></vsock></devices>", 1)
-	out, err := CloneXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	out, err := RestoreXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -378,7 +370,7 @@ func TestCloneXMLStaticDACLabel(t *testing.T) {
 		"</devices><seclabel type='dynamic' model='dac' relabel='yes'><label>+107:+107</label></seclabel>", 1)
 	s := testSpec("/var/lib/kvbox/boxes/agent-1")
 	s.DACLabel = "+64055:+64055"
-	out, err := CloneXML(src, s)
+	out, err := RestoreXML(src, s)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -397,7 +389,7 @@ func TestCloneXMLOffersFreePageHints(t *testing.T) {
 		`<qemu:property name='free-page-hint' type='bool' value='false'/><qemu:property name='iothread' type='string' value='iothread1'/>` +
 		`</qemu:frontend></qemu:device></qemu:override></domain>`
 	src := strings.Replace(base, "</domain>", override, 1)
-	out, err := CloneXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	out, err := RestoreXML(src, testSpec("/var/lib/kvbox/boxes/agent-1"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,14 +405,14 @@ func TestCloneXMLOffersFreePageHints(t *testing.T) {
 	// its snapshot's XML (a clone's) offered.
 	boot := testSpec("/var/lib/kvbox/boxes/agent-1")
 	boot.UUID, boot.Boot = "6c3e1c1e-0000-4000-8000-000000000001", true
-	out, err = CloneXML(strings.Replace(src, "value='false'", "value='true'", 1), boot)
+	out, err = RestoreXML(strings.Replace(src, "value='false'", "value='true'", 1), boot)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p := parseDomain(t, out).QEMUOverride.Devices[0].Frontend.Properties[0]; p.Value != "false" {
 		t.Errorf("the clone's next boot has free-page-hint %q, want false", p.Value)
 	}
-	out, err = CloneXML(base, testSpec("/var/lib/kvbox/boxes/agent-1"))
+	out, err = RestoreXML(base, testSpec("/var/lib/kvbox/boxes/agent-1"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package snapshot
+package vmstate
 
 import (
 	"encoding/xml"
@@ -19,13 +19,15 @@ import (
 // ramID is the id of the memory backend kvbox puts a box's RAM in.
 const ramID = domain.RAMBackendID
 
-// CloneXMLSpec is what makes a clone's domain different from its source's.
-type CloneXMLSpec struct {
+// RestoreSpec is what makes the domain of a box that restores a saved
+// state (a clone of a snapshot, a box waking from its suspend) different
+// from the domain that saved it.
+type RestoreSpec struct {
 	Name string
-	Meta domain.Meta // the clone's kvbox metadata (MAC, IP, Dir, ...)
-	Disk string      // the clone's qcow2 overlay
-	// MemPath is the file the clone maps its RAM from (privately,
-	// read-only), at MemOffset.
+	Meta domain.Meta // the box's kvbox metadata (MAC, IP, Dir, ...)
+	Disk string      // the box's qcow2 disk
+	// MemPath is the file the box maps its RAM from (privately,
+	// read-only), at MemOffset: the state file, written with mapped-ram.
 	MemPath   string
 	MemOffset int64
 	// MemBytes is the RAM size the snapshot recorded; 0 trusts the size
@@ -49,8 +51,10 @@ type CloneXMLSpec struct {
 	RAMFile string
 }
 
-// CloneXML derives a clone's domain XML from the source's saved domain XML
-// by a round trip through libvirtxml: machine type, CPU model, devices and
+// RestoreXML derives the domain XML of a box that restores a saved state
+// (a clone, or a box waking from its suspend, which keeps its own name,
+// UUID and metadata) from the saved domain XML by a round trip through
+// libvirtxml: machine type, CPU model, devices and
 // their addresses stay exactly the source's (the migration stream needs
 // them), while everything that names the source or only exists at runtime
 // goes: name, uuid, id, hwuuid, generation ID (an empty <genid/> makes
@@ -60,7 +64,7 @@ type CloneXMLSpec struct {
 // to the clone's folder, the MAC to the clone's, and the RAM backend maps
 // the snapshot's RAM privately and read-only, with -incoming defer
 // so QEMU waits for the state stream.
-func CloneXML(src string, s CloneXMLSpec) (string, error) {
+func RestoreXML(src string, s RestoreSpec) (string, error) {
 	var d libvirtxml.Domain
 	if err := d.Unmarshal(src); err != nil {
 		return "", fmt.Errorf("parse the snapshot's domain XML: %w", err)
@@ -120,13 +124,13 @@ func CloneXML(src string, s CloneXMLSpec) (string, error) {
 // box (4 GiB, 3.8 GB free), and 417-491 ms to identify it instead of
 // 277-322 under TCG. Anonymous RAM needs no hints; a clone's RAM, mapped
 // from the snapshot's state, does, when the clone is snapshotted
-// (snapshot.copyMode).
+// (a gated copy, see Save).
 func offerFreePageHints(o *libvirtxml.DomainQEMUOverride, on bool) {
 	if o == nil {
 		return
 	}
 	for i := range o.Devices {
-		if o.Devices[i].Alias != balloonAlias {
+		if o.Devices[i].Alias != domain.BalloonAlias {
 			continue
 		}
 		props := o.Devices[i].Frontend.Properties
@@ -138,9 +142,6 @@ func offerFreePageHints(o *libvirtxml.DomainQEMUOverride, on bool) {
 		}
 	}
 }
-
-// balloonAlias is the alias of a box's balloon (templates/box.xml).
-const balloonAlias = "balloon0"
 
 // fastCPUCap is the QEMU capability a clone hides from libvirt. With it,
 // libvirt 11 reads the started guest's CPU with one qom-get per x86 feature
@@ -366,7 +367,7 @@ func sanitize(s string) string {
 // cloneQemuArgs replaces the source's RAM backend (a shared file in its
 // folder) with a private, read-only mapping of the snapshot's memory and
 // adds -incoming defer. Other pass-through arguments are kept.
-func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libvirtxml.DomainQEMUCommandlineArg, error) {
+func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s RestoreSpec) ([]libvirtxml.DomainQEMUCommandlineArg, error) {
 	if cl == nil {
 		return nil, base.Errorf(base.Invalid, "the snapshot's domain XML has no qemu:commandline with kvbox's RAM backend")
 	}
@@ -427,29 +428,8 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s CloneXMLSpec) ([]libv
 	return args, nil
 }
 
-// splitOpts splits a QEMU option string at single commas (",," is an
-// escaped comma).
-func splitOpts(s string) []string {
-	var parts []string
-	var cur strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == ',' {
-			if i+1 < len(s) && s[i+1] == ',' {
-				cur.WriteByte(',')
-				i++
-				continue
-			}
-			parts = append(parts, cur.String())
-			cur.Reset()
-			continue
-		}
-		cur.WriteByte(s[i])
-	}
-	return append(parts, cur.String())
-}
-
 func optValue(opts, key string) (string, bool) {
-	for _, p := range splitOpts(opts) {
+	for _, p := range domain.SplitQemuOpts(opts) {
 		if k, v, ok := strings.Cut(p, "="); ok && k == key {
 			return v, true
 		}
@@ -500,11 +480,4 @@ func stripRuntime(v reflect.Value) {
 			stripRuntime(v.Index(i))
 		}
 	}
-}
-
-// hasInterface reports whether a domain XML has a network interface (a box
-// made with --network none has none).
-func hasInterface(domXML string) bool {
-	var d libvirtxml.Domain
-	return d.Unmarshal(domXML) == nil && d.Devices != nil && len(d.Devices.Interfaces) > 0
 }
