@@ -452,6 +452,22 @@ func (h *Host) RetireAgentToken(ctx context.Context, name string, tok []byte) er
 	return h.RenewAgentToken(ctx, b)
 }
 
+// ReprobeBalloon asks the box's agent to have the guest's balloon driver
+// take its device again (agent.FeatureReprobeBalloon), so that it agrees
+// to the features the device offers now (a clone's, free page hints).
+func (h *Host) ReprobeBalloon(ctx context.Context, b Box) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	a, err := h.Dial(ctx, b)
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	// Asked without a ping first: an agent without the request answers
+	// that it does not know it.
+	return a.ReprobeBalloon(ctx)
+}
+
 // hostNameservers are the host's resolvers a box can reach through NAT.
 // Loopback resolvers (systemd-resolved's stub, a local dnsmasq) are useless
 // inside a box; behind systemd-resolved the upstream servers are in its own

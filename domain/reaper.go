@@ -14,6 +14,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // A box (or snapshot) with a deadline has a reaper: a small detached kvbox
@@ -226,10 +227,22 @@ func WriteMeta(dom *libvirt.Domain, m Meta, live bool) error {
 	return nil
 }
 
+// The files kvbox keeps for a suspended box (statedir.SuspendLive, ...).
+const (
+	SuspendLive   = statedir.SuspendLive
+	SuspendBoot   = statedir.SuspendBoot
+	SuspendSaving = statedir.SuspendSaving
+)
+
+// SuspendFile is the file of kind kvbox keeps for the suspended box name.
+func (h *Host) SuspendFile(name, kind string) string {
+	return h.Layout().SuspendFile(name, kind)
+}
+
 // RemoveSuspendFiles deletes what kvbox keeps for a suspended box.
 func (h *Host) RemoveSuspendFiles(name string) {
-	for _, k := range []string{"live", "boot"} {
-		os.Remove(h.Layout().SuspendFile(name, k))
+	for _, k := range []string{SuspendLive, SuspendBoot, SuspendSaving} {
+		os.Remove(h.SuspendFile(name, k))
 	}
 }
 
@@ -246,7 +259,7 @@ func (h *Host) SuspendedBoxes() []string {
 	m, _ := filepath.Glob(h.Layout().SuspendFiles())
 	var out []string
 	for _, p := range m {
-		out = append(out, strings.TrimSuffix(filepath.Base(p), ".boot.xml"))
+		out = append(out, strings.TrimSuffix(filepath.Base(p), "."+SuspendBoot))
 	}
 	return out
 }

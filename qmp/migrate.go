@@ -27,10 +27,6 @@ const (
 	ParamZeroPageDetect  = "zero-page-detection"
 )
 
-// DefaultLiveParams are QEMU's defaults (10.0) of the parameters a live
-// copy changes: what recovery sets back where no record says otherwise.
-var DefaultLiveParams = map[string]any{ParamMaxBandwidth: int64(128 << 20), ParamDowntimeLimit: int64(300), ParamZeroPageDetect: "multifd"}
-
 type capabilityState struct {
 	Capability string `json:"capability"`
 	State      bool   `json:"state"`

@@ -10,11 +10,10 @@ import (
 	"strings"
 	"time"
 
-	"libvirt.org/go/libvirt"
-
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/qmp"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // Recover cleans up after snapshots whose kvbox died half-way (killed, or
@@ -69,7 +68,9 @@ func recoverOne(ctx context.Context, h *domain.Host, st Store, name string) erro
 	return os.RemoveAll(dir)
 }
 
-// undoOnBox puts a box back as it was before an interrupted snapshot.
+// undoOnBox puts a box back as it was before an interrupted snapshot: the
+// disk copy's job, node and bitmap gone, the memory's copy undone
+// (vmstate.Recover).
 func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	box, dom, err := h.Lookup(p.Box)
 	if errors.Is(err, base.ErrNotFound) {
@@ -94,23 +95,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 	if top, err := q.TopNode(ctx, diskDevice); err == nil {
 		q.BlockDirtyBitmapRemove(ctx, top, p.Bitmap)
 	}
-	if err := q.MigrateSetCapabilities(ctx, p.Caps); err != nil {
-		return err
-	}
-	if len(p.Params) > 0 {
-		if err := q.MigrateSetParameters(ctx, p.Params); err != nil {
-			return err
-		}
-	}
-	if st, _, err := dom.GetState(); err == nil && st == libvirt.DOMAIN_PAUSED && p.Paused {
-		if err := q.BlockdevSetActive(ctx, "", true); err != nil {
-			return err
-		}
-		if err := dom.Resume(); err != nil {
-			return err
-		}
-	}
-	return nil
+	return vmstate.Recover(ctx, q, dom, p.Box, p.Saved)
 }
 
 // Remove deletes a snapshot. It refuses while boxes depend on it: clones

@@ -2,6 +2,7 @@ package snapshot
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -14,7 +15,6 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
-	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/step"
 	"kvbox.dev/kvbox/vmstate"
 )
@@ -42,7 +42,7 @@ type SuspendResult struct {
 	Pause      time.Duration // the guest stopped until its state was saved
 	Total      time.Duration // the whole command, QEMU gone
 	StateBytes int64         // real bytes of the saved state (and RAM copy)
-	Paused     bool          // the box was paused throughout its RAM's copy (see copyPaused)
+	Paused     bool          // the box was paused throughout its RAM's copy (vmstate.Mode)
 	Steps      step.Timings
 }
 
@@ -74,21 +74,22 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 	if box.State != domain.StateRunning {
 		return SuspendResult{}, base.Errorf(base.Busy, "box %q is %s; kvbox suspends a running box", name, box.State)
 	}
-	s := &suspending{h: h, box: box, dom: dom, q: h.QMP(dom, name), running: true}
+	s := &suspending{h: h, box: box, dom: dom, stateName: fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())}
+	s.save = &vmstate.Save{QMP: h.QMP(dom, name), Dom: dom, Box: name, Path: filepath.Join(box.Dir, s.stateName), Under: box.Dir}
 	if err := s.readDefinitions(); err != nil {
 		return SuspendResult{}, err
 	}
-	s.stateName = fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())
-	s.statePath = filepath.Join(box.Dir, s.stateName)
 	ts, err := s.plan().Run(ctx)
 	if err != nil {
 		return SuspendResult{Steps: ts}, err
 	}
-	// QEMU is gone: the box is suspended whatever happens now, and the
-	// state it mapped its RAM from, if it was resumed, is garbage.
-	domain.RemoveSuspendStates(box.Dir, func(p string) bool { return p == s.statePath })
-	size, _ := overlay.Du(s.statePath)
-	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Paused: s.copyPaused, Steps: ts}, nil
+	// QEMU is gone: the box is suspended whatever happens now, what the
+	// save changed in it went with it, and the state it mapped its RAM
+	// from, if it was resumed, is garbage.
+	os.Remove(h.SuspendFile(name, domain.SuspendSaving))
+	domain.RemoveSuspendStates(box.Dir, func(p string) bool { return p == s.save.Path })
+	size, _ := overlay.Du(s.save.Path)
+	return SuspendResult{Pause: s.pause, Total: time.Since(t0), StateBytes: size, Paused: s.save.Mode.Paused, Steps: ts}, nil
 }
 
 // suspending is one suspend in progress: what its steps find out and hand
@@ -97,18 +98,12 @@ type suspending struct {
 	h   *domain.Host
 	box domain.Box
 	dom *libvirt.Domain
-	q   *qmp.Client
 
-	live, boot   string // the running box's migratable XML, its persistent definition
-	suspendedDef string // the definition that makes virsh start fail
-	copyPaused   bool   // the box paused throughout its RAM's copy (see copyPaused)
-	gated        bool   // the copy starts held while the guest names its free pages (gateParams)
-
-	stateName, statePath string
-	restore              func(context.Context) error // migration settings back as they were
-	running              bool                        // the guest runs (kvbox has not paused it)
-	stopped              time.Time
-	pause                time.Duration
+	live, boot   string        // the running box's migratable XML, its persistent definition
+	suspendedDef string        // the definition that makes virsh start fail
+	stateName    string        // the state file, in the box's folder
+	save         *vmstate.Save // the memory's copy into it
+	pause        time.Duration
 }
 
 // plan lists a suspend's steps: the RAM is copied live into a mapped-ram
@@ -120,18 +115,9 @@ func (s *suspending) plan() step.Plan {
 		{Name: "keep-definitions", Do: s.keepDefinitions, Undo: func() { s.h.RemoveSuspendFiles(s.box.Name) }},
 		// Settings first: they do not touch the running guest, and every
 		// QMP round trip inside the pause lengthens it.
-		{Name: "set-migration", Do: func(ctx context.Context) (err error) {
-			if s.copyPaused, s.gated, err = copyMode(ctx, s.q, s.h, s.box); err != nil {
-				return err
-			}
-			s.restore, err = s.q.ApplyMigrationSettings(ctx, liveCaps(), startParams(s.gated))
-			return err
-		}, Undo: func() { s.restore(context.Background()) }},
-		{Name: "save-live", Do: s.saveLive, Undo: func() {
-			s.cancelSave()
-			s.resume() // QEMU stopped the guest for the last pass
-		}},
-		{Name: "sync-state", Do: func(context.Context) error { return overlay.SyncFile(s.statePath) }},
+		{Name: "set-migration", Do: s.setMigration, Undo: s.undoSave},
+		{Name: "save-live", Do: s.saveLive, Undo: s.undoSave},
+		{Name: "sync-state", Do: func(context.Context) error { return overlay.SyncFile(s.save.Path) }},
 		{Name: "define-suspended", Do: s.defineSuspended, Undo: s.defineBoot},
 		{Name: "end-qemu", Do: func(context.Context) error { return domain.PullPlug(s.dom, s.box.Name) }},
 	}
@@ -152,69 +138,82 @@ func (s *suspending) readDefinitions() (err error) {
 // keepDefinitions keeps the box's running XML (what resume starts from)
 // and its own definition (what it boots from afterwards).
 func (s *suspending) keepDefinitions(context.Context) error {
-	if err := os.MkdirAll(filepath.Dir(s.h.Layout().SuspendFile(s.box.Name, "live")), 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Dir(s.h.SuspendFile(s.box.Name, domain.SuspendLive)), 0o700); err != nil {
 		return err
 	}
-	for k, x := range map[string]string{"live": s.live, "boot": s.boot} {
-		if err := overlay.WriteFileAtomic(s.h.Layout().SuspendFile(s.box.Name, k), []byte(x), 0o600); err != nil {
+	for k, x := range map[string]string{domain.SuspendLive: s.live, domain.SuspendBoot: s.boot} {
+		if err := overlay.WriteFileAtomic(s.h.SuspendFile(s.box.Name, k), []byte(x), 0o600); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// suspend pauses the guest: from here to the end of save is the pause.
-func (s *suspending) suspend(context.Context) error {
-	s.stopped = time.Now()
-	if err := s.dom.Suspend(); err != nil {
-		return fmt.Errorf("pause box %q: %s", s.box.Name, domain.LibvirtMessage(err))
+// setMigration picks how the RAM is copied, records what the save changes
+// in QEMU where Recover finds it, and changes it.
+func (s *suspending) setMigration(ctx context.Context) (err error) {
+	reprobe := func(ctx context.Context) error { return s.h.ReprobeBalloon(ctx, s.box) }
+	if s.save.Mode, err = vmstate.ModeOf(ctx, s.save.QMP, reprobe); err != nil {
+		return err
 	}
-	s.running = false
-	return nil
-}
-
-// resume runs the guest again after a suspend cut short (an outgoing
-// migration leaves the block nodes inactive; cont needs them active).
-func (s *suspending) resume() {
-	s.q.BlockdevSetActive(context.Background(), "", true)
-	s.dom.Resume()
-	s.running = true
+	rec, err := s.save.Prepare(ctx)
+	if err != nil {
+		return err
+	}
+	if err := writeRecord(s.h, s.box.Name, rec); err != nil {
+		return err
+	}
+	return s.save.Apply(ctx)
 }
 
 // saveLive copies the box's RAM while it runs; QEMU stops the guest for
-// the last pass and the device state. Where copyPaused holds, the guest is
-// paused throughout (QEMU's TCG would lose writes in a live copy).
+// the last pass and the device state. A save that fails has undone
+// itself, its state file gone.
 func (s *suspending) saveLive(ctx context.Context) (err error) {
-	if s.copyPaused {
-		if err := s.suspend(ctx); err != nil {
-			return err
+	defer func() {
+		if err != nil {
+			os.Remove(s.save.Path)
 		}
-		defer func() {
-			if err != nil {
-				s.cancelSave()
-				s.resume()
-			}
-		}()
-	}
-	if err := s.q.Migrate(ctx, "file:"+s.statePath); err != nil {
+	}()
+	if err := s.save.Start(ctx); err != nil {
 		return err
 	}
-	stopped, err := waitLiveCopy(ctx, s.q, s.statePath, s.gated, nil)
+	stopped, err := s.save.Wait(ctx)
 	if err != nil {
-		return saveError(s.box.Name, s.box.Dir, err)
-	}
-	if s.copyPaused {
-		stopped = s.stopped
+		return err
 	}
 	s.pause = time.Since(stopped)
 	return nil
 }
 
-// cancelSave leaves no migration running and no state file.
-func (s *suspending) cancelSave() {
-	bg := context.Background()
-	s.q.CancelRunningMigration(bg)
-	os.Remove(s.statePath)
+// undoSave takes the save back (once: vmstate.Save.Undo) and deletes its
+// state file.
+func (s *suspending) undoSave() {
+	s.save.Undo()
+	os.Remove(s.save.Path)
+}
+
+// writeRecord keeps what a suspend's save changes in QEMU, before it
+// changes it, for the Recover of a suspend that was killed.
+func writeRecord(h *domain.Host, name string, rec vmstate.Record) error {
+	b, err := json.Marshal(rec)
+	if err != nil {
+		return err
+	}
+	return overlay.WriteFileAtomic(h.SuspendFile(name, domain.SuspendSaving), b, 0o600)
+}
+
+// readRecord reads what writeRecord kept.
+func readRecord(h *domain.Host, name string) (vmstate.Record, error) {
+	var rec vmstate.Record
+	b, err := os.ReadFile(h.SuspendFile(name, domain.SuspendSaving))
+	if err != nil {
+		return rec, err
+	}
+	if err := json.Unmarshal(b, &rec); err != nil {
+		return rec, fmt.Errorf("%s: %w", h.SuspendFile(name, domain.SuspendSaving), err)
+	}
+	return rec, nil
 }
 
 // defineSuspended makes the box's definition the one virsh start refuses,
@@ -331,10 +330,10 @@ func (r *resuming) readSaved() (err error) {
 	if _, err := os.Stat(r.statePath); err != nil {
 		return fmt.Errorf("box %q: its saved state: %w", name, err)
 	}
-	if r.live, err = os.ReadFile(r.h.Layout().SuspendFile(name, "live")); err != nil {
+	if r.live, err = os.ReadFile(r.h.SuspendFile(name, domain.SuspendLive)); err != nil {
 		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
 	}
-	if r.boot, err = os.ReadFile(r.h.Layout().SuspendFile(name, "boot")); err != nil {
+	if r.boot, err = os.ReadFile(r.h.SuspendFile(name, domain.SuspendBoot)); err != nil {
 		return fmt.Errorf("box %q: its saved domain XML: %w", name, err)
 	}
 	if r.suspendedDef, err = r.dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE); err != nil {
@@ -479,7 +478,7 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 		return fmt.Errorf("%s", domain.LibvirtMessage(err))
 	}
 	persistentSuspended := strings.Contains(inactive, "<suspended>") || strings.Contains(inactive, ":suspended>")
-	boot, err := os.ReadFile(h.Layout().SuspendFile(name, "boot"))
+	boot, err := os.ReadFile(h.SuspendFile(name, domain.SuspendBoot))
 	if err != nil {
 		return err
 	}
@@ -497,7 +496,7 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 	switch {
 	case box.Suspended == nil && !persistentSuspended:
 		// Suspend killed while saving: the guest runs on.
-		return runOn(bg, h, box, dom, st)
+		return runOn(bg, h, box, dom)
 	case box.Suspended == nil:
 		// Suspend killed after its definition: the state is saved.
 		return domain.PullPlug(dom, name)
@@ -510,19 +509,18 @@ func recoverSuspend(ctx context.Context, h *domain.Host, name string) error {
 	}
 }
 
-// runOn undoes a suspend killed while it saved: no migration left, the
-// settings back, the guest running, the suspend's files gone.
-func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Domain, st libvirt.DomainState) error {
-	q := h.QMP(dom, box.Name)
-	q.CancelRunningMigration(ctx)
-	// What they were is not recorded for a suspend: QEMU's defaults.
-	q.MigrateSetCapabilities(ctx, map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: false, qmp.CapMultifd: false})
-	q.MigrateSetParameters(ctx, qmp.DefaultLiveParams)
-	if st == libvirt.DOMAIN_PAUSED {
-		q.BlockdevSetActive(ctx, "", true)
-		if err := dom.Resume(); err != nil {
-			return fmt.Errorf("resume after an interrupted suspend: %s", domain.LibvirtMessage(err))
+// runOn undoes a suspend killed while it saved: what the save changed in
+// QEMU undone from its record (vmstate.Recover; none was written before it
+// changed anything), the suspend's files gone.
+func runOn(ctx context.Context, h *domain.Host, box domain.Box, dom *libvirt.Domain) error {
+	rec, err := readRecord(h, box.Name)
+	switch {
+	case err == nil:
+		if err := vmstate.Recover(ctx, h.QMP(dom, box.Name), dom, box.Name, rec); err != nil {
+			return fmt.Errorf("undo an interrupted suspend: %w", err)
 		}
+	case !errors.Is(err, os.ErrNotExist):
+		return err
 	}
 	h.RemoveSuspendFiles(box.Name)
 	// The state a resumed box maps its RAM from, which its domain XML

@@ -82,14 +82,25 @@ func (l Layout) SnapshotReaperLog(name string) string {
 // box's folder, so that it goes with the box.
 func (l Layout) BoxReaperLog(name string) string { return l.join("boxes", name, "reaper.log") }
 
-// SuspendFile is a file kvbox keeps for suspended box name (kind "live" or
-// "boot": its domain XML at the suspend, and the one it gets back).
+// The files kvbox keeps, root's alone, for a suspended box (SuspendFile):
+// its live domain XML at the suspend (what resume starts it from), its
+// persistent one (what it gets back), and while QEMU still runs, what the
+// suspend's save changed in it (a vmstate.Record). Not in the box's
+// folder, which QEMU can write.
+const (
+	SuspendLive   = "live.xml"
+	SuspendBoot   = "boot.xml"
+	SuspendSaving = "saving.json"
+)
+
+// SuspendFile is the file of kind (SuspendLive, SuspendBoot,
+// SuspendSaving) kvbox keeps for the suspended box name.
 func (l Layout) SuspendFile(name, kind string) string {
-	return l.join("suspend", name+"."+kind+".xml")
+	return l.join("suspend", name+"."+kind)
 }
 
-// SuspendFiles matches the "boot" suspend files of every box.
-func (l Layout) SuspendFiles() string { return l.join("suspend", "*.boot.xml") }
+// SuspendFiles matches the SuspendBoot files of every box.
+func (l Layout) SuspendFiles() string { return l.join("suspend", "*."+SuspendBoot) }
 
 // Publish is box name's publish record (ext ".json") or its port holder's
 // log (".log").

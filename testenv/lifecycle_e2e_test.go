@@ -646,6 +646,39 @@ func TestSuspendKilled(t *testing.T) {
 	}
 }
 
+// TestSuspendKilledSetsBackWhatItFound: a suspend killed while it saves
+// is undone to the migration settings the box had, not to QEMU's
+// defaults: the suspend records them before it changes them.
+func TestSuspendKilledSetsBackWhatItFound(t *testing.T) {
+	n := name(t, "killset")
+	newBox(t, n)
+	const set = `{"execute":"migrate-set-parameters","arguments":{"max-bandwidth":67108864,"downtime-limit":123}}`
+	if out, err := virsh("qemu-monitor-command", n, set); err != nil {
+		t.Fatalf("set the box's migration parameters: %v %s", err, out)
+	}
+	for _, point := range []string{"set-migration", "save-live"} {
+		cmd := exec.Command(kvboxBin, "suspend", n)
+		cmd.Env = append(os.Environ(), "KVBOX_TEST_KILL_AT="+point)
+		out, err := cmd.CombinedOutput()
+		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+			t.Fatalf("kvbox suspend with KVBOX_TEST_KILL_AT=%s was not killed: %v %s", point, err, out)
+		}
+		if b := getBox(t, n); b.State != "running" { // the next command recovered it
+			t.Fatalf("after a kill at %s the box is %s", point, b.State)
+		}
+		var params struct {
+			Return struct {
+				MaxBandwidth  int64 `json:"max-bandwidth"`
+				DowntimeLimit int64 `json:"downtime-limit"`
+			} `json:"return"`
+		}
+		qmpJSON(t, n, `{"execute":"query-migrate-parameters"}`, &params)
+		if p := params.Return; p.MaxBandwidth != 64<<20 || p.DowntimeLimit != 123 {
+			t.Errorf("after a kill at %s the migration parameters are %+v, not what the box had", point, p)
+		}
+	}
+}
+
 // TestLegacyRAMFileBox: a box an earlier kvbox defined keeps its RAM in a
 // file of its folder, shared with QEMU. Started by an operator's virsh, it
 // is snapshotted (its clone works), suspended and resumed like any box,

@@ -1,4 +1,4 @@
-package snapshot
+package vmstate
 
 import (
 	"encoding/json"
