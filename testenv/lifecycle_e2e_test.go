@@ -615,7 +615,7 @@ func TestSuspendKilled(t *testing.T) {
 		}
 	}
 
-	// The points are the plans' step names (snapshot/suspend.go).
+	// The points are the plans' step names (suspend/suspend.go, suspend/wake.go).
 	killAt("save-live", "suspend", n)
 	running("save-live")
 

@@ -20,6 +20,7 @@ import (
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/statedir"
+	"kvbox.dev/kvbox/suspend"
 	"kvbox.dev/kvbox/templates"
 )
 
@@ -312,7 +313,7 @@ func (a *app) Host() (*domain.Host, error) {
 	for _, n := range a.host.RemoveOrphanFolders() {
 		fmt.Fprintf(a.io.Err, "kvbox: removed the folder of box %s, which no domain has any more\n", n)
 	}
-	if err := snapshot.RecoverSuspends(context.Background(), a.host); err != nil {
+	if err := suspend.RecoverSuspends(context.Background(), a.host); err != nil {
 		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted suspend or resume: %v\n", err)
 	}
 	// After a reboot no reaper runs: what expired meanwhile goes now.

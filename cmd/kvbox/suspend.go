@@ -8,7 +8,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/suspend"
 )
 
 func (a *app) newCmdSuspend() *cobra.Command {
@@ -34,7 +34,7 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 			}
 			for _, n := range args {
 				stop := a.spin("saving " + n)
-				res, err := snapshot.Suspend(c.Context(), h, n)
+				res, err := suspend.Suspend(c.Context(), h, n)
 				stop()
 				if err != nil {
 					return err
@@ -109,7 +109,7 @@ func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time
 		return base.Errorf(base.Busy, "box %q is %s, neither suspended nor paused", n, b.State)
 	}
 	stop := a.spin("waking " + n)
-	res, err := snapshot.Resume(c.Context(), h, n, timeout)
+	res, err := suspend.Resume(c.Context(), h, n, timeout)
 	stop()
 	if err != nil {
 		return err

@@ -8,6 +8,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/suspend"
 )
 
 // lifeRuns is how many suspend/resume rounds are timed per box.
@@ -81,12 +82,12 @@ type rounds struct{ pause, suspend, resume []time.Duration }
 func suspendRounds(ctx context.Context, e *env, name string) (rounds, error) {
 	var r rounds
 	for range lifeRuns {
-		s, err := snapshot.Suspend(ctx, e.h, name)
+		s, err := suspend.Suspend(ctx, e.h, name)
 		if err != nil {
 			return r, err
 		}
 		r.pause, r.suspend = append(r.pause, s.Pause), append(r.suspend, s.Total)
-		res, err := snapshot.Resume(ctx, e.h, name, 2*time.Minute)
+		res, err := suspend.Resume(ctx, e.h, name, 2*time.Minute)
 		if err != nil {
 			return r, err
 		}
