@@ -76,7 +76,7 @@ func TestResumeRefusesASleepingGuest(t *testing.T) {
 		t.Fatalf("a guest in S3 is listed %q, want %q", b.State, domain.StatePMSuspended)
 	}
 	_, err = Resume(context.Background(), h, "sleeper", time.Second)
-	if !errors.Is(err, base.ErrBusy) || !strings.Contains(err.Error(), "pmsuspended, not suspended") {
+	if !errors.Is(err, base.ErrBusy) || !strings.Contains(err.Error(), "put to sleep by its own guest") {
 		t.Errorf("resume of a sleeping guest: %v", err)
 	}
 }

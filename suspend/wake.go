@@ -36,7 +36,11 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 		return ResumeResult{}, err
 	}
 	defer release()
-	if box.State != domain.StateSuspended {
+	if box.State == domain.StatePMSuspended {
+		// The guest put itself to sleep (ACPI S3): nothing kvbox saved.
+		return ResumeResult{}, base.Errorf(base.Busy, "box %q was put to sleep by its own guest, not by kvbox suspend (kvbox resume %s wakes it)", name, name)
+	}
+	if box.State != domain.StateSuspended || box.Suspended == nil {
 		return ResumeResult{}, base.Errorf(base.Busy, "box %q is %s, not suspended", name, box.State)
 	}
 	r := &resuming{h: h, box: box, dom: dom, saved: *box.Suspended}
@@ -59,12 +63,7 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	// The box's own definition goes back while its agent wakes: neither
 	// waits for the other.
 	settle := step.Plan{
-		{Name: "define-boot+agent", Do: func(ctx context.Context) error {
-			defined := make(chan error, 1)
-			go func() { defined <- r.defineBoot(ctx) }()
-			err := r.setClock(ctx, agentTimeout)
-			return errors.Join(<-defined, err)
-		}},
+		{Name: "define-boot+agent", Do: step.Together(r.defineBoot, func(ctx context.Context) error { return r.setClock(ctx, agentTimeout) })},
 	}
 	more, err := settle.Run(ctx)
 	ts = append(ts, more...)
