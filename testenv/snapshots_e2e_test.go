@@ -65,14 +65,20 @@ func newSnapshot(t testing.TB, boxName, n string) snap {
 }
 
 // startCounter starts a process in the box that counts in /tmp/counter.
-func startCounter(t testing.TB, n string) {
+func startCounter(t testing.TB, n string) { startCounterIn(t, kvboxOf(t), n) }
+
+// startCounterIn is startCounter through run, kvbox with the global flags
+// of the box's state dir.
+func startCounterIn(t testing.TB, run func(args ...string) result, n string) {
 	t.Helper()
-	inBox(t, n, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' </dev/null >/dev/null 2>&1 &`)
+	inBoxOf(t, run, n, `setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.1; done' </dev/null >/dev/null 2>&1 &`)
 }
 
-func counter(t testing.TB, n string) int {
+func counter(t testing.TB, n string) int { return counterIn(t, kvboxOf(t), n) }
+
+func counterIn(t testing.TB, run func(args ...string) result, n string) int {
 	t.Helper()
-	v, err := strconv.Atoi(strings.TrimSpace(inBox(t, n, "cat /tmp/counter")))
+	v, err := strconv.Atoi(strings.TrimSpace(inBoxOf(t, run, n, "cat /tmp/counter")))
 	if err != nil {
 		t.Fatalf("counter: %v", err)
 	}
@@ -80,15 +86,33 @@ func counter(t testing.TB, n string) int {
 }
 
 // assertCounting checks the counter process in the box still advances.
-func assertCounting(t testing.TB, n string) {
+func assertCounting(t testing.TB, n string) { assertCountingIn(t, kvboxOf(t), n) }
+
+func assertCountingIn(t testing.TB, run func(args ...string) result, n string) {
 	t.Helper()
-	a := counter(t, n)
+	a := counterIn(t, run, n)
 	eventually(t, 10*time.Second, func() error {
-		if b := counter(t, n); b <= a {
+		if b := counterIn(t, run, n); b <= a {
 			return fmt.Errorf("counter stuck at %d", b)
 		}
 		return nil
 	})
+}
+
+// kvboxOf runs kvbox with the test's state dir.
+func kvboxOf(t testing.TB) func(args ...string) result {
+	return func(args ...string) result { return kvbox(t, args...) }
+}
+
+// inBoxOf is inBox through run.
+func inBoxOf(t testing.TB, run func(args ...string) result, n, script string) string {
+	t.Helper()
+	args := []string{"exec", n, "--", "sh", "-c", script}
+	r := run(args...)
+	if r.code != 0 {
+		t.Fatalf("kvbox %s: %s", strings.Join(args, " "), r)
+	}
+	return r.stdout
 }
 
 // snapshotFile reads a file from the root filesystem in a snapshot's disk.
@@ -803,7 +827,9 @@ func TestSnapshotDiskFull(t *testing.T) {
 	if r := k(append(append([]string{"new"}, smallBox...), n)...); r.code != 0 {
 		t.Fatalf("new on the small filesystem: %s", r)
 	}
-	startCounter(t, n)
+	// The box is the small state dir's: kvbox of another state dir does
+	// not see it.
+	startCounterIn(t, k, n)
 	// Leave room for the box to run, not for a copy of its memory.
 	fill(16 << 20)
 
@@ -822,7 +848,7 @@ func TestSnapshotDiskFull(t *testing.T) {
 		}
 	}
 	assertDomainClean(t, n)
-	assertCounting(t, n)
+	assertCountingIn(t, k, n)
 	// With room again, the snapshot works.
 	if r := k("snapshots", "new", n, "full"); r.code != 0 {
 		t.Errorf("snapshot after freeing space: %s", r)
