@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/statedir"
 )
 
 var (
@@ -252,6 +254,20 @@ func freeSubnet(t testing.TB) string {
 	t.Fatal("no free /24 in 172.31.128.0/17 for a test network")
 	return ""
 }
+
+// groupKey is what names group's network on the host for the tests'
+// state dir (domain.Host.groupKey): the group's name in the default state
+// dir, the name with the state dir in another, whose groups are networks
+// of their own.
+func groupKey(group string) string {
+	if filepath.Clean(stateDir) == statedir.Default {
+		return group
+	}
+	return group + "@" + filepath.Clean(stateDir)
+}
+
+// groupBridge is the bridge of group in the tests' state dir.
+func groupBridge(group string) string { return network.GroupBridge(groupKey(group)) }
 
 // stateDir is the kvbox state directory the tests' kvbox uses:
 // KVBOX_STATE_DIR, as for the CLI, so that two test runs can keep apart.

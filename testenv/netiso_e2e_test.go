@@ -367,7 +367,7 @@ func TestNetworkGroups(t *testing.T) {
 	b := newBox(t, name(t, "gb"), append(n.flags, "--network", "group:"+g1)...)
 	c := newBox(t, name(t, "gc"), append(n.flags, "--network", "group:"+g2)...)
 	d := newBox(t, name(t, "gd"), n.flags...)
-	br1, br2 := network.GroupBridge(g1), network.GroupBridge(g2)
+	br1, br2 := groupBridge(g1), groupBridge(g2)
 	if a.Group != g1 || a.Bridge != br1 || b.Bridge != br1 || c.Bridge != br2 || d.Bridge != n.br || a.Gateway == c.Gateway || a.Gateway == n.gw {
 		t.Fatalf("groups: a %s on %s (gw %s), b on %s, c %s on %s (gw %s), d on %s", a.Group, a.Bridge, a.Gateway, b.Bridge, c.Group, c.Bridge, c.Gateway, d.Bridge)
 	}
@@ -505,12 +505,12 @@ func TestGroupBridgesApart(t *testing.T) {
 	}
 	a := newBox(t, name(t, "gapa"), "--network", "group:"+g1)
 	b := newBox(t, name(t, "gapb"), "--network", "group:"+g2)
-	if a.Bridge == b.Bridge || a.Bridge != network.GroupBridge(g1) || b.Bridge != network.GroupBridge(g2) {
+	if a.Bridge == b.Bridge || a.Bridge != groupBridge(g1) || b.Bridge != groupBridge(g2) {
 		t.Fatalf("group %s is on %s, group %s on %s", g1, a.Bridge, g2, b.Bridge)
 	}
 	for _, x := range []box{a, b} {
 		out, err := exec.Command("ip", "-d", "link", "show", x.Bridge).CombinedOutput()
-		if err != nil || !strings.Contains(string(out), "alias kvbox group "+x.Group) {
+		if err != nil || !strings.Contains(string(out), "alias kvbox group "+groupKey(x.Group)) {
 			t.Errorf("bridge %s is not marked as group %s's: %v\n%s", x.Bridge, x.Group, err, out)
 		}
 	}
