@@ -137,7 +137,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	}
 	meta := domain.Meta{
 		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
-		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: cl.net.Group, Dir: dir,
+		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: src.Group, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
 	}
 	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
