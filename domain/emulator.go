@@ -19,14 +19,12 @@ import (
 // and comes after it. Under TCG that order breaks live memory copies in
 // QEMU 10.0: after each dirty-bitmap sync QEMU re-arms the vCPUs' write
 // tracking for the block at ram_addr 0 instead of the block it synced (see
-// snapshot's copyPaused), so guest writes made after a page was copied can
-// be lost. Measured here (raw QEMU, a guest writing 64 MB in a loop, live
-// mapped-ram copy, then a restore that compares its pages): with a decoy
-// block first the restored kernel panicked; with the RAM first, 0 of 16384
-// pages differed in 3 of 3 runs, downtime 20-23 ms. A RAM size QEMU syncs
-// page by page (not a multiple of 256 KiB) is correct too, but its first
-// sync re-arms the TLBs once per page: 1.5-2.4 s for 512 MiB under the
-// big lock, 8x that for 4 GiB.
+// vmstate's copyPaused), so guest writes made after a page was copied can
+// be lost; with the box's RAM first none are
+// (docs/design.md#dirty-tracking-under-tcg). A RAM size QEMU syncs page by
+// page (not a multiple of 256 KiB) is correct too, but its first sync
+// re-arms the TLBs once per page under the big lock, seconds for a few
+// GiB.
 //
 // libvirt offers no way to leave out its backend, so on TCG hosts kvbox
 // names a small wrapper as the domain's <emulator>: it runs the host's QEMU

@@ -93,8 +93,9 @@ func MemoryFile(dir string) string { return filepath.Join(dir, "memory") }
 
 // LegacyRAMArgs are the RAM arguments of a box defined by an earlier kvbox:
 // its RAM in MemoryFile, shared with QEMU. Reading a page the guest never
-// touched there costs a zeroed page of page cache, so a live snapshot of a
-// 4 GiB box read its 2.5 GB of untouched RAM at ~0.2 GB/s; Start gives such
+// touched there costs a zeroed page of page cache, so a live snapshot
+// read a box's untouched RAM slowly (docs/design.md#live-copy-of-ram);
+// Start gives such
 // a box RAMArgs (UpgradeRAM).
 func LegacyRAMArgs(size int64, file string) []string {
 	return []string{

@@ -357,7 +357,7 @@ func (c *Client) hello(ctx context.Context, tail func() ([]byte, error)) error {
 	retry := 300 * time.Millisecond
 	if tail != nil {
 		// A retry writes the requests again, which a guest that was only
-		// slow (a 4 GiB Debian clone under TCG answers in 300-500 ms)
+		// slow (a large clone under TCG answers in hundreds of ms)
 		// serves twice: waited for longer before the guest is taken as
 		// stuck.
 		retry = time.Second

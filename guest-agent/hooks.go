@@ -34,7 +34,7 @@ const FeatureAfterClone = "after-clone-hooks"
 const HooksHelperArg = "after-clone-hooks"
 
 // FeatureHookCount: Info.AfterCloneHooks is reported, so a host can skip
-// running the hook runner (an exec of this binary, ~0.4 s under TCG) in
+// running the hook runner (an exec of this binary, slow under TCG) in
 // a box that has no hooks.
 const FeatureHookCount = "after-clone-hook-count"
 

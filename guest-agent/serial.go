@@ -162,8 +162,8 @@ func (p *portReader) Read(b []byte) (int, error) {
 // first bytes may come in before that: on 4 GiB Debian clones whose
 // kworkers were busy (their balloon giving back the memory it named for
 // the snapshot), a first contact was read whole and the read after it
-// said no host; the session ended there and its answers were dropped.
-// 50 ms was not enough there. A host that went away is seen this much
+// said no host; the session ended there and its answers were dropped
+// (docs/design.md#the-agent-under-tcg). A host that went away is seen this much
 // later (an exec it left running is killed then).
 const hostSettle = time.Second
 

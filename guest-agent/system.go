@@ -34,13 +34,13 @@ type LinuxSystem struct {
 	// unplugged from a box, and finding one is a netlink dump: in a clone
 	// under TCG it is cold code, which answering a ping ran alongside the
 	// identity (and on the agent's reader, delaying the frames behind it)
-	// for 100-250 ms at one vCPU.
+	// (docs/design.md#the-agent-under-tcg).
 	hasLink atomic.Bool
 	// net is what netState.apply keeps between identities (under mu). A
 	// clone's agent is its source's process, so it starts with its
 	// source's: no netlink socket to open and no link dump to run and
-	// parse, which took 60-100 ms of a 1-vCPU clone's re-identification
-	// under TCG.
+	// parse, a large part of a clone's re-identification under TCG
+	// (docs/design.md#the-agent-under-tcg).
 	net netState
 }
 

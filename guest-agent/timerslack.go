@@ -19,12 +19,11 @@ import (
 // Under emulation this keeps Go's sysmon thread from waking every few tens
 // of microseconds. sysmon sleeps 20 µs between its rounds for as long as it
 // finds a thread in a system call to take the processor from, and under
-// TCG nearly every system call outlasts that. In a 1-vCPU Debian clone's
-// re-identification, sysmon and the agent's working thread switched every
-// 50-150 µs: 430-511 switches in the 600 ms after the resume, each a timer
-// interrupt and two trips through the guest's scheduler. With a slack of
-// a millisecond: 149-188, and the identity's answer left the guest at
-// 191 ms after the resume instead of 257. Nothing in the agent waits on a
+// TCG nearly every system call outlasts that: in a clone's
+// re-identification sysmon and the agent's working thread switched
+// constantly, each switch a timer interrupt and two trips through the
+// guest's scheduler, and a millisecond of slack cut them to a third
+// (docs/design.md#the-agent-under-tcg). Nothing in the agent waits on a
 // timer shorter than 10 ms.
 func SetTimerSlack(d time.Duration) error {
 	was, err := timerSlackOf(os.Getpid())

@@ -26,11 +26,10 @@ import (
 //
 // Why not libvirt's nwfilter, which kvbox used first: libvirt instantiates
 // a filter by running ebtables, iptables and ip6tables, 60-odd commands at
-// every domain start and again at every stop whatever the filter holds.
-// Measured here: virsh start 0.7 s longer and virsh destroy 0.58 s longer
-// with the filterref (a clone 0.9 s instead of 0.2 s in libvirt's start,
-// kvbox rm 0.89 s instead of 0.3 s), and more with every box on the host
-// (each command of iptables-nft reads the whole ruleset). Here a box is one
+// every domain start and again at every stop whatever the filter holds:
+// most of a clone's start and of kvbox rm, and more with every box on the
+// host, as each command of iptables-nft reads the whole ruleset
+// (docs/design.md#libvirts-nwfilter). Here a box is one
 // set element, added before it is defined and removed with it: its port is
 // filtered from the first frame, also when an operator starts it with virsh,
 // since the tap's name is the box's own (TapName, libvirt's <target dev>).

@@ -77,7 +77,7 @@ func (c *Client) QueryMigrateParameters(ctx context.Context) (map[string]any, er
 // restore func that sets each recorded value back. Callers must run restore
 // after the snapshot or clone step: a capability such as x-ignore-shared left
 // on makes a later `virsh save` write an image without RAM that `virsh
-// restore` cannot load (DESIGN.md, "Traps found").
+// restore` cannot load (docs/design.md#traps-found).
 //
 // A parameter QEMU does not report cannot be put back, so it is refused before
 // anything changes. If setting the new values fails, what was already changed

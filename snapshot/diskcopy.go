@@ -154,9 +154,9 @@ func (d *diskCopy) cancelBackup() {
 // start in the pause until the box runs again (copy lifts it). The
 // point-in-time is the copy-before-write filter's, taken by the
 // transaction; the copying itself runs in QEMU's main loop, where the
-// box's resume is served too. Unheld, a box that had written 1 GB to its
-// disk before its snapshot stood still 417-460 ms, 254-284 of them in the
-// resume, which waited behind the copy's first reads and writes.
+// box's resume is served too: unheld, the resume of a box that had written
+// much to its disk waited behind the copy's first reads and writes
+// (docs/design.md#disk-copy-in-the-pause).
 const heldBackupSpeed = 1
 
 // releaseBackup lifts the backup job's rate limit. A job that copied all

@@ -2,8 +2,8 @@
 //
 // Suspend and Resume use the live-snapshot machinery (vmstate) on the box
 // itself instead of libvirt's managed save: managed save writes every page of the
-// guest's RAM into one stream and `virsh start` reads all of it back (a
-// 4 GiB box: 14.7 s and 6.8 s, DESIGN.md). kvbox copies the RAM live into
+// guest's RAM into one stream and `virsh start` reads all of it back, both
+// growing with the RAM (docs/design.md#suspend). kvbox copies the RAM live into
 // a mapped-ram state file in the box's folder (QEMU stops the guest only
 // for the last pass), and resume maps that file privately, as a clone maps
 // its snapshot: a page is read from it when the guest first touches it, so

@@ -82,8 +82,8 @@ func PrepareMapped(path string, ramSize int64) (int64, error) {
 // stale memory. Runs of clear bits become holes.
 func punchUnsentPages(f *os.File, bitmap []byte, pages uint64, h mappedRAMHeader) error {
 	// Only where the file holds data: a run of clear bits is mostly a
-	// hole already (pages never sent), and a punch per run cost ~0.5 s
-	// for a 256 MB box here.
+	// hole already (pages never sent), and a punch per run is slow
+	// (docs/design.md#live-copy-of-ram).
 	data, _, err := overlay.DataExtents(f)
 	if err != nil {
 		return err
@@ -126,7 +126,7 @@ func punchUnsentPages(f *os.File, bitmap []byte, pages uint64, h mappedRAMHeader
 // migration stream: the id (length-prefixed), its used length, the header.
 // It reads the head in growing windows up to 16 MiB: the header sits in the
 // first hundred bytes when kvbox.ram is QEMU's first RAM block, and reading
-// all 16 MiB of a state file took ~0.4 s here.
+// all 16 MiB of a state file is slow (docs/design.md#live-copy-of-ram).
 func findRAMBlock(r io.ReaderAt, ramSize, fileSize int64) (mappedRAMHeader, error) {
 	key := append([]byte{byte(len(ramBlockID))}, ramBlockID...)
 	key = binary.BigEndian.AppendUint64(key, uint64(ramSize))

@@ -15,12 +15,10 @@ import (
 
 // writeback keeps a file that QEMU is writing on its way to disk: at most
 // every 20 ms it starts the write-out of what is dirty (sync_file_range,
-// no wait), so that little is left for the fsync after the copy (every
-// 100 ms left a tiny box's snapshot 60-80 ms of it; every 20 ms, 7-22).
-// At a live copy's switch-over QEMU flushes the box's disk (block
-// inactivation), and that flush waited behind the state file's dirty page
-// cache: on the Debian box (1.4 GB copied) the pause was 460-870 ms
-// instead of ~110.
+// no wait), so that little is left for the fsync after the copy. At a
+// live copy's switch-over QEMU flushes the box's disk (block
+// inactivation), and that flush waits behind the state file's dirty page
+// cache, in the pause (docs/design.md#live-copy-of-ram).
 type writeback struct {
 	path string
 	f    *os.File
@@ -41,7 +39,7 @@ func (w *writeback) kick() {
 		// QEMU opened the file with O_TRUNC, and ext4 (auto_da_alloc)
 		// then flushes it at the next close of any of its open files:
 		// made here, while little is written, instead of by kvbox's or
-		// QEMU's close in the pause (38 ms for the 75 MB of a tiny box).
+		// QEMU's close in the pause.
 		if g, err := os.Open(w.path); err == nil {
 			g.Close()
 		}
@@ -70,17 +68,14 @@ const liveRoundsPerStep = 8
 // last pass by itself and leaves it stopped until kvbox sees that, so a
 // late poll is a longer pause. Each poll costs the host: query-migrate goes
 // through libvirtd to QEMU's main loop and takes QEMU's big lock, which the
-// box's vCPUs need for their I/O. Polled every 2 ms throughout, snapshots
-// of the 4 GiB Debian clone (1.5 GB, copies of 2-17 s) kept libvirtd, QEMU's
-// main loop and kvbox on about half of one of this machine's two cores, and
-// the box stopped answering a ping every 5 ms for 85-221 ms at a time while
-// its reported pauses were 29-63 ms; at 20 ms, its longest gaps were 30-36 ms
-// in the live phase, with the same pauses.
+// box's vCPUs need for their I/O: polled fast throughout, a long copy
+// kept a core half busy and stalled the box for far longer than its
+// reported pause (docs/design.md#live-copy-of-ram).
 //
 // When the copy may end is judged at the fastest pace it has gone yet: a
 // copy speeds up at its end, where RAM the guest never touched reads as
-// zeros. Judged at the last interval's pace, one snapshot in two of the
-// tiny box was seen stopped 10-15 ms late.
+// zeros, and judged at the last interval's pace the box was often seen
+// stopped late.
 const (
 	pollFast  = 2 * time.Millisecond
 	pollSlow  = 20 * time.Millisecond
@@ -176,14 +171,14 @@ func waitLiveCopy(ctx context.Context, q *qmp.Client, path string, gated bool, o
 // A live copy's first pass goes through the whole RAM, and reads every
 // page it sends or finds zero: on a clone, a page the guest never touched
 // is a hole of the snapshot's state file, which the read fills with a
-// zeroed page of page cache (4 GB of it for the 4 GiB Debian clone). The
+// zeroed page of page cache (as much as the clone's untouched RAM). The
 // box's balloon (templates/box.xml) takes free page hints: while a
 // migration runs, the guest's driver takes its free memory and names it
 // to QEMU, which clears those pages from the copy's bitmap and never
 // reads or stores them. A page the first pass has already reached is read
 // all the same, and the pass outruns a guest that answers from its own
-// vCPU: of five snapshots of tiny clones (512 MB, half of it free), two
-// read the free half regardless. So a copy of RAM mapped from a file
+// vCPU, and reads the free memory regardless
+// (docs/design.md#live-copy-of-ram). So a copy of RAM mapped from a file
 // whose guest takes hints starts held back (gateParams), and runs at full
 // speed (openParams) once the hints are in (hintGate). Anonymous RAM is
 // not held back (anonRAM): the hints still come, and what they clear
@@ -212,9 +207,8 @@ func startParams(gated bool) map[string]any {
 }
 
 // The hint gate's times. The guest names 4 MiB at a time, and is done when
-// nothing more comes for hintSettle: here the tiny box's guest named its
-// 400 MB within 5 ms of the request, the Debian box's 3.8 GB within 40 ms,
-// never more than 9 ms apart. A guest that names nothing by hintFirst
+// nothing more comes for hintSettle, well above the gaps seen between its
+// names (docs/design.md#live-copy-of-ram). A guest that names nothing by hintFirst
 // (busy, or with no 4 MiB free in one piece) is not waited for, nor one
 // still naming pages at hintMax. Opened too early, the copy only reads
 // what came late.

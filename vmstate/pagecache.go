@@ -22,8 +22,7 @@ import (
 // the files of its chain are shared: the base image of every box of an
 // image, the disk of a snapshot under every clone of it. Each clone and
 // each snapshot emptied their page cache for all the others, and paid
-// for it in a pause: a Debian clone's resume took 99 ms, a snapshot of a
-// box that had written 1 GB spent 91-156 ms of its pause in it.
+// for it in a pause (docs/design.md#page-cache).
 //
 // fresh says QEMU was just started (a clone's, a waking box's, waiting
 // for its state): its nodes are those of its command line, and QEMU is
@@ -33,7 +32,7 @@ import (
 // It is best effort: a node libvirt did not open on the command line (a
 // block job's, an operator's) keeps its options, and a QEMU that refuses
 // the reopen keeps its cache dropping; neither changes what a snapshot or
-// a clone holds. It costs a clone about 5 ms.
+// a clone holds. It costs a clone a few milliseconds.
 func KeepPageCache(ctx context.Context, q *qmp.Client, box string, fresh bool) error {
 	opened, err := domain.Blockdevs(box)
 	if err != nil {
@@ -53,8 +52,8 @@ func KeepPageCache(ctx context.Context, q *qmp.Client, box string, fresh bool) e
 		// QEMU flushes each node it reopens, with the box's disk I/O
 		// drained and its vCPUs waiting on QEMU's lock. kvbox writes
 		// out what is dirty first, from its own process, while the box
-		// runs on: with 40 MB of it, the box's longest ping gap in
-		// this step was 19-21 ms when QEMU did it, 8-11 ms after.
+		// runs on, and the box's stall in this step is shorter
+		// (docs/design.md#page-cache).
 		for _, o := range reopen {
 			overlay.SyncFile(o["filename"].(string)) // best effort
 		}

@@ -120,9 +120,8 @@ func RestoreXML(src string, s RestoreSpec) (string, error) {
 // guest that takes them holds its free memory, and gives it back only
 // once the migration is over, so the snapshot's state has it held, and
 // every clone gave it back on its first run, writing the kernel's page
-// structs of all of it: 59 MB more host memory per clone of the Debian
-// box (4 GiB, 3.8 GB free), and 417-491 ms to identify it instead of
-// 277-322 under TCG. Anonymous RAM needs no hints; a clone's RAM, mapped
+// structs of all of it: more host memory per clone and a slower identify
+// (docs/design.md#free-page-hints). Anonymous RAM needs no hints; a clone's RAM, mapped
 // from the snapshot's state, does, when the clone is snapshotted
 // (a gated copy, see Save).
 func offerFreePageHints(o *libvirtxml.DomainQEMUOverride, on bool) {
@@ -145,7 +144,7 @@ func offerFreePageHints(o *libvirtxml.DomainQEMUOverride, on bool) {
 
 // fastCPUCap is the QEMU capability a clone hides from libvirt. With it,
 // libvirt 11 reads the started guest's CPU with one qom-get per x86 feature
-// (qemuMonitorGetGuestCPU, ~500 QMP round trips, ~400 ms under TCG); without
+// (qemuMonitorGetGuestCPU, hundreds of QMP round trips: docs/design.md#cpu-features); without
 // it libvirt takes its older x86 path (qemuMonitorGetGuestCPUx86: the
 // feature-words and filtered-features properties, two qom-gets). Both feed
 // qemuProcessUpdateGuestCPU the same enabled/disabled feature sets on x86,

@@ -102,9 +102,7 @@ func ModeOf(ctx context.Context, q *qmp.Client, reprobe func(context.Context) er
 // (domain.RAMArgs): a page the guest never touched reads as the kernel's
 // zero page, which costs the host nothing, so its copy is not held back.
 // A hint gate costs a copy a 100 ms window of QEMU's rate limit (see
-// gateParams): the tiny box's snapshot copied its RAM in 155-176 ms
-// without it, 241-281 with it, the same 76 MB written, and QEMU's
-// resident memory the same.
+// gateParams) for nothing saved there (docs/design.md#live-copy-of-ram).
 const anonRAM = "memory-backend-ram"
 
 // copyPaused: on TCG (QEMU emulating the CPU, no KVM) with kvbox's RAM
@@ -119,9 +117,9 @@ const anonRAM = "memory-backend-ram"
 // libvirt's own unused "pc.ram" backend sits at 0, kvbox.ram after it
 // (HMP info ramblock). TLB entries that allow direct writes then stay
 // until a guest CR3 write flushes them, and what the guest writes through
-// them after its page was copied never reaches the snapshot: a guest
-// writing 64 MB in a loop gave clones that panicked in hrtimer code and
-// rebooted, an idle one now and then a clone that lost a process. With
+// them after its page was copied never reaches the snapshot: clones of a
+// busy guest crash, of an idle one now and then lose a process
+// (docs/design.md#dirty-tracking-under-tcg). With
 // kvbox.ram first (the emulator wrapper on TCG hosts, domain/emulator.go)
 // the block-relative and absolute starts are the same and the copy is
 // live, as on KVM, which tracks writes in the kernel.
@@ -142,25 +140,22 @@ func copyPaused(ctx context.Context, q *qmp.Client) (bool, error) {
 // switch-over (a snapshot takes the disk's point in time once QEMU has
 // stopped the guest and completed).
 //
-// Not multifd: with two multifd channels the copy of the Debian box with
-// 1.5 GB touched took 8.2 s instead of 15.0 s here, but QEMU 10.0.2 crashes
+// Not multifd: two multifd channels copy faster, but QEMU 10.0.2 crashes
 // when such a copy is cancelled ("failed to save SaveStateEntry ... (ram):
-// -5", then reason=crashed): in 1 of 3 runs of TestLiveSnapshotOfBusyBox
-// (kvbox killed just after the copy started, the next command cancelling
-// it), and by hand in 2 of 10 cancels sent once the copy was active and
-// writing. A killed kvbox must never cost the box; the migration thread
-// alone never crashed.
+// -5", then reason=crashed), as a killed kvbox's next command does
+// (docs/design.md#live-copy-of-ram). A killed kvbox must never cost the
+// box; the migration thread alone never crashed.
 func liveCaps() map[string]bool {
 	return map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true, qmp.CapMultifd: false, qmp.CapPauseBeforeSwitchover: false}
 }
 
 // liveParams are the migration parameters of a live memory copy: QEMU's
-// default max-bandwidth (128 MiB/s) makes a 1.5 GB copy take 12 s; at
-// 10 GiB/s it is bounded by the disk and the guest. QEMU stops the guest
-// for the last pass once it expects it to take downtime-limit: its
-// default, 300 ms, gave a 256 ms downtime (43 MB) on the Debian box;
-// kvbox asks for 50 ms, and gives a guest that keeps dirtying faster more
-// (liveWatch).
+// default max-bandwidth (128 MiB/s) makes a copy of gigabytes take many
+// seconds; at 10 GiB/s the disk and the guest bound it. QEMU stops the
+// guest for the last pass once it expects it to take downtime-limit: its
+// default, 300 ms, gives pauses near that; kvbox asks for 50 ms, and gives
+// a guest that keeps dirtying faster more (liveWatch;
+// docs/design.md#live-copy-of-ram).
 // Zero pages are checked for, and left out of the state file ("legacy":
 // QEMU's own check, which its default "multifd" means without multifd);
 // the hint gate turns that off while it holds the copy (gateParams).
