@@ -1,6 +1,8 @@
 package domain
 
 import (
+	"errors"
+
 	"libvirt.org/go/libvirtxml"
 
 	"kvbox.dev/kvbox/base"
@@ -26,7 +28,9 @@ func (h *Host) EnsurePortFilter() error {
 		return err
 	}
 	if created {
-		boxes, err := h.Boxes()
+		// Every state dir's boxes: the filter is the namespace's, and a
+		// box of another state dir must not lose its port.
+		boxes, err := h.AllBoxes()
 		if err != nil {
 			return err
 		}
@@ -52,7 +56,17 @@ func (h *Host) AllowPort(b Box) error {
 	if !portFiltered(b) {
 		return nil
 	}
-	return network.AllowPort(network.TapName(b.MAC), b.MAC, b.Addr())
+	tap := network.TapName(b.MAC)
+	err := network.AllowPort(tap, b.MAC, b.Addr())
+	if errors.Is(err, network.ErrNoPortFilter) {
+		// Another kvbox removed the filter with its last port since this
+		// one made sure of it: made again, then the port.
+		if err := h.EnsurePortFilter(); err != nil {
+			return err
+		}
+		err = network.AllowPort(tap, b.MAC, b.Addr())
+	}
+	return err
 }
 
 // ForgetPort takes a removed box's port out of the filter.

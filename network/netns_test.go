@@ -1,6 +1,7 @@
 package network
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"os"
@@ -252,5 +253,37 @@ func TestBridgeSubnetTaken(t *testing.T) {
 		if err := c.ensure(false); err != nil {
 			t.Fatalf("a free subnet (time %d): %v", i+1, err)
 		}
+	}
+}
+
+// A port added after another kvbox removed the filter with its last port
+// says so (ErrNoPortFilter) instead of failing as any error; the filter
+// made again takes it; a filter holding a port is not removed.
+func TestAllowPortAfterFilterRemoved(t *testing.T) {
+	if !inNamespaces(t) {
+		return
+	}
+	if _, err := EnsurePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if err := removePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	ip := netip.MustParseAddr("172.30.60.2")
+	mac := "52:54:00:aa:bb:01"
+	if err := AllowPort(TapName(mac), mac, ip); !errors.Is(err, ErrNoPortFilter) {
+		t.Fatalf("a port with no filter: %v, want ErrNoPortFilter", err)
+	}
+	if _, err := EnsurePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if err := AllowPort(TapName(mac), mac, ip); err != nil {
+		t.Fatalf("a port once the filter is made again: %v", err)
+	}
+	if err := removePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if len(kvboxChains(t)) == 0 {
+		t.Error("the filter went with a port in it")
 	}
 }

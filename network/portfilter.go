@@ -389,10 +389,28 @@ func toBoxRules() [][]expr.Any {
 	}}
 }
 
+// ErrNoPortFilter: kvbox's port filter is not there (another kvbox's
+// network rm took it away with its last port): EnsurePortFilter makes it
+// again, with every box's port.
+var ErrNoPortFilter = errors.New("kvbox's port filter is not there")
+
 // AllowPort lets the box with this tap, MAC and address through its port
 // (and nothing else of it). Adding a port already there changes nothing.
+// Ports are added under the port filter's lock, which removePortFilter
+// holds from its check that no port is left until the tables are gone: a
+// port is added before that check, or finds the tables gone
+// (ErrNoPortFilter), never lost between the two.
 func AllowPort(tap, mac string, ip netip.Addr) error {
-	return portElement(tap, mac, ip, true)
+	unlock, err := lockNetwork("port-filter")
+	if err != nil {
+		return fmt.Errorf("port filter: %w", err)
+	}
+	defer unlock()
+	err = portElement(tap, mac, ip, true)
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%w: %w", ErrNoPortFilter, err)
+	}
+	return err
 }
 
 // ForgetPort takes a box's port out of the filter; one not there is fine.
@@ -432,6 +450,11 @@ func portElement(tap, mac string, ip netip.Addr, add bool) error {
 // removePortFilter deletes kvbox's tables once no box is in its port
 // filter (network rm of the last bridge with boxes).
 func removePortFilter() error {
+	unlock, err := lockNetwork("port-filter")
+	if err != nil {
+		return fmt.Errorf("port filter: %w", err)
+	}
+	defer unlock()
 	conn, err := nftables.New()
 	if err != nil {
 		return fmt.Errorf("port filter: %w", err)
