@@ -368,8 +368,13 @@ func TestCloneAgentTimeoutRollsBack(t *testing.T) {
 	// agent does not take one): the snapshot then holds a guest whose agent
 	// never answers, and the source box, whose agent cannot take a token of
 	// its own afterwards, keeps the snapshot's, as the note says.
-	inBox(t, srcName, `t=/var/lib/kvbox-agent/token; old=$(cat $t)
-		(while [ "$(cat $t)" = "$old" ]; do sleep 0.01; done; kill -STOP $(pidof kvbox-agent)) </dev/null >/dev/null 2>&1 &`)
+	// The watch runs shell builtins only (a fork under TCG can take longer
+	// than the copy): it reads the token every 10 ms (a read -t on a FIFO
+	// nobody writes), and once it changed gives the agent 30 ms to answer
+	// the host, then stops it by a pid it read before: after the answer,
+	// well before the copy's last pass.
+	inBox(t, srcName, `t=/var/lib/kvbox-agent/token; read -r old < $t; p=$(pidof kvbox-agent); mkfifo /tmp/agent-watch
+		(exec 3<>/tmp/agent-watch; while read -r cur < $t; [ "$cur" = "$old" ]; do read -t 0.01 x <&3; done; read -t 0.03 x <&3; kill -STOP $p) </dev/null >/dev/null 2>&1 &`)
 	t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
 	r0 := kvbox(t, "snapshots", "new", srcName, snap)
 	if r0.code != 0 {
