@@ -88,18 +88,12 @@ func GroupConfig(group, bridge string, subnet netip.Prefix) Config {
 // address or route of this host (a LAN, a VPN, another program's bridge).
 func GroupSubnet(taken []netip.Prefix) (netip.Prefix, error) {
 	inUse := append([]netip.Prefix(nil), taken...)
-	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	routes, err := Routes()
 	if err != nil {
-		return netip.Prefix{}, fmt.Errorf("group subnet: list routes: %w", err)
+		return netip.Prefix{}, fmt.Errorf("group subnet: %w", err)
 	}
 	for _, r := range routes {
-		if r.Dst == nil {
-			continue // the default route overlaps everything and nothing
-		}
-		if p, ok := netip.AddrFromSlice(r.Dst.IP.To4()); ok {
-			bits, _ := r.Dst.Mask.Size()
-			inUse = append(inUse, netip.PrefixFrom(p, bits))
-		}
+		inUse = append(inUse, r.Prefix)
 	}
 	base := GroupPool.Masked().Addr().As4()
 	for i := 1; i < 256; i++ {

@@ -147,28 +147,50 @@ func (c Config) ensure(nat bool) error {
 // VPN's 10.0.0.0/8) loses the subnet to the bridge and is no clash. The
 // bridge's own routes are its subnet's.
 func (c Config) subnetFree(bridge int) error {
-	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	routes, err := Routes()
 	if err != nil {
-		return fmt.Errorf("subnet %s: list routes: %w", c.Subnet, err)
+		return fmt.Errorf("subnet %s: %w", c.Subnet, err)
 	}
 	for _, r := range routes {
-		if r.Dst == nil || r.LinkIndex == bridge {
+		if r.Link == bridge {
 			continue
 		}
-		a, ok := netip.AddrFromSlice(r.Dst.IP.To4())
-		if !ok {
-			continue
-		}
-		bits, _ := r.Dst.Mask.Size()
-		if p := netip.PrefixFrom(a, bits); p.Overlaps(c.Subnet) && bits >= c.Subnet.Bits() {
-			dev := fmt.Sprintf("link %d", r.LinkIndex)
-			if l, err := netlink.LinkByIndex(r.LinkIndex); err == nil {
+		if p := r.Prefix; p.Overlaps(c.Subnet) && p.Bits() >= c.Subnet.Bits() {
+			dev := fmt.Sprintf("link %d", r.Link)
+			if l, err := netlink.LinkByIndex(r.Link); err == nil {
 				dev = l.Attrs().Name
 			}
 			return fmt.Errorf("subnet %s of bridge %s overlaps %s, routed to %s: choose another subnet (--subnet, KVBOX_SUBNET) or remove what uses it", c.Subnet, c.Bridge, p, dev)
 		}
 	}
 	return nil
+}
+
+// Route is an IPv4 route of this network namespace: where to, and the
+// index of the link it goes out of.
+type Route struct {
+	Prefix netip.Prefix
+	Link   int
+}
+
+// Routes lists this namespace's IPv4 routes with a destination (the
+// default route overlaps everything and nothing, and is left out).
+func Routes() ([]Route, error) {
+	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return nil, fmt.Errorf("list routes: %w", err)
+	}
+	var out []Route
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		if a, ok := netip.AddrFromSlice(r.Dst.IP.To4()); ok {
+			bits, _ := r.Dst.Mask.Size()
+			out = append(out, Route{Prefix: netip.PrefixFrom(a, bits), Link: r.LinkIndex})
+		}
+	}
+	return out, nil
 }
 
 // groupFwdMask has a bridge forward (through its forwarding path, where

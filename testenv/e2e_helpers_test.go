@@ -21,7 +21,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/statedir"
 )
@@ -228,9 +227,9 @@ var handedOut = struct {
 // subnet, and a test's boxes stay reachable.
 func freeSubnet(t testing.TB) string {
 	t.Helper()
-	routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+	routes, err := network.Routes()
 	if err != nil {
-		t.Fatalf("list routes: %v", err)
+		t.Fatal(err)
 	}
 	handedOut.Lock()
 	defer handedOut.Unlock()
@@ -238,13 +237,7 @@ func freeSubnet(t testing.TB) string {
 		p := netip.PrefixFrom(netip.AddrFrom4([4]byte{172, 31, byte(i), 0}), 24)
 		free := !handedOut.m[p]
 		for _, r := range routes {
-			if !free || r.Dst == nil {
-				continue
-			}
-			if a, ok := netip.AddrFromSlice(r.Dst.IP.To4()); ok {
-				bits, _ := r.Dst.Mask.Size()
-				free = !netip.PrefixFrom(a, bits).Overlaps(p)
-			}
+			free = free && !r.Prefix.Overlaps(p)
 		}
 		if free {
 			handedOut.m[p] = true
