@@ -287,3 +287,26 @@ func TestAllowPortAfterFilterRemoved(t *testing.T) {
 		t.Error("the filter went with a port in it")
 	}
 }
+
+// A group's subnet is the first /24 of GroupPool that neither the subnets
+// taken nor a route of the namespace overlaps.
+func TestGroupSubnetAvoidsRoutes(t *testing.T) {
+	if !inNamespaces(t) {
+		return
+	}
+	other := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "otherbr1"}}
+	if err := netlink.LinkAdd(other); err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetUp(other); err != nil {
+		t.Fatal(err)
+	}
+	addr, _ := netlink.ParseAddr("172.30.1.1/24")
+	if err := netlink.AddrAdd(other, addr); err != nil {
+		t.Fatal(err)
+	}
+	got, err := GroupSubnet([]netip.Prefix{netip.MustParsePrefix("172.30.2.0/24")})
+	if err != nil || got != netip.MustParsePrefix("172.30.3.0/24") {
+		t.Errorf("GroupSubnet with 172.30.1.0/24 routed and 172.30.2.0/24 taken: %v %v, want 172.30.3.0/24", got, err)
+	}
+}
