@@ -8,9 +8,11 @@ package testenv
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -18,6 +20,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -75,12 +78,27 @@ func (r result) String() string {
 // kvbox runs the CLI with stdin.
 func kvboxIn(t testing.TB, stdin string, args ...string) result {
 	t.Helper()
-	cmd := exec.Command(kvboxBin, args...)
+	ctx, cancel := context.WithTimeout(context.Background(), cmdLimit)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, kvboxBin, args...)
+	// A command that hangs gets SIGQUIT: Go prints where every goroutine
+	// is, and the test fails with that instead of the whole run stalling
+	// until go test's timeout with no word of which command it was.
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGQUIT) }
+	// Output is read until every holder of the pipes has closed them; a
+	// process kvbox left behind holding them would hold the test for good.
+	cmd.WaitDelay = 30 * time.Second
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	cmd.Stdin = strings.NewReader(stdin)
 	err := cmd.Run()
 	r := result{stdout: out.String(), stderr: errb.String()}
+	if ctx.Err() != nil {
+		t.Fatalf("kvbox %v did not end in %v: %v\n%s", args, cmdLimit, err, r)
+	}
+	if errors.Is(err, exec.ErrWaitDelay) {
+		t.Fatalf("kvbox %v ended, but a process it left behind kept its output open:\n%s", args, r)
+	}
 	if ee, ok := err.(*exec.ExitError); ok {
 		r.code = ee.ExitCode()
 	} else if err != nil {
@@ -88,6 +106,10 @@ func kvboxIn(t testing.TB, stdin string, args ...string) result {
 	}
 	return r
 }
+
+// cmdLimit bounds one kvbox command of a test; the longest (a cold image
+// build, ten clones at once under TCG) take a few minutes.
+const cmdLimit = 12 * time.Minute
 
 func kvbox(t testing.TB, args ...string) result {
 	t.Helper()
