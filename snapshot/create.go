@@ -204,13 +204,18 @@ func (c *creation) plan() step.Plan {
 		// the agent takes the snapshot's token and says who it is.
 		{Name: "give-token", Do: c.giveToken, Beside: true},
 		{Name: "read-compat", Do: c.readCompat, Beside: true},
+		// The disk is read before the copy starts: the switch-over
+		// inactivates it, and QEMU then writes its bitmaps into the qcow2
+		// (a qemu-img reading it meanwhile may fail) and takes them off
+		// the block node (the previous snapshot's would not be seen).
 		{Name: "read-disk-chain", Do: c.disk.readChain, Beside: true},
+		{Name: "find-disk", Do: c.disk.find, Beside: true},
 		{Name: "prepare", Do: c.prepare},
 		// The memory copied holds the snapshot's token, not the box's.
-		{Name: "live-started", Needs: []string{"give-token"}, Do: c.save.Start, Undo: c.undoSave},
-		// A gated copy is held back in 100 ms windows: what the snapshot
-		// builds on is found, and the folder's rest made, meanwhile.
-		{Name: "make-rest", Needs: []string{"give-token", "read-compat", "read-disk-chain"}, Do: c.makeRest, Beside: true},
+		{Name: "live-started", Needs: []string{"give-token", "read-disk-chain", "find-disk"}, Do: c.save.Start, Undo: c.undoSave},
+		// A gated copy is held back in 100 ms windows: the folder's rest
+		// is made meanwhile.
+		{Name: "make-rest", Needs: []string{"read-compat", "read-disk-chain", "find-disk"}, Do: c.makeRest, Beside: true},
 		{Name: "copy-memory-live", Do: c.waitCopy},
 		// From here to resume the box stands still.
 		{Name: "open-disk-copy", Needs: []string{"make-rest"}, Do: c.openDiskCopy, Undo: c.disk.closeTarget},
@@ -285,14 +290,10 @@ func (c *creation) readCompat(context.Context) (err error) {
 	return err
 }
 
-// makeRest finds what the snapshot builds on and makes the rest of the
-// folder: the disk copy's target, the domain XML, the agent's token, what
-// a restore needs. None of it is needed before the switch-over, so it is
-// made while the memory is copied.
+// makeRest makes the rest of the folder: the disk copy's target, the
+// domain XML, the agent's token, what a restore needs. None of it is
+// needed before the switch-over, so it is made while the memory is copied.
 func (c *creation) makeRest(ctx context.Context) error {
-	if err := c.disk.find(ctx); err != nil {
-		return err
-	}
 	if err := c.disk.makeTarget(ctx); err != nil {
 		return err
 	}

@@ -10,6 +10,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
+	"kvbox.dev/kvbox/step"
 )
 
 // Names kvbox gives the things it adds to a running QEMU while it takes a
@@ -54,6 +55,7 @@ func (d *diskCopy) readChain(ctx context.Context) (err error) {
 // find finds the disk's top block node and the snapshot an incremental
 // copy builds on.
 func (d *diskCopy) find(ctx context.Context) (err error) {
+	step.KillPoint("find-previous")
 	if d.top, err = d.q.TopNode(ctx, diskDevice); err != nil {
 		return fmt.Errorf("find the disk of box %q: %w", d.box.Name, err)
 	}

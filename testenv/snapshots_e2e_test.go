@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -674,6 +675,53 @@ func TestSnapshotIncrementalAndStandalone(t *testing.T) {
 	third := newSnapshot(t, n, name(t, "s3"))
 	if !third.Incremental {
 		t.Errorf("third snapshot is not incremental")
+	}
+	assertDomainClean(t, n)
+}
+
+// TestSnapshotFindsPreviousBeforeTheCopy: what an incremental copy builds
+// on is found before the memory's copy starts. Held where it looks for the
+// previous snapshot's bitmap (KVBOX_TEST_STOP_AT=find-previous) for as
+// long as a live copy of the box takes, the snapshot is still incremental:
+// a copy started before would have switched over meanwhile, and QEMU takes
+// the bitmaps off a disk the switch-over inactivated.
+func TestSnapshotFindsPreviousBeforeTheCopy(t *testing.T) {
+	n := name(t, "findprev")
+	newBox(t, n)
+	newSnapshot(t, n, name(t, "fp1"))
+	inBox(t, n, "head -c 1000000 /dev/urandom > /root/small; sync")
+	sn := name(t, "fp2")
+	t.Cleanup(func() { kvbox(t, "snapshots", "rm", sn) })
+	cmd := exec.Command(kvboxBin, "snapshots", "new", n, sn)
+	cmd.Env = append(os.Environ(), "KVBOX_TEST_STOP_AT=find-previous")
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Signal(syscall.SIGCONT)
+		cmd.Wait()
+	}()
+	stoppedAt(t, cmd, "find-previous")
+	// Long enough for a live copy of this box to reach its switch-over
+	// (QEMU stops the guest there), if one runs.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		var st struct {
+			Return struct {
+				Running bool `json:"running"`
+			} `json:"return"`
+		}
+		if qmpJSON(t, n, `{"execute":"query-status"}`, &st); !st.Return.Running {
+			break
+		}
+	}
+	cmd.Process.Signal(syscall.SIGCONT)
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("snapshots new: %v\n%s", err, out.String())
+	}
+	if s := getSnapshot(t, sn); !s.Incremental {
+		t.Errorf("the snapshot held before it found the previous one is not incremental (%d bytes copied):\n%s", s.DiskCopiedBytes, out.String())
 	}
 	assertDomainClean(t, n)
 }
