@@ -11,6 +11,7 @@ import (
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/qmp"
 	"kvbox.dev/kvbox/step"
+	"kvbox.dev/kvbox/vmstate"
 )
 
 // Names kvbox gives the things it adds to a running QEMU while it takes a
@@ -146,7 +147,8 @@ func (d *diskCopy) startBackup(ctx context.Context) error {
 
 // cancelBackup takes the copy and its bitmap back (best effort).
 func (d *diskCopy) cancelBackup() {
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), vmstate.DefaultUndoLimit)
+	defer cancel()
 	d.q.JobCancel(ctx, backupJob)
 	d.q.WaitJob(ctx, backupJob, 10*time.Millisecond)
 	d.q.BlockDirtyBitmapRemove(ctx, d.top, d.bitmap)

@@ -1,6 +1,7 @@
 package vmstate
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -58,6 +59,8 @@ type Save struct {
 	// OnStatus, when set, gets every status QEMU reports while the copy
 	// runs.
 	OnStatus func(qmp.MigrateStatus)
+	// UndoLimit bounds Undo (zero: DefaultUndoLimit).
+	UndoLimit time.Duration
 
 	rec      *Record
 	applied  bool
@@ -297,9 +300,18 @@ func (s *Save) Undo() error {
 	}
 	rec := *s.rec
 	rec.Ran = rec.Ran && !s.guestRan
-	s.undoErr = undo(context.Background(), s.QMP, s.Dom, s.Box, rec, s.active)
+	// Bounded: a migration that never leaves "cancelling" would hold the
+	// kvbox that undoes it for good; the record stays for Recover.
+	limit := cmp.Or(s.UndoLimit, DefaultUndoLimit)
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	s.undoErr = undo(ctx, s.QMP, s.Dom, s.Box, rec, s.active)
 	return s.undoErr
 }
+
+// DefaultUndoLimit bounds an undo of a save: cancelling a copy, the
+// guest's resume and the settings set back are round trips to QEMU.
+const DefaultUndoLimit = time.Minute
 
 // Recover undoes a save whose kvbox was killed half-way, from its Record:
 // no copy left running, the settings as they were, the guest running
@@ -310,8 +322,19 @@ func Recover(ctx context.Context, q *qmp.Client, dom Guest, box string, rec Reco
 }
 
 func undo(ctx context.Context, q *qmp.Client, dom Guest, box string, rec Record, active bool) error {
-	q.CancelRunningMigration(ctx)
+	// The cancel's wait gets half of a bounded undo: the guest's resume
+	// and the settings still get their turn after a cancel that hangs.
+	cctx := ctx
+	if d, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		cctx, cancel = context.WithDeadline(ctx, time.Now().Add(time.Until(d)/2))
+		defer cancel()
+	}
+	q.CancelRunningMigration(cctx)
 	var errs []error
+	if st, err := q.QueryMigrate(ctx); err == nil && qmp.MigrationRunning(st.Status) {
+		errs = append(errs, fmt.Errorf("box %q: the memory's copy did not stop (QEMU says %q)", box, st.Status))
+	}
 	if st, _, err := dom.GetState(); err != nil {
 		errs = append(errs, fmt.Errorf("box %q: %s", box, domain.LibvirtMessage(err)))
 	} else if st == libvirt.DOMAIN_PAUSED && rec.Ran {

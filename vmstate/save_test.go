@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	gqmp "github.com/digitalocean/go-qemu/qmp"
 	"libvirt.org/go/libvirt"
@@ -25,6 +26,9 @@ type fakeQEMU struct {
 	caps   map[string]bool
 	params map[string]any
 	fail   string // a command that fails
+	// migrating, when set, is the status query-migrate reports for good
+	// (a copy that never ends, a cancel QEMU never finishes).
+	migrating string
 }
 
 func newFakeQEMU() *fakeQEMU {
@@ -79,6 +83,9 @@ func (f *fakeQEMU) Run(cmd []byte) ([]byte, error) {
 		}
 	case "query-migrate":
 		ret = map[string]any{"status": "completed", "downtime": 3}
+		if f.migrating != "" {
+			ret = map[string]any{"status": f.migrating}
+		}
 	}
 	b, _ := json.Marshal(map[string]any{"return": ret})
 	return b, nil
@@ -264,5 +271,36 @@ func TestContinueAfterActivateDisks(t *testing.T) {
 	}
 	if !slices.Contains(f.commands("migrate-set-parameters"), "migrate-set-parameters "+mustJSON(map[string]any{qmp.ParamDowntimeLimit: 77, qmp.ParamMaxBandwidth: 12345, qmp.ParamZeroPageDetect: "none"})) {
 		t.Errorf("the parameters were not set back: %q", f.commands("migrate-set-parameters"))
+	}
+}
+
+// An undo whose cancel QEMU never finishes ends at the save's UndoLimit
+// with an error, instead of holding its kvbox (and the box's lock) for
+// good; the guest is run again all the same.
+func TestSaveUndoIsBounded(t *testing.T) {
+	ctx := context.Background()
+	s, f, g := newSave(t, Mode{Paused: true})
+	s.UndoLimit = 300 * time.Millisecond
+	if _, err := s.Prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	f.mu.Lock()
+	f.migrating = "cancelling"
+	f.mu.Unlock()
+	done := make(chan error, 1)
+	go func() { done <- s.Undo() }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("an undo that could not set the settings back (a copy still cancelling) says nothing")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Undo of a save whose copy never stops cancelling did not return")
+	}
+	if g.state != libvirt.DOMAIN_RUNNING {
+		t.Errorf("the guest is %v after the undo", g.state)
 	}
 }
