@@ -1,0 +1,122 @@
+// Command kvbox-node registers this libvirt host as a Kubernetes Node
+// (package kvboxnode) and keeps it until interrupted.
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/api/resource"
+
+	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/network"
+
+	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
+)
+
+func main() {
+	if err := newCmd().Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "kvbox-node:", err)
+		os.Exit(1)
+	}
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func newCmd() *cobra.Command {
+	var (
+		c                                            kvboxnode.Config
+		address, bridge, subnet, domType             string
+		memory, reserved, minFreeDisk, minFreeMemory string
+	)
+	cmd := &cobra.Command{
+		Use:   "kvbox-node --name NAME --node-address IP --kubeconfig FILE --tls-cert-file F --tls-private-key-file F --client-ca-file F",
+		Short: "Register this libvirt host as a Kubernetes node for kvbox boxes",
+		Long: `kvbox-node registers this host as a Kubernetes Node: its capacity (vCPUs and
+RAM kvbox may commit, boxes), the taint kvbox.dev/vm=true:NoSchedule, labels
+with the host's restore class (domain type, architecture, QEMU, machine
+types, agent protocol), its conditions and lease, and the kubelet API on the
+node address only. Run it as root, next to libvirtd.`,
+		Example: `  kvbox-node --name kvbox-a --node-address 10.0.0.5 --kubeconfig /etc/kvbox/node.kubeconfig \
+    --tls-cert-file /etc/kvbox/kubelet.crt --tls-private-key-file /etc/kvbox/kubelet.key \
+    --client-ca-file /etc/kvbox/ca.crt`,
+		Args:          cobra.NoArgs,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			var err error
+			if address != "" {
+				if c.Address, err = netip.ParseAddr(address); err != nil {
+					return fmt.Errorf("--node-address %q is not an IP address", address)
+				}
+			}
+			if c.Net, err = network.Parse(bridge, subnet); err != nil {
+				return err
+			}
+			switch domType {
+			case "auto", "":
+				c.DomainType = ""
+			case "kvm", "qemu":
+				c.DomainType = domType
+			default:
+				return fmt.Errorf("--domain-type %q: give auto, kvm or qemu", domType)
+			}
+			for _, q := range []struct {
+				flag, v string
+				to      *int64
+			}{{"--memory", memory, &c.Capacity.Memory}, {"--reserved-memory", reserved, &c.Capacity.ReservedMemory},
+				{"--min-free-disk", minFreeDisk, &c.Thresholds.MinFreeDisk}, {"--min-free-memory", minFreeMemory, &c.Thresholds.MinFreeMemory}} {
+				v, err := resource.ParseQuantity(q.v)
+				if err != nil {
+					return fmt.Errorf("%s %q is not a quantity like 8Gi", q.flag, q.v)
+				}
+				*q.to = v.Value()
+			}
+			if c.Interval <= 0 {
+				return fmt.Errorf("--status-interval %s: give a positive duration", c.Interval)
+			}
+			if os.Geteuid() != 0 {
+				return fmt.Errorf("kvbox-node manages libvirt domains and kvbox's state dir: run it as root")
+			}
+			c.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return kvboxnode.Run(ctx, c)
+		},
+	}
+	f := cmd.Flags()
+	host, _ := os.Hostname()
+	f.StringVar(&c.Name, "name", "kvbox-"+strings.ToLower(strings.SplitN(host, ".", 2)[0]), "the Node's name")
+	f.StringVar(&address, "node-address", "", "the host's address the API server reaches this node on; the kubelet API listens there only (never one boxes reach)")
+	f.IntVar(&c.Port, "kubelet-port", 10250, "the kubelet API's port")
+	f.StringVar(&c.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig with the API server and this node's credentials; empty: in-cluster (KUBECONFIG)")
+	f.StringVar(&c.TLSCertFile, "tls-cert-file", "", "the kubelet API's serving certificate, for the node address")
+	f.StringVar(&c.TLSKeyFile, "tls-private-key-file", "", "its private key")
+	f.StringVar(&c.ClientCAFile, "client-ca-file", "", "CA of the client certificates the kubelet API accepts (the API server's)")
+	f.StringVar(&c.LibvirtURI, "connect", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
+	f.StringVar(&c.StateDir, "state-dir", envOr("KVBOX_STATE_DIR", "/var/lib/kvbox"), "where kvbox keeps boxes, images and snapshots (KVBOX_STATE_DIR)")
+	f.StringVar(&bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge this node's boxes are put on (KVBOX_BRIDGE)")
+	f.StringVar(&subnet, "subnet", envOr("KVBOX_SUBNET", network.Default.Subnet.String()), "subnet of this node's boxes (KVBOX_SUBNET)")
+	f.StringVar(&domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
+	f.IntVar(&c.Capacity.CPUs, "cpus", 0, "vCPUs kvbox may commit on this node; 0: the host's CPUs")
+	f.StringVar(&memory, "memory", "0", "RAM kvbox may commit on this node, e.g. 16Gi; 0: the host's less --reserved-memory")
+	f.StringVar(&reserved, "reserved-memory", "1Gi", "RAM kept for the host when --memory is derived")
+	f.IntVar(&c.Capacity.MaxBoxes, "max-boxes", 0, fmt.Sprintf("boxes this node runs at most; 0: %d, or fewer if the subnet has fewer addresses", kvboxnode.DefaultMaxBoxes))
+	f.StringVar(&minFreeDisk, "min-free-disk", "1Gi", "the node reports DiskPressure with less free in the state dir's filesystem")
+	f.StringVar(&minFreeMemory, "min-free-memory", "256Mi", "the node reports MemoryPressure with less host memory available")
+	f.DurationVar(&c.Interval, "status-interval", 10*time.Second, "how often the host's health is looked at")
+	return cmd
+}
