@@ -4,7 +4,7 @@ GO      ?= go
 NS      ?= kvbox-test
 export PATH := /usr/local/go/bin:$(PATH)
 
-.PHONY: build testenv test unit fuzz e2e check bench demo docs clean
+.PHONY: build testenv test unit fuzz e2e test-kubernetes check bench demo docs clean
 
 # guarded CMD: runs CMD between two readings of the host's own state
 # (testenv/hostguard.sh: hostname, links, addresses, routes, sysctls,
@@ -51,6 +51,16 @@ fuzz:
 # every packet to a guest stays in that namespace.
 e2e:
 	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv)
+
+# kvbox-node, its own Go module (the kvbox CLI does not carry the Kubernetes
+# libraries): vet, unit tests, then its end-to-end test against the local
+# control plane (testenv/fleet.sh: built once per version and cached, then
+# started and stopped by the test inside $(NS)).
+K8S_MODULE := integrations/kubernetes
+test-kubernetes:
+	bash testenv/fleet.sh build
+	cd $(K8S_MODULE) && test -z "$$(gofmt -l .)" && $(GO) vet ./... && $(GO) vet -tags e2e ./...
+	$(call guarded,(cd $(K8S_MODULE) && $(GO) test -count=1 ./... && ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 20m -v ./e2e))
 
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.

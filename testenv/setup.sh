@@ -356,6 +356,13 @@ stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
+# The Kubernetes control plane kvbox-node's tests run against; built once per version, in the
+# root namespace (Go module proxy). KVBOX_TESTENV_SKIP_FLEET=1 skips it.
+if [ -n "${KVBOX_TESTENV_SKIP_FLEET:-}" ]; then
+	log "KVBOX_TESTENV_SKIP_FLEET set: skipping the control plane build"
+else
+	stage "control plane for the fleet tests (testenv/fleet.sh build, cached)" bash "$TESTENV_DIR/fleet.sh" build
+fi
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else
