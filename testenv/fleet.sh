@@ -253,7 +253,8 @@ pid_of() {
 start() {
 	local name=$1 pid
 	shift
-	in_ns setsid nice -n 10 "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
+	# A simple command, not a function: the background child execs it, so $! is its pid.
+	ip netns exec "$KVBOX_TESTENV_NS" setsid nice -n 10 "$BIN/$name" "$@" >>"$LOGS/$name.log" 2>&1 </dev/null &
 	pid=$!
 	echo "$pid" >"$RUN/$name.pid"
 	# ip netns exec, setsid and nice each exec the next: the pid becomes the binary's.
@@ -473,13 +474,17 @@ cmd_down() {
 	for c in kube-controller-manager kube-scheduler kube-apiserver etcd; do
 		pid=$(pid_of "$c") && pids="$pids $pid"
 	done
-	pids="$pids $(stray_pids)"
+	pids=$(echo $pids $(stray_pids) | tr ' ' '\n' | sort -u)
 	for pid in $pids; do kill -TERM "$pid" 2>/dev/null; done
 	for t in $(seq 150); do
 		left=""
 		for pid in $pids; do kill -0 "$pid" 2>/dev/null && left="$left $pid"; done
 		[ -z "$left" ] && break
-		[ "$t" = 150 ] && { warn "killing what did not stop within 15s:$left"; kill -KILL $left 2>/dev/null; sleep 0.5; }
+		if [ "$t" = 150 ]; then
+			for pid in $left; do warn "killing $(cat "/proc/$pid/comm" 2>/dev/null) (pid $pid): it did not stop within 15s"; done
+			kill -KILL $left 2>/dev/null
+			sleep 0.5
+		fi
 		sleep 0.1
 	done
 	[ -z "$(stray_pids)" ] || { warn "processes of the fleet still run: $(stray_pids)"; return 1; }

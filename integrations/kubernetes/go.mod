@@ -6,6 +6,7 @@ replace kvbox.dev/kvbox => ../..
 
 require (
 	github.com/prometheus/client_model v0.6.3
+	github.com/sirupsen/logrus v1.10.2
 	github.com/spf13/cobra v1.10.2
 	github.com/virtual-kubelet/virtual-kubelet v1.14.1
 	golang.org/x/sys v0.50.0

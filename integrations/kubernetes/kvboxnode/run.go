@@ -17,8 +17,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	vklog "github.com/virtual-kubelet/virtual-kubelet/log"
-	vkslog "github.com/virtual-kubelet/virtual-kubelet/log/slog"
+	vklogrus "github.com/virtual-kubelet/virtual-kubelet/log/logrus"
 	vknode "github.com/virtual-kubelet/virtual-kubelet/node"
 	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
 	"golang.org/x/sys/unix"
@@ -69,7 +70,9 @@ func Run(ctx context.Context, c Config) error {
 	if c.Log == nil {
 		c.Log = slog.Default()
 	}
-	vklog.L = vkslog.FromSlog(c.Log)
+	// virtual-kubelet's own lines, through its logrus adapter (its slog
+	// adapter panics on an Error whose first argument is not a string).
+	vklog.L = vklogrus.FromLogrus(logrus.NewEntry(logrus.StandardLogger()))
 	if errs := validation.IsDNS1123Subdomain(c.Name); len(errs) > 0 {
 		return fmt.Errorf("--name %q is not a valid node name: %s", c.Name, errs[0])
 	}
@@ -142,6 +145,11 @@ func Run(ctx context.Context, c Config) error {
 	st := &nodeStatus{cfg: c, lv: lv, node: n}
 	n.Status.Conditions = Conditions(st.look(), c.Thresholds, nil, metav1.Now())
 
+	if c.Kubeconfig != "" {
+		// nodeutil.NewNode makes a default client from $KUBECONFIG before
+		// taking ours, and says so at length when it cannot.
+		os.Setenv("KUBECONFIG", c.Kubeconfig)
+	}
 	mux := http.NewServeMux()
 	vk, err := nodeutil.NewNode(c.Name,
 		func(nodeutil.ProviderConfig) (nodeutil.Provider, vknode.NodeProvider, error) { return pods{}, st, nil },
