@@ -26,6 +26,9 @@ const (
 	LabelArch          = "kvbox.dev/arch"
 	LabelQEMU          = "kvbox.dev/qemu" // an integer, Compat's encoding, for Gt/Lt
 	LabelAgentProtocol = "kvbox.dev/agent-protocol"
+	// LabelNode marks every kvbox node (value "true"): the node selector
+	// of the kvbox RuntimeClass.
+	LabelNode = "kvbox.dev/node"
 	// MachineLabelPrefix, followed by a machine type, labels each machine
 	// type the host's QEMU offers (value "true").
 	MachineLabelPrefix = "machine.kvbox.dev/"
@@ -52,6 +55,7 @@ func Labels(name string, hc snapshot.HostCompat) (labels map[string]string, skip
 		LabelArch:                hc.Arch,
 		LabelQEMU:                strconv.FormatUint(hc.QEMU, 10),
 		LabelAgentProtocol:       hc.AgentProtocol(),
+		LabelNode:                "true",
 	}
 	for _, m := range hc.Machines {
 		key := MachineLabelPrefix + m

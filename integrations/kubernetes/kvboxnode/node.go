@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"runtime"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -26,6 +27,8 @@ type NodeFacts struct {
 	Capacity Capacity
 	// Kernel is the host's kernel release.
 	Kernel string
+	// PodCIDR is the subnet of the node's boxes.
+	PodCIDR netip.Prefix
 }
 
 // NewNode is the Node object kvbox-node registers, conditions aside: its
@@ -33,9 +36,14 @@ type NodeFacts struct {
 // addresses and the kubelet API's port.
 func NewNode(f NodeFacts) *corev1.Node {
 	res := f.Capacity.ResourceList()
+	var cidrs []string
+	if f.PodCIDR.IsValid() {
+		cidrs = []string{f.PodCIDR.String()}
+	}
 	return &corev1.Node{
 		ObjectMeta: metav1.ObjectMeta{Name: f.Name, Labels: f.Labels},
 		Spec: corev1.NodeSpec{
+			PodCIDR: strings.Join(cidrs, ""), PodCIDRs: cidrs,
 			Taints: []corev1.Taint{{Key: TaintKey, Value: TaintValue, Effect: corev1.TaintEffectNoSchedule}},
 		},
 		Status: corev1.NodeStatus{

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,6 +13,8 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -21,21 +24,25 @@ import (
 	vklog "github.com/virtual-kubelet/virtual-kubelet/log"
 	vklogrus "github.com/virtual-kubelet/virtual-kubelet/log/logrus"
 	vknode "github.com/virtual-kubelet/virtual-kubelet/node"
+	"github.com/virtual-kubelet/virtual-kubelet/node/api"
 	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apiserver/pkg/server/dynamiccertificates"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
-	"libvirt.org/go/libvirt"
+	"k8s.io/client-go/tools/record"
 
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 // Config is how kvbox-node runs.
@@ -51,21 +58,37 @@ type Config struct {
 	// of the client certificates it accepts (the API server's).
 	TLSCertFile, TLSKeyFile, ClientCAFile string
 
-	LibvirtURI string
-	StateDir   string
-	Net        network.Config // the bridge and subnet of this node's boxes
-	DomainType string         // kvm, qemu, or "" for kvm where the host offers it
+	StateDir string
+	// Bridge is the bridge of this node's boxes; Subnet their subnet, or
+	// the zero prefix for the node's podCIDR (given by the cluster's node
+	// IPAM), so that pod addresses are unique across the cluster.
+	Bridge string
+	Subnet netip.Prefix
+	// Open opens the kvbox library for this host, once the subnet is known.
+	Open OpenFunc
 
 	Capacity   CapacityConfig
 	Thresholds Thresholds
 	// Interval is how often the host is looked at (libvirt, disk, memory)
 	// and a change reported in the node's conditions.
 	Interval time.Duration
-	Log      *slog.Logger
+
+	// CacheBudget is the disk the snapshot cache may hold (0: no limit).
+	CacheBudget int64
+	// InsecureRegistries are registries (HOST[:PORT]) spoken to in plain
+	// HTTP.
+	InsecureRegistries []string
+	// RuntimeClass is the RuntimeClass a pod may name ("": kvbox).
+	RuntimeClass string
+	// Workers is how many pods virtual-kubelet syncs at once (0: twice
+	// the CPUs).
+	Workers int
+	Log     *slog.Logger
 }
 
-// Run registers the node and keeps it (status, lease, kubelet API) until
-// ctx ends. Boxes are left running when it returns.
+// Run registers the node and runs its pods (status, lease, kubelet API)
+// until ctx ends. Boxes are left running when it returns: a restarted
+// kvbox-node finds them again.
 func Run(ctx context.Context, c Config) error {
 	if c.Log == nil {
 		c.Log = slog.Default()
@@ -79,57 +102,142 @@ func Run(ctx context.Context, c Config) error {
 	if c.Port <= 0 || c.Port > 65535 {
 		return fmt.Errorf("--kubelet-port %d: give a TCP port", c.Port)
 	}
+	if c.Open == nil {
+		return errors.New("kvbox-node: no library to open")
+	}
+	if c.RuntimeClass == "" {
+		c.RuntimeClass = DefaultRuntimeClass
+	}
 	ifaces, err := HostInterfaces()
 	if err != nil {
 		return err
 	}
-	if err := CheckNodeAddress(c.Address, ifaces, c.Net); err != nil {
+	// The address alone first: a wrong one is refused before anything is
+	// registered; again once the boxes' subnet is known.
+	if err := CheckNodeAddress(c.Address, ifaces, network.Config{Bridge: c.Bridge, Subnet: c.Subnet}); err != nil {
 		return err
 	}
 	tlsConfig, caPEM, err := serverTLS(c)
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(c.StateDir, domain.StateDirMode); err != nil {
-		return fmt.Errorf("state dir: %w", err)
+	client, err := newClient(c.Kubeconfig)
+	if err != nil {
+		return err
 	}
 
-	lv := &libvirtSession{uri: c.LibvirtURI}
-	conn, err := lv.get()
+	// The Node exists, tainted, before the subnet is asked for: the node
+	// IPAM gives a registered node its podCIDR.
+	reg, err := registerNode(ctx, client, c)
 	if err != nil {
 		return err
 	}
-	defer lv.close()
-	host := &domain.Host{Conn: conn, URI: c.LibvirtURI, StateDir: c.StateDir, Net: c.Net, DomainTypeOverride: c.DomainType}
-	hostType, err := host.DomainType()
+	subnet := c.Subnet
+	if !subnet.IsValid() {
+		if subnet, err = waitPodCIDR(ctx, client, c.Name, reg); err != nil {
+			return err
+		}
+	}
+	netCfg, err := network.Parse(c.Bridge, subnet.String())
 	if err != nil {
 		return err
 	}
-	hc, err := snapshot.HostCompatOf(conn, hostType)
-	if err != nil {
-		return fmt.Errorf("read this host's restore class from libvirt: %s", domain.LibvirtMessage(err))
+	if err := CheckNodeAddress(c.Address, ifaces, netCfg); err != nil {
+		return err
 	}
-	info, err := conn.GetNodeInfo()
-	if err != nil {
-		return fmt.Errorf("read this host's CPUs and memory from libvirt: %s", domain.LibvirtMessage(err))
-	}
-	capacity, err := ResolveCapacity(c.Capacity, HostResources{CPUs: int(info.Cpus), Memory: int64(info.Memory) * 1024}, c.Net)
+	lib, err := c.Open(ctx, netCfg)
 	if err != nil {
 		return err
 	}
-	labels, skipped := Labels(c.Name, hc)
+	defer lib.Close()
+	facts, err := lib.Facts(ctx)
+	if err != nil {
+		return err
+	}
+	capacity, err := ResolveCapacity(c.Capacity, HostResources{CPUs: facts.CPUs, Memory: facts.Memory}, netCfg)
+	if err != nil {
+		return err
+	}
+	nodeLabels, skipped := Labels(c.Name, facts.Compat)
 	if len(skipped) > 0 {
 		c.Log.Warn("machine types left out of the node's labels (not valid label keys)", "machines", strings.Join(skipped, ","))
 	}
-	if err := checkLabelValues(labels); err != nil {
+	if err := checkLabelValues(nodeLabels); err != nil {
+		return err
+	}
+	if err := labelNode(ctx, client, c.Name, nodeLabels); err != nil {
 		return err
 	}
 	var uts unix.Utsname
 	_ = unix.Uname(&uts)
+	n := NewNode(NodeFacts{Name: c.Name, Address: c.Address, Port: c.Port, Host: facts.Compat, Labels: nodeLabels, Capacity: capacity,
+		Kernel: unix.ByteSliceToString(uts.Release[:]), PodCIDR: subnet})
 
-	client, err := newClient(c.Kubeconfig)
+	eb := record.NewBroadcaster()
+	recorder := eb.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "kvbox-node", Host: c.Name})
+	dir := filepath.Join(c.StateDir, "kvbox-node")
+	cache, err := NewCache(lib, filepath.Join(dir, "cache"), c.CacheBudget, c.InsecureRegistries, c.Log)
 	if err != nil {
 		return err
+	}
+	if err := cache.Load(ctx); err != nil {
+		return fmt.Errorf("snapshot cache: %w", err)
+	}
+	prov := NewProvider(ctx, lib, cache, ProviderConfig{NodeName: c.Name, NodeIP: c.Address.String(), RuntimeClass: c.RuntimeClass,
+		Dir: dir, Allocatable: capacity.ResourceList(), Objects: apiObjects{client}, Recorder: recorder, Log: c.Log,
+		GetPod: func(ctx context.Context, ns, name string) (*corev1.Pod, error) {
+			return client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		},
+		Forget: func(ctx context.Context, ns, name string, uid types.UID) error {
+			return client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: new(int64), Preconditions: metav1.NewUIDPreconditions(string(uid))})
+		}})
+	found, removed, err := prov.Recover(ctx)
+	if len(found) > 0 || len(removed) > 0 {
+		c.Log.Info("found this host's pods again", "pods", strings.Join(found, ","), "removed-boxes", strings.Join(removed, ","))
+	}
+	if err != nil {
+		c.Log.Warn("while finding this host's pods again", "err", err)
+	}
+
+	st := &nodeStatus{cfg: c, lib: lib, node: n}
+	n.Status.Conditions = Conditions(st.look(ctx), c.Thresholds, nil, metav1.Now())
+	n.Status.Images = cache.Images()
+	cache.OnChange(func() { st.setImages(cache.Images()) })
+	go cache.Collect(ctx)
+
+	// virtual-kubelet's controllers, put together here rather than by its
+	// nodeutil.NewNode, whose informers watch every Secret and ConfigMap of
+	// the cluster: pods' environments are read per pod with the node's own
+	// rights (apiObjects), and the downward API is resolved by the
+	// provider (Env), so the informers of Secrets, ConfigMaps and Services
+	// it asks for are never started.
+	podFactory := informers.NewSharedInformerFactoryWithOptions(client, time.Minute, nodeutil.PodInformerFilter(c.Name))
+	idle := informers.NewSharedInformerFactory(client, 0)
+	podInformer := podFactory.Core().V1().Pods()
+	workers := c.Workers
+	if workers <= 0 {
+		workers = max(2, 2*runtime.NumCPU())
+	}
+	pc, err := vknode.NewPodController(vknode.PodControllerConfig{
+		PodClient: client.CoreV1(), PodInformer: podInformer, EventRecorder: recorder, Provider: prov,
+		ConfigMapInformer: idle.Core().V1().ConfigMaps(), SecretInformer: idle.Core().V1().Secrets(), ServiceInformer: idle.Core().V1().Services(),
+		SkipDownwardAPIResolution: true,
+	})
+	if err != nil {
+		return fmt.Errorf("pod controller: %w", err)
+	}
+	nc, err := vknode.NewNodeController(st, n, client.CoreV1().Nodes(),
+		vknode.WithNodeEnableLeaseV1(nodeutil.NodeLeaseV1Client(client), vknode.DefaultLeaseDuration),
+		vknode.WithNodeStatusUpdateErrorHandler(func(ctx context.Context, err error) error {
+			// A Node someone deleted is registered again at the next update.
+			if !apierrors.IsNotFound(err) {
+				return err
+			}
+			_, err = client.CoreV1().Nodes().Create(ctx, st.current(), metav1.CreateOptions{})
+			return err
+		}))
+	if err != nil {
+		return fmt.Errorf("node controller: %w", err)
 	}
 	auth, err := nodeutil.WebhookAuth(client, c.Name, func(w *nodeutil.WebhookAuthConfig) error {
 		ca, err := dynamiccertificates.NewStaticCAContent("client-ca", caPEM)
@@ -139,56 +247,148 @@ func Run(ctx context.Context, c Config) error {
 	if err != nil {
 		return fmt.Errorf("kubelet API authentication: %w", err)
 	}
+	handler := nodeutil.WithAuth(auth, api.PodHandler(api.PodHandlerConfig{
+		RunInContainer: prov.RunInContainer, AttachToContainer: prov.AttachToContainer, GetContainerLogs: prov.GetContainerLogs,
+		GetPods: prov.GetPods, GetPodsFromKubernetes: func(context.Context) ([]*corev1.Pod, error) { return podInformer.Lister().List(labels.Everything()) },
+		GetStatsSummary: prov.GetStatsSummary, GetMetricsResource: prov.GetMetricsResource, PortForward: prov.PortForward,
+	}, false))
 
-	n := NewNode(NodeFacts{Name: c.Name, Address: c.Address, Port: c.Port, Host: hc, Labels: labels, Capacity: capacity,
-		Kernel: unix.ByteSliceToString(uts.Release[:])})
-	st := &nodeStatus{cfg: c, lv: lv, node: n}
-	n.Status.Conditions = Conditions(st.look(), c.Thresholds, nil, metav1.Now())
-
-	if c.Kubeconfig != "" {
-		// nodeutil.NewNode makes a default client from $KUBECONFIG before
-		// taking ours, and says so at length when it cannot.
-		os.Setenv("KUBECONFIG", c.Kubeconfig)
-	}
-	mux := http.NewServeMux()
-	vk, err := nodeutil.NewNode(c.Name,
-		func(nodeutil.ProviderConfig) (nodeutil.Provider, vknode.NodeProvider, error) { return pods{}, st, nil },
-		nodeutil.WithClient(client),
-		func(cfg *nodeutil.NodeConfig) error {
-			cfg.NodeSpec = *n.DeepCopy()
-			cfg.HTTPListenAddr = net.JoinHostPort(c.Address.String(), strconv.Itoa(c.Port))
-			cfg.TLSConfig = tlsConfig
-			cfg.Handler = nodeutil.WithAuth(auth, mux)
-			// A Node someone deleted is registered again at the next update.
-			cfg.NodeStatusUpdateErrorHandler = func(ctx context.Context, err error) error {
-				if !apierrors.IsNotFound(err) {
-					return err
-				}
-				_, err = client.CoreV1().Nodes().Create(ctx, st.current(), metav1.CreateOptions{})
-				return err
-			}
-			return nil
-		},
-		nodeutil.AttachProviderRoutes(mux),
-	)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	eb.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.CoreV1().Events(corev1.NamespaceAll)})
+	defer eb.Shutdown()
+	listen := net.JoinHostPort(c.Address.String(), strconv.Itoa(c.Port))
+	l, err := tls.Listen("tcp", listen, tlsConfig)
 	if err != nil {
-		return fmt.Errorf("set up node %s: %w", c.Name, err)
+		return fmt.Errorf("kubelet API on %s: %w", listen, err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- vk.Run(ctx) }()
+	srv := &http.Server{Handler: handler, TLSConfig: tlsConfig, ReadHeaderTimeout: 30 * time.Second}
+	go srv.Serve(l)
+	defer srv.Close()
+	podFactory.Start(ctx.Done())
+	done := make(chan error, 2)
+	go func() { done <- pc.Run(ctx, workers) }()
 	select {
-	case <-vk.Ready():
+	case <-pc.Ready():
+	case err := <-done:
+		return fmt.Errorf("pods of node %s: %w", c.Name, err)
+	case <-ctx.Done():
+		return nil
+	}
+	prov.ReportAll()
+	go func() { done <- nc.Run(ctx) }()
+	select {
+	case <-nc.Ready():
 	case err := <-done:
 		return fmt.Errorf("node %s: %w", c.Name, err)
+	case <-ctx.Done():
+		return nil
 	}
-	c.Log.Info("node registered", "node", c.Name, "kubelet-api", "https://"+net.JoinHostPort(c.Address.String(), strconv.Itoa(c.Port)),
-		"cpus", capacity.CPUs, "memory", quantity(capacity.Memory), "boxes", capacity.Boxes,
-		"domain-type", hc.DomainType, "arch", hc.Arch, "qemu", version(hc.QEMU), "machines", len(hc.Machines), "agent-protocol", hc.AgentProtocol())
+	c.Log.Info("node ready", "node", c.Name, "kubelet-api", "https://"+listen, "subnet", subnet, "bridge", c.Bridge,
+		"cpus", capacity.CPUs, "memory", quantity(capacity.Memory), "boxes", capacity.Boxes, "domain-type", facts.Compat.DomainType,
+		"arch", facts.Compat.Arch, "qemu", version(facts.Compat.QEMU), "machines", len(facts.Compat.Machines),
+		"agent-protocol", facts.Compat.AgentProtocol(), "pods-found", len(found), "cached-snapshots", len(n.Status.Images))
 	err = <-done
 	if ctx.Err() != nil {
 		return nil
 	}
 	return err
+}
+
+// registerNode makes sure the Node exists: created tainted from its first
+// moment (ordinary pods never land on it) and not Ready until virtual-
+// kubelet's node controller reports it, or as a restart finds it.
+func registerNode(ctx context.Context, client kubernetes.Interface, c Config) (*corev1.Node, error) {
+	nodes := client.CoreV1().Nodes()
+	n, err := nodes.Get(ctx, c.Name, metav1.GetOptions{})
+	if err == nil {
+		return n, nil
+	}
+	if !apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("read node %s: %w", c.Name, err)
+	}
+	n = &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: c.Name, Labels: map[string]string{"type": "virtual-kubelet", "kubernetes.io/hostname": c.Name,
+			"kubernetes.io/os": "linux", "kubernetes.io/arch": runtime.GOARCH, LabelNode: "true"}},
+		Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: TaintKey, Value: TaintValue, Effect: corev1.TaintEffectNoSchedule}}},
+	}
+	created, err := nodes.Create(ctx, n, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return nodes.Get(ctx, c.Name, metav1.GetOptions{})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("register node %s: %w", c.Name, err)
+	}
+	return created, nil
+}
+
+// waitPodCIDR waits for the node's podCIDR from the cluster's node IPAM.
+func waitPodCIDR(ctx context.Context, client kubernetes.Interface, name string, n *corev1.Node) (netip.Prefix, error) {
+	warned := time.Now().Add(30 * time.Second)
+	for {
+		if n != nil && n.Spec.PodCIDR != "" {
+			p, err := netip.ParsePrefix(n.Spec.PodCIDR)
+			if err != nil || !p.Addr().Is4() {
+				return netip.Prefix{}, fmt.Errorf("node %s's podCIDR %q is not an IPv4 subnet kvbox can use: give --subnet", name, n.Spec.PodCIDR)
+			}
+			return p.Masked(), nil
+		}
+		if time.Now().After(warned) {
+			slog.Warn("the node has no podCIDR yet: does kube-controller-manager run with --allocate-node-cidrs? (else give --subnet)", "node", name)
+			warned = time.Now().Add(time.Minute)
+		}
+		select {
+		case <-ctx.Done():
+			return netip.Prefix{}, fmt.Errorf("waiting for node %s's podCIDR: %w", name, ctx.Err())
+		case <-time.After(500 * time.Millisecond):
+		}
+		var err error
+		if n, err = client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{}); err != nil && ctx.Err() == nil {
+			slog.Warn("reading the node", "node", name, "err", err)
+		}
+	}
+}
+
+// labelNode gives the Node this host's labels, and drops kvbox's labels it
+// had that no longer hold (a QEMU upgraded since the last start).
+func labelNode(ctx context.Context, client kubernetes.Interface, name string, want map[string]string) error {
+	n, err := client.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read node %s: %w", name, err)
+	}
+	patch := map[string]any{}
+	for k, v := range want {
+		if n.Labels[k] != v {
+			patch[k] = v
+		}
+	}
+	for k := range n.Labels {
+		if _, ok := want[k]; !ok && (strings.HasPrefix(k, "kvbox.dev/") || strings.HasPrefix(k, MachineLabelPrefix)) && k != LabelNode {
+			patch[k] = nil
+		}
+	}
+	if len(patch) == 0 {
+		return nil
+	}
+	b, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": patch}})
+	if err != nil {
+		return err
+	}
+	if _, err := client.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, b, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("label node %s: %w", name, err)
+	}
+	return nil
+}
+
+// apiObjects reads a pod's ConfigMaps and Secrets from the API server.
+type apiObjects struct{ c kubernetes.Interface }
+
+func (o apiObjects) ConfigMap(ctx context.Context, ns, name string) (*corev1.ConfigMap, error) {
+	return o.c.CoreV1().ConfigMaps(ns).Get(ctx, name, metav1.GetOptions{})
+}
+
+func (o apiObjects) Secret(ctx context.Context, ns, name string) (*corev1.Secret, error) {
+	return o.c.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
 }
 
 // serverTLS is the kubelet API's TLS: its serving certificate, and client
@@ -233,51 +433,21 @@ func newClient(kubeconfig string) (kubernetes.Interface, error) {
 		}
 	}
 	cfg.UserAgent = "kvbox-node"
+	// Pods are cloned in parallel: more than client-go's default 5 QPS.
+	cfg.QPS, cfg.Burst = 50, 100
 	return kubernetes.NewForConfig(cfg)
 }
 
-// libvirtSession is a libvirt connection that is opened again after it
-// broke (libvirtd restarted).
-type libvirtSession struct {
-	uri  string
-	mu   sync.Mutex
-	conn *libvirt.Connect
-}
-
-func (s *libvirtSession) get() (*libvirt.Connect, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.conn == nil {
-		c, err := domain.Connect(s.uri)
-		if err != nil {
-			return nil, err
-		}
-		s.conn = c
-	}
-	return s.conn, nil
-}
-
-// broken drops a connection that failed, so the next get opens another.
-func (s *libvirtSession) broken(c *libvirt.Connect) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.conn == c && c != nil {
-		c.Close()
-		s.conn = nil
-	}
-}
-
-func (s *libvirtSession) close() { s.broken(s.conn) }
-
 // nodeStatus is the node's status as the provider reports it: a look at
-// the host every Interval, and an update when the conditions change. The
-// labels are read once, at start: a QEMU upgraded under a running
-// kvbox-node shows in them after kvbox-node restarts.
+// the host every Interval, and an update when the conditions or the cached
+// images change. The labels are read once, at start: a QEMU upgraded
+// under a running kvbox-node shows in them after kvbox-node restarts.
 type nodeStatus struct {
 	cfg  Config
-	lv   *libvirtSession
+	lib  Library
 	mu   sync.Mutex
 	node *corev1.Node
+	cb   func(*corev1.Node)
 }
 
 // Ping says the node is alive; whether the host can run boxes is in its
@@ -286,6 +456,9 @@ type nodeStatus struct {
 func (s *nodeStatus) Ping(ctx context.Context) error { return ctx.Err() }
 
 func (s *nodeStatus) NotifyNodeStatus(ctx context.Context, cb func(*corev1.Node)) {
+	s.mu.Lock()
+	s.cb = cb
+	s.mu.Unlock()
 	go func() {
 		t := time.NewTicker(s.cfg.Interval)
 		defer t.Stop()
@@ -295,7 +468,7 @@ func (s *nodeStatus) NotifyNodeStatus(ctx context.Context, cb func(*corev1.Node)
 				return
 			case <-t.C:
 			}
-			if n := s.update(); n != nil {
+			if n := s.update(ctx); n != nil {
 				cb(n)
 			}
 		}
@@ -308,10 +481,23 @@ func (s *nodeStatus) current() *corev1.Node {
 	return s.node.DeepCopy()
 }
 
+// setImages reports the cache's images.
+func (s *nodeStatus) setImages(images []corev1.ContainerImage) {
+	s.mu.Lock()
+	n := s.node.DeepCopy()
+	n.Status.Images = images
+	s.node = n
+	cb := s.cb
+	s.mu.Unlock()
+	if cb != nil {
+		cb(n.DeepCopy())
+	}
+}
+
 // update looks at the host and returns the node to report, or nil when its
 // conditions did not change.
-func (s *nodeStatus) update() *corev1.Node {
-	h := s.look()
+func (s *nodeStatus) update(ctx context.Context) *corev1.Node {
+	h := s.look(ctx)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	conds := Conditions(h, s.cfg.Thresholds, s.node.Status.Conditions, metav1.Now())
@@ -340,14 +526,9 @@ func findCondition(cs []corev1.NodeCondition, t corev1.NodeConditionType) *corev
 
 // look reads the host's health: libvirt answering, the state dir's free
 // space, the host's available memory.
-func (s *nodeStatus) look() Health {
+func (s *nodeStatus) look(ctx context.Context) Health {
 	h := Health{MemAvailable: -1}
-	if conn, err := s.lv.get(); err != nil {
-		h.Libvirt = err
-	} else if _, err := conn.GetVersion(); err != nil {
-		h.Libvirt = errors.New(domain.LibvirtMessage(err))
-		s.lv.broken(conn)
-	}
+	h.Libvirt = s.lib.Healthy(ctx)
 	var fs unix.Statfs_t
 	if err := unix.Statfs(s.cfg.StateDir, &fs); err != nil {
 		h.StateDir = err

@@ -20,6 +20,7 @@ import (
 	"kvbox.dev/kvbox/network"
 
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
+	"kvbox.dev/kvbox/integrations/kubernetes/libadapter"
 )
 
 func main() {
@@ -39,17 +40,24 @@ func envOr(k, def string) string {
 func newCmd() *cobra.Command {
 	var (
 		c                                            kvboxnode.Config
-		address, bridge, subnet, domType             string
+		address, subnet, domType                     string
 		memory, reserved, minFreeDisk, minFreeMemory string
+		cacheSize                                    string
+		lib                                          libadapter.Config
 	)
 	cmd := &cobra.Command{
 		Use:   "kvbox-node --name NAME --node-address IP --kubeconfig FILE --tls-cert-file F --tls-private-key-file F --client-ca-file F",
-		Short: "Register this libvirt host as a Kubernetes node for kvbox boxes",
+		Short: "Run this libvirt host's kvbox boxes as a Kubernetes node's pods",
 		Long: `kvbox-node registers this host as a Kubernetes Node: its capacity (vCPUs and
 RAM kvbox may commit, boxes), the taint kvbox.dev/vm=true:NoSchedule, labels
 with the host's restore class (domain type, architecture, QEMU, machine
 types, agent protocol), its conditions and lease, and the kubelet API on the
-node address only. Run it as root, next to libvirtd.`,
+node address only. A Pod bound to it whose image is a kvbox snapshot's
+registry reference becomes a warm clone of that snapshot on this host (pulled
+once into the node's cache), on the node's podCIDR; kubectl exec, logs,
+port-forward and the kubelet's stats reach it through its agent. Run it as
+root, next to libvirtd; its boxes keep running while it is down, and it finds
+them again when it starts.`,
 		Example: `  kvbox-node --name kvbox-a --node-address 10.0.0.5 --kubeconfig /etc/kvbox/node.kubeconfig \
     --tls-cert-file /etc/kvbox/kubelet.crt --tls-private-key-file /etc/kvbox/kubelet.key \
     --client-ca-file /etc/kvbox/ca.crt`,
@@ -63,14 +71,18 @@ node address only. Run it as root, next to libvirtd.`,
 					return fmt.Errorf("--node-address %q is not an IP address", address)
 				}
 			}
-			if c.Net, err = network.Parse(bridge, subnet); err != nil {
-				return err
+			switch subnet {
+			case "", "podcidr":
+			default:
+				if c.Subnet, err = netip.ParsePrefix(subnet); err != nil {
+					return fmt.Errorf("--subnet %q: give a subnet like 10.244.7.0/24, or podcidr for the node's", subnet)
+				}
 			}
 			switch domType {
 			case "auto", "":
-				c.DomainType = ""
+				lib.DomainType = ""
 			case "kvm", "qemu":
-				c.DomainType = domType
+				lib.DomainType = domType
 			default:
 				return fmt.Errorf("--domain-type %q: give auto, kvm or qemu", domType)
 			}
@@ -78,7 +90,8 @@ node address only. Run it as root, next to libvirtd.`,
 				flag, v string
 				to      *int64
 			}{{"--memory", memory, &c.Capacity.Memory}, {"--reserved-memory", reserved, &c.Capacity.ReservedMemory},
-				{"--min-free-disk", minFreeDisk, &c.Thresholds.MinFreeDisk}, {"--min-free-memory", minFreeMemory, &c.Thresholds.MinFreeMemory}} {
+				{"--min-free-disk", minFreeDisk, &c.Thresholds.MinFreeDisk}, {"--min-free-memory", minFreeMemory, &c.Thresholds.MinFreeMemory},
+				{"--snapshot-cache-size", cacheSize, &c.CacheBudget}} {
 				v, err := resource.ParseQuantity(q.v)
 				if err != nil {
 					return fmt.Errorf("%s %q is not a quantity like 8Gi", q.flag, q.v)
@@ -92,6 +105,9 @@ node address only. Run it as root, next to libvirtd.`,
 				return fmt.Errorf("kvbox-node manages libvirt domains and kvbox's state dir: run it as root")
 			}
 			c.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+			slog.SetDefault(c.Log)
+			lib.StateDir = c.StateDir
+			c.Open = libadapter.Opener(lib)
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			return kvboxnode.Run(ctx, c)
@@ -106,10 +122,10 @@ node address only. Run it as root, next to libvirtd.`,
 	f.StringVar(&c.TLSCertFile, "tls-cert-file", "", "the kubelet API's serving certificate, for the node address")
 	f.StringVar(&c.TLSKeyFile, "tls-private-key-file", "", "its private key")
 	f.StringVar(&c.ClientCAFile, "client-ca-file", "", "CA of the client certificates the kubelet API accepts (the API server's)")
-	f.StringVar(&c.LibvirtURI, "connect", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
+	f.StringVar(&lib.URI, "connect", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
 	f.StringVar(&c.StateDir, "state-dir", envOr("KVBOX_STATE_DIR", "/var/lib/kvbox"), "where kvbox keeps boxes, images and snapshots (KVBOX_STATE_DIR)")
-	f.StringVar(&bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge this node's boxes are put on (KVBOX_BRIDGE)")
-	f.StringVar(&subnet, "subnet", envOr("KVBOX_SUBNET", network.Default.Subnet.String()), "subnet of this node's boxes (KVBOX_SUBNET)")
+	f.StringVar(&c.Bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge this node's boxes are put on (KVBOX_BRIDGE)")
+	f.StringVar(&subnet, "subnet", "podcidr", "subnet of this node's boxes: podcidr for the node's podCIDR (the cluster's node IPAM), so that pod addresses are unique in the cluster, or a subnet")
 	f.StringVar(&domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	f.IntVar(&c.Capacity.CPUs, "cpus", 0, "vCPUs kvbox may commit on this node; 0: the host's CPUs")
 	f.StringVar(&memory, "memory", "0", "RAM kvbox may commit on this node, e.g. 16Gi; 0: the host's less --reserved-memory")
@@ -118,5 +134,9 @@ node address only. Run it as root, next to libvirtd.`,
 	f.StringVar(&minFreeDisk, "min-free-disk", "1Gi", "the node reports DiskPressure with less free in the state dir's filesystem")
 	f.StringVar(&minFreeMemory, "min-free-memory", "256Mi", "the node reports MemoryPressure with less host memory available")
 	f.DurationVar(&c.Interval, "status-interval", 10*time.Second, "how often the host's health is looked at")
+	f.StringVar(&cacheSize, "snapshot-cache-size", "20Gi", "disk the node's snapshot cache may hold; past it the least recently used snapshot no box is cloned from goes (0: no limit)")
+	f.StringArrayVar(&c.InsecureRegistries, "insecure-registry", nil, "a registry (HOST[:PORT]) spoken to in plain HTTP (repeatable)")
+	f.StringVar(&c.RuntimeClass, "runtime-class", kvboxnode.DefaultRuntimeClass, "the RuntimeClass a pod may name")
+	f.IntVar(&c.Workers, "workers", 0, "pods synced at once (0: twice the CPUs)")
 	return cmd
 }

@@ -1,0 +1,228 @@
+package kvboxnode
+
+import (
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// DefaultRuntimeClass is the RuntimeClass a pod may name to land on kvbox
+// nodes (its scheduling part carries the toleration and node selector).
+const DefaultRuntimeClass = "kvbox"
+
+// serviceAccountVolumePrefix names the volume the ServiceAccount admission
+// plugin adds to every pod that mounts its token.
+const serviceAccountVolumePrefix = "kube-api-access-"
+
+// defaultTerminationMessagePath is the API server's default.
+const defaultTerminationMessagePath = "/dev/termination-log"
+
+// CheckPod refuses, in one line that says what to change, a pod kvbox
+// cannot honour: a pod is one warm clone, whose container is a snapshot
+// and at most one command run in it. Fields that only the scheduler reads
+// (affinity, tolerations, priorities) pass; so does the service account
+// token volume the API server adds to every pod (left out: a box reaches
+// no API server, see the documentation).
+func CheckPod(p *corev1.Pod, runtimeClass string) error {
+	s := &p.Spec
+	no := func(field, why string) error {
+		return fmt.Errorf("pod %s/%s: %s is not supported on a kvbox node: %s", p.Namespace, p.Name, field, why)
+	}
+	switch {
+	case len(s.Containers) != 1:
+		return no(fmt.Sprintf("a pod of %d containers", len(s.Containers)), "a pod is one box, give it one container")
+	case len(s.InitContainers) > 0:
+		return no("initContainers", "a box starts warm from its snapshot; do the init work before the snapshot")
+	case len(s.EphemeralContainers) > 0:
+		return no("ephemeralContainers", "use kubectl exec")
+	case s.HostNetwork:
+		return no("hostNetwork", "a box has its own address on the node's subnet")
+	case s.HostPID:
+		return no("hostPID", "a box is a virtual machine with its own kernel")
+	case s.HostIPC:
+		return no("hostIPC", "a box is a virtual machine with its own kernel")
+	case s.HostUsers != nil && !*s.HostUsers:
+		return no("hostUsers: false", "a box is a virtual machine; leave hostUsers out")
+	case s.ShareProcessNamespace != nil && *s.ShareProcessNamespace:
+		return no("shareProcessNamespace", "a pod has one container")
+	case s.RuntimeClassName != nil && *s.RuntimeClassName != runtimeClass:
+		return no("runtimeClassName "+*s.RuntimeClassName, fmt.Sprintf("give %s or none", runtimeClass))
+	case len(s.HostAliases) > 0:
+		return no("hostAliases", "put the names in the snapshot's /etc/hosts")
+	case s.DNSConfig != nil || s.DNSPolicy == corev1.DNSNone:
+		return no("dnsConfig", "a box uses the host's resolvers")
+	case len(s.ReadinessGates) > 0:
+		return no("readinessGates", "a pod is ready when its box answers and its ports are open")
+	case len(s.ResourceClaims) > 0:
+		return no("resourceClaims", "a box has its snapshot's devices only")
+	case s.SetHostnameAsFQDN != nil && *s.SetHostnameAsFQDN:
+		return no("setHostnameAsFQDN", "a box's hostname is the pod's name")
+	case s.OS != nil && s.OS.Name != corev1.Linux:
+		return no("os "+string(s.OS.Name), "kvbox runs Linux guests")
+	case s.Resources != nil:
+		return no("pod-level resources", "give the container's")
+	}
+	if err := checkPodSecurity(s.SecurityContext, no); err != nil {
+		return err
+	}
+	saVolume := ""
+	for _, v := range s.Volumes {
+		if strings.HasPrefix(v.Name, serviceAccountVolumePrefix) && v.Projected != nil && saVolume == "" {
+			saVolume = v.Name
+			continue
+		}
+		return no(fmt.Sprintf("volume %q", v.Name), "a box has its snapshot's disk and nothing mounted from the host")
+	}
+	c := &s.Containers[0]
+	cno := func(field, why string) error { return no("container "+c.Name+": "+field, why) }
+	switch {
+	case c.Image == "":
+		return cno("no image", "give the registry reference of a kvbox snapshot (kvbox snapshots push)")
+	case len(c.Args) > 0 && len(c.Command) == 0:
+		return cno("args without command", "a snapshot has no entrypoint: give command")
+	case c.LivenessProbe != nil:
+		return cno("livenessProbe", "kvbox restarts no box on a probe; use a readinessProbe")
+	case c.StartupProbe != nil:
+		return cno("startupProbe", "use a readinessProbe")
+	case c.ReadinessProbe != nil && c.ReadinessProbe.GRPC != nil:
+		return cno("a grpc readinessProbe", "use exec, tcpSocket or httpGet")
+	case c.Lifecycle != nil:
+		return cno("lifecycle hooks", "a snapshot's after-clone hooks run in every clone")
+	case c.Stdin || c.StdinOnce || c.TTY:
+		return cno("stdin and tty", "use kubectl exec")
+	case c.TerminationMessagePath != "" && c.TerminationMessagePath != defaultTerminationMessagePath:
+		return cno("terminationMessagePath", "kvbox reads no file of the guest for it; use terminationMessagePolicy FallbackToLogsOnError")
+	case len(c.VolumeDevices) > 0:
+		return cno("volumeDevices", "a box has its snapshot's devices only")
+	case c.RestartPolicy != nil:
+		return cno("a container restartPolicy", "give the pod's")
+	case len(c.Resources.Claims) > 0:
+		return cno("resources.claims", "a box has its snapshot's devices only")
+	}
+	for _, m := range c.VolumeMounts {
+		if m.Name != saVolume || saVolume == "" {
+			return cno(fmt.Sprintf("volumeMount %q", m.Name), "a box has its snapshot's disk and nothing mounted from the host")
+		}
+	}
+	for _, port := range c.Ports {
+		if port.HostPort != 0 || port.HostIP != "" {
+			return cno(fmt.Sprintf("hostPort %d", port.HostPort), "a box is reached at its own address (or kubectl port-forward)")
+		}
+	}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.FileKeyRef != nil {
+			return cno("env "+e.Name+" from fileKeyRef", "give a value, a configMap or a secret")
+		}
+	}
+	if err := checkContainerSecurity(c.SecurityContext, cno); err != nil {
+		return err
+	}
+	if u, ok := RunAsUser(p); ok && u < 0 {
+		return cno("a negative runAsUser", "give a uid of the guest")
+	}
+	nonRoot := (s.SecurityContext != nil && s.SecurityContext.RunAsNonRoot != nil && *s.SecurityContext.RunAsNonRoot) ||
+		(c.SecurityContext != nil && c.SecurityContext.RunAsNonRoot != nil && *c.SecurityContext.RunAsNonRoot)
+	if u, ok := RunAsUser(p); nonRoot && (!ok || u == 0) {
+		return cno("runAsNonRoot without a runAsUser other than 0", "give runAsUser: the uid of a user of the guest")
+	}
+	return nil
+}
+
+func checkPodSecurity(sc *corev1.PodSecurityContext, no func(string, string) error) error {
+	if sc == nil {
+		return nil
+	}
+	why := "a box is a virtual machine: the guest's own kernel and users apply, not the host's"
+	switch {
+	case sc.SELinuxOptions != nil:
+		return no("securityContext.seLinuxOptions", why)
+	case sc.WindowsOptions != nil:
+		return no("securityContext.windowsOptions", why)
+	case sc.RunAsGroup != nil:
+		return no("securityContext.runAsGroup", "a command runs with its user's groups in the guest")
+	case len(sc.SupplementalGroups) > 0 || sc.SupplementalGroupsPolicy != nil:
+		return no("securityContext.supplementalGroups", "a command runs with its user's groups in the guest")
+	case sc.FSGroup != nil || sc.FSGroupChangePolicy != nil:
+		return no("securityContext.fsGroup", "a box mounts no volume")
+	case len(sc.Sysctls) > 0:
+		return no("securityContext.sysctls", "set them in the snapshot's guest")
+	case sc.SeccompProfile != nil:
+		return no("securityContext.seccompProfile", why)
+	case sc.AppArmorProfile != nil:
+		return no("securityContext.appArmorProfile", why)
+	case sc.SELinuxChangePolicy != nil:
+		return no("securityContext.seLinuxChangePolicy", why)
+	}
+	return nil
+}
+
+func checkContainerSecurity(sc *corev1.SecurityContext, no func(string, string) error) error {
+	if sc == nil {
+		return nil
+	}
+	why := "a box is a virtual machine: the guest's own kernel and users apply, not the host's"
+	switch {
+	case sc.Privileged != nil && *sc.Privileged:
+		return no("securityContext.privileged", why)
+	case sc.Capabilities != nil:
+		return no("securityContext.capabilities", why)
+	case sc.SELinuxOptions != nil:
+		return no("securityContext.seLinuxOptions", why)
+	case sc.WindowsOptions != nil:
+		return no("securityContext.windowsOptions", why)
+	case sc.RunAsGroup != nil:
+		return no("securityContext.runAsGroup", "a command runs with its user's groups in the guest")
+	case sc.ReadOnlyRootFilesystem != nil && *sc.ReadOnlyRootFilesystem:
+		return no("securityContext.readOnlyRootFilesystem", "a box's disk is its own overlay of the snapshot's")
+	case sc.AllowPrivilegeEscalation != nil:
+		return no("securityContext.allowPrivilegeEscalation", why)
+	case sc.ProcMount != nil:
+		return no("securityContext.procMount", why)
+	case sc.SeccompProfile != nil:
+		return no("securityContext.seccompProfile", why)
+	case sc.AppArmorProfile != nil:
+		return no("securityContext.appArmorProfile", why)
+	}
+	return nil
+}
+
+// RunAsUser is the uid the pod's command and kubectl exec run as in the
+// guest: the container's runAsUser, else the pod's; ok is false for none
+// (the agent's user, root).
+func RunAsUser(p *corev1.Pod) (uid int64, ok bool) {
+	if c := p.Spec.Containers[0].SecurityContext; c != nil && c.RunAsUser != nil {
+		return *c.RunAsUser, true
+	}
+	if s := p.Spec.SecurityContext; s != nil && s.RunAsUser != nil {
+		return *s.RunAsUser, true
+	}
+	return 0, false
+}
+
+// CheckFits refuses a pod whose container limits are smaller than the
+// snapshot's box: a clone has the snapshot's vCPUs, RAM and disk, and
+// cannot honour less.
+func CheckFits(p *corev1.Pod, s Snapshot) error {
+	lim := p.Spec.Containers[0].Resources.Limits
+	for _, x := range []struct {
+		name corev1.ResourceName
+		has  *resource.Quantity
+		what string
+	}{
+		{corev1.ResourceCPU, resource.NewQuantity(int64(s.CPUs), resource.DecimalSI), "vCPUs"},
+		{corev1.ResourceMemory, resource.NewQuantity(s.Memory, resource.BinarySI), "RAM"},
+		{corev1.ResourceEphemeralStorage, resource.NewQuantity(s.Disk, resource.BinarySI), "disk"},
+	} {
+		q, ok := lim[x.name]
+		if !ok || x.has.IsZero() {
+			continue
+		}
+		if q.Cmp(*x.has) < 0 {
+			return fmt.Errorf("pod %s/%s: limits.%s %s is less than the snapshot's %s (%s): a clone has its snapshot's size; raise the limit or leave it out",
+				p.Namespace, p.Name, x.name, q.String(), x.what, x.has.String())
+		}
+	}
+	return nil
+}
