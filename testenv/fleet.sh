@@ -7,8 +7,10 @@
 #   testenv/fleet.sh up                     # start the control plane; writes $FLEET_STATE/env
 #   testenv/fleet.sh node-credentials NAME ADDRESS
 #                                           # a node's kubeconfig and kubelet serving certificate
+#   testenv/fleet.sh nodes                  # two kvbox nodes, kvbox-a and kvbox-b, to try it
 #   testenv/fleet.sh status                 # what runs, where
 #   testenv/fleet.sh down                   # stop everything and remove the run's files
+#                                           # (the nodes' boxes, snapshots and bridges too)
 #
 # The build compiles kube-apiserver, kube-scheduler, kube-controller-manager and kubectl from
 # k8s.io/kubernetes through a wrapper module that points its staging modules at their published
@@ -19,7 +21,8 @@
 # KVBOX_FLEET_CACHE (/var/lib/kvbox-testenv/k8s), KVBOX_FLEET_STATE
 # (/var/lib/kvbox-testenv/fleet), KVBOX_FLEET_GRACE (the node-monitor grace period, 20s),
 # KVBOX_FLEET_EVICTION_SECONDS (pods' default toleration of a NotReady node, 30),
-# KVBOX_FLEET_CLUSTER_CIDR (172.31.0.0/16), KVBOX_TESTENV_NS (kvbox-test).
+# KVBOX_FLEET_CLUSTER_CIDR (172.31.0.0/23: a /24 per node, two nodes), KVBOX_TESTENV_NS (kvbox-test); for `nodes`:
+# KVBOX_FLEET_NODE_STATE (the nodes' state dirs are this followed by a and b, /var/lib/kvbox-fleet-).
 set -uo pipefail
 _log_prefix=fleet
 . "$(dirname "$0")/lib.sh"
@@ -31,7 +34,10 @@ FLEET_STATE=${KVBOX_FLEET_STATE:-/var/lib/kvbox-testenv/fleet}
 GRACE=${KVBOX_FLEET_GRACE:-20s}
 # How long a pod stays bound to a NotReady or unreachable node before it is evicted.
 EVICTION=${KVBOX_FLEET_EVICTION_SECONDS:-30}
-CLUSTER_CIDR=${KVBOX_FLEET_CLUSTER_CIDR:-172.31.0.0/16}
+# The nodes' podCIDRs come from it: the subnets of their bridges, which must not overlap another
+# link's route in the namespace (kvbox refuses such a subnet). Kept small, clear of kvbox's default
+# 172.30.0.0/16 and of the e2e tests' extra networks (172.31.128.0/17).
+CLUSTER_CIDR=${KVBOX_FLEET_CLUSTER_CIDR:-172.31.0.0/23}
 # An allocation only: no packet goes there (no kube-proxy, no service traffic).
 SERVICE_CIDR=${KVBOX_FLEET_SERVICE_CIDR:-10.96.0.0/24}
 
@@ -298,31 +304,25 @@ kubectl_admin() { in_ns "$BIN/kubectl" --kubeconfig "$FLEET_STATE/admin.kubeconf
 
 healthy() { in_ns curl -fsS --max-time 2 --cacert "$PKI/ca.crt" "$@"; }
 
-# Who may do what beyond Kubernetes' defaults: kvbox nodes read the Secrets and ConfigMaps their
-# pods' environment names (virtual-kubelet watches them cluster-wide; the Node authorizer alone
-# allows only those of pods already bound), and the API server's kubelet client may use every
-# kubelet API (exec, logs, port-forward) of the nodes.
+# Who may do what beyond Kubernetes' defaults: the API server's kubelet client may use every kubelet
+# API (exec, logs, port-forward) of the nodes. kvbox nodes get no more than a kubelet: the Node
+# authorizer lets each read the Secrets and ConfigMaps of the pods bound to it, and kvbox-node reads
+# those one by one (it watches none cluster-wide). The RuntimeClass kvbox puts a pod on kvbox nodes:
+# its scheduling adds their toleration and node selector.
 RBAC='apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata: {name: "kvbox:node"}
-rules:
-- apiGroups: [""]
-  resources: [secrets, configmaps]
-  verbs: [get, list, watch]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: {name: "kvbox:node"}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kvbox:node"}
-subjects:
-- {apiGroup: rbac.authorization.k8s.io, kind: Group, name: "kvbox:nodes"}
----
-apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
 metadata: {name: "kvbox:kubelet-api-admin"}
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:kubelet-api-admin"}
 subjects:
-- {apiGroup: rbac.authorization.k8s.io, kind: User, name: kube-apiserver-kubelet-client}'
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: kube-apiserver-kubelet-client}
+---
+apiVersion: node.k8s.io/v1
+kind: RuntimeClass
+metadata: {name: kvbox}
+handler: kvbox
+scheduling:
+  nodeSelector: {kvbox.dev/node: "true"}
+  tolerations: [{key: kvbox.dev/vm, operator: Equal, value: "true", effect: NoSchedule}]'
 
 all_running() {
 	local c
@@ -443,8 +443,8 @@ cmd_node_credentials() {
 	[ -f "$PKI/ca.key" ] || die "the fleet is not up (no CA in $PKI): run testenv/fleet.sh up first"
 	dir=$FLEET_STATE/nodes/$name
 	mkdir -p "$dir" && chmod 700 "$dir" || die "cannot create $dir"
-	# The node's identity for the Node authorizer and NodeRestriction, and kvbox:nodes for the RBAC above.
-	issue "node-$name-client" "/O=system:nodes/O=kvbox:nodes/CN=system:node:$name" clientAuth &&
+	# The node's identity for the Node authorizer and NodeRestriction.
+	issue "node-$name-client" "/O=system:nodes/CN=system:node:$name" clientAuth &&
 		issue "node-$name-kubelet" "/CN=$name" serverAuth "IP:$addr,DNS:$name" || die "issuing $name's certificates failed"
 	mv -f "$PKI/node-$name-client.crt" "$dir/client.crt" && mv -f "$PKI/node-$name-client.key" "$dir/client.key" &&
 		mv -f "$PKI/node-$name-kubelet.crt" "$dir/kubelet.crt" && mv -f "$PKI/node-$name-kubelet.key" "$dir/kubelet.key" &&
@@ -452,6 +452,110 @@ cmd_node_credentials() {
 	kubeconfig "$dir/kubeconfig" "system:node:$name" "$dir/client.crt" "$dir/client.key"
 	log "credentials of node $name ($addr) in $dir: kubeconfig, kubelet.crt, kubelet.key, ca.crt"
 	echo "$dir"
+}
+
+# ---- two kvbox nodes on this machine, for people to try the fleet ----
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+NODE_NAMES="kvbox-a kvbox-b"
+NODE_STATE_PREFIX=${KVBOX_FLEET_NODE_STATE:-/var/lib/kvbox-fleet-}
+NODE_BIN=$FLEET_STATE/bin/kvbox-node
+KVBOX_BIN=$FLEET_STATE/bin/kvbox
+# The state dirs `nodes` made, one a line: down empties and removes these only.
+NODE_DIRS=$FLEET_STATE/node-dirs
+
+node_addr() { case $1 in kvbox-a) echo 127.0.0.2 ;; kvbox-b) echo 127.0.0.3 ;; esac; }
+node_bridge() { echo "kvf${1#kvbox-}0"; }
+node_state() { echo "$NODE_STATE_PREFIX${1#kvbox-}"; }
+
+# node_pid NAME: the pid of the fleet's kvbox-node NAME if it runs.
+node_pid() {
+	local pid exe
+	pid=$(cat "$RUN/$1.pid" 2>/dev/null) || return 1
+	exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
+	case "$exe" in "$NODE_BIN" | "$NODE_BIN (deleted)") echo "$pid" ;; *) return 1 ;; esac
+}
+
+node_ready() {
+	[ "$(kubectl_admin get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
+}
+
+cmd_nodes() {
+	local n dir pid
+	all_running && kubectl_admin get --raw /readyz >/dev/null 2>&1 || die "the fleet is not up: run testenv/fleet.sh up first"
+	mkdir -p "$FLEET_STATE/bin" || die "cannot create $FLEET_STATE/bin"
+	# Built from this checkout (root namespace: the Go module proxy), niced.
+	log "building kvbox-node and kvbox from $REPO"
+	(cd "$REPO/integrations/kubernetes" && nice -n 10 go build -o "$NODE_BIN.new" ./cmd/kvbox-node) &&
+		(cd "$REPO" && nice -n 10 go build -o "$KVBOX_BIN.new" ./cmd/kvbox) || die "building kvbox-node failed"
+	mv -f "$NODE_BIN.new" "$NODE_BIN" && mv -f "$KVBOX_BIN.new" "$KVBOX_BIN" || die "cannot write $FLEET_STATE/bin"
+	for n in $NODE_NAMES; do
+		if pid=$(node_pid "$n"); then
+			log "$n already runs (pid $pid)"
+			continue
+		fi
+		dir=$(node_state "$n")
+		cmd_node_credentials "$n" "$(node_addr "$n")" >/dev/null
+		# QEMU (libvirt's user) reads the snapshots in it.
+		mkdir -p "$dir" && chmod 0751 "$dir" || die "cannot create $dir"
+		grep -qxF "$dir" "$NODE_DIRS" 2>/dev/null || echo "$dir" >>"$NODE_DIRS"
+		: >>"$LOGS/$n.log"
+		in_ns setsid "$NODE_BIN" --name "$n" --node-address "$(node_addr "$n")" \
+			--kubeconfig "$FLEET_STATE/nodes/$n/kubeconfig" --tls-cert-file "$FLEET_STATE/nodes/$n/kubelet.crt" \
+			--tls-private-key-file "$FLEET_STATE/nodes/$n/kubelet.key" --client-ca-file "$FLEET_STATE/nodes/$n/ca.crt" \
+			--state-dir "$dir" --bridge "$(node_bridge "$n")" --insecure-registry 127.0.0.1:5000 \
+			>>"$LOGS/$n.log" 2>&1 </dev/null &
+		echo $! >"$RUN/$n.pid"
+		log "$n: state dir $dir, bridge $(node_bridge "$n"), kubelet API on $(node_addr "$n"):10250, log $LOGS/$n.log"
+	done
+	for n in $NODE_NAMES; do
+		wait_for "node $n Ready" 120 node_ready "$n" || { tail -n 20 "$LOGS/$n.log" >&2; die "node $n did not become Ready (see $LOGS/$n.log)"; }
+	done
+	kubectl_admin get nodes -o wide >&2
+	cat >&2 <<-HOWTO
+	[fleet] both nodes are Ready. Pods whose image is a kvbox snapshot's reference run as warm clones:
+	[fleet]   kvbox snapshots push --insecure SNAPSHOT 127.0.0.1:5000/REPO:TAG
+	[fleet]   kubectl create deployment web --image 127.0.0.1:5000/REPO:TAG --replicas 3, with
+	[fleet]   runtimeClassName: kvbox in its pod spec (docs/kubernetes.md); kubectl inside $KVBOX_TESTENV_NS:
+	[fleet]   . $FLEET_STATE/env; ip netns exec $KVBOX_TESTENV_NS \$KUBECTL --kubeconfig \$KUBECONFIG get pods -o wide
+	HOWTO
+}
+
+# stop_nodes: the fleet's kvbox-nodes stopped, and every box, snapshot and bridge of the state dirs
+# `nodes` made removed with the dirs.
+stop_nodes() {
+	local n pid dir b t kv subnet
+	declare -A subnets
+	for n in $NODE_NAMES; do
+		# The podCIDR the node's bridge has (its NAT rule names it).
+		subnets[$n]=$(kubectl_admin get node "$n" -o jsonpath='{.spec.podCIDR}' 2>/dev/null)
+		pid=$(node_pid "$n") || continue
+		kill -TERM "$pid" 2>/dev/null
+		for t in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+		kill -0 "$pid" 2>/dev/null && { warn "killing $n (pid $pid): it did not stop within 10s"; kill -KILL "$pid"; }
+	done
+	[ -f "$NODE_DIRS" ] || return 0
+	while read -r dir; do
+		[ -d "$dir" ] || continue
+		kv=(in_ns "$KVBOX_BIN" --state-dir "$dir")
+		# kvbox ls lists every box of the libvirtd: those whose folder is in dir only.
+		for b in $("${kv[@]}" ls --json 2>/dev/null | awk -v d="\"$dir/boxes/" '
+			/^    "name": / { n = $2; gsub(/[",]/, "", n) }
+			/^    "dir": / && index($2, d) == 1 { print n }'); do
+			"${kv[@]}" rm --force "$b" >/dev/null || warn "could not remove box $b of $dir"
+		done
+		for b in $("${kv[@]}" snapshots ls --json 2>/dev/null | sed -n 's/^ *"name": "\([^"]*\)",$/\1/p'); do
+			"${kv[@]}" snapshots rm "$b" >/dev/null || warn "could not remove snapshot $b of $dir"
+		done
+		for n in $NODE_NAMES; do
+			[ "$dir" = "$(node_state "$n")" ] || continue
+			subnet=()
+			[ -n "${subnets[$n]}" ] && subnet=(--subnet "${subnets[$n]}")
+			"${kv[@]}" --bridge "$(node_bridge "$n")" "${subnet[@]}" network rm >/dev/null 2>&1
+		done
+		rm -rf "$dir"
+	done <"$NODE_DIRS"
+	rm -f "$NODE_DIRS"
 }
 
 cmd_status() {
@@ -463,6 +567,9 @@ cmd_status() {
 			echo "$c: not running"
 		fi
 	done
+	for c in $NODE_NAMES; do
+		pid=$(node_pid "$c") && echo "$c: running, pid $pid, state dir $(node_state "$c"), log $LOGS/$c.log"
+	done
 	[ -f "$FLEET_STATE/env" ] && cat "$FLEET_STATE/env"
 	all_running
 }
@@ -471,6 +578,7 @@ cmd_status() {
 # everything of the run but its logs removed from the state folder.
 cmd_down() {
 	local c pid pids="" left t
+	stop_nodes
 	for c in kube-controller-manager kube-scheduler kube-apiserver etcd; do
 		pid=$(pid_of "$c") && pids="$pids $pid"
 	done
@@ -499,6 +607,7 @@ build) cmd_build ;;
 up) require_root; cmd_up ;;
 down) require_root; cmd_down ;;
 status) cmd_status ;;
+nodes) require_root; cmd_nodes ;;
 node-credentials) require_root; shift; cmd_node_credentials "$@" ;;
 *) usage ;;
 esac
