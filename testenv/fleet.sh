@@ -484,11 +484,16 @@ cmd_nodes() {
 	local n dir pid
 	all_running && kubectl_admin get --raw /readyz >/dev/null 2>&1 || die "the fleet is not up: run testenv/fleet.sh up first"
 	mkdir -p "$FLEET_STATE/bin" || die "cannot create $FLEET_STATE/bin"
-	# Built from this checkout (root namespace: the Go module proxy), niced.
-	log "building kvbox-node and kvbox from $REPO"
-	(cd "$REPO/integrations/kubernetes" && nice -n 10 go build -o "$NODE_BIN.new" ./cmd/kvbox-node) &&
-		(cd "$REPO" && nice -n 10 go build -o "$KVBOX_BIN.new" ./cmd/kvbox) || die "building kvbox-node failed"
-	mv -f "$NODE_BIN.new" "$NODE_BIN" && mv -f "$KVBOX_BIN.new" "$KVBOX_BIN" || die "cannot write $FLEET_STATE/bin"
+	# Built from this checkout, niced; KVBOX_FLEET_NODE_BUILD=0 starts the ones built before (a node
+	# started again at once, before its lease runs out).
+	if [ "${KVBOX_FLEET_NODE_BUILD:-1}" = 0 ] && [ -x "$NODE_BIN" ] && [ -x "$KVBOX_BIN" ]; then
+		log "starting kvbox-node as built before ($NODE_BIN)"
+	else
+		log "building kvbox-node and kvbox from $REPO"
+		(cd "$REPO/integrations/kubernetes" && nice -n 10 go build -o "$NODE_BIN.new" ./cmd/kvbox-node) &&
+			(cd "$REPO" && nice -n 10 go build -o "$KVBOX_BIN.new" ./cmd/kvbox) || die "building kvbox-node failed"
+		mv -f "$NODE_BIN.new" "$NODE_BIN" && mv -f "$KVBOX_BIN.new" "$KVBOX_BIN" || die "cannot write $FLEET_STATE/bin"
+	fi
 	for n in $NODE_NAMES; do
 		if pid=$(node_pid "$n"); then
 			log "$n already runs (pid $pid)"
@@ -535,6 +540,8 @@ stop_nodes() {
 		kill -0 "$pid" 2>/dev/null && { warn "killing $n (pid $pid): it did not stop within 10s"; kill -KILL "$pid"; }
 	done
 	[ -f "$NODE_DIRS" ] || return 0
+	# Every node's boxes first: kvbox keeps a snapshot that a box of the libvirtd is cloned from,
+	# and the nodes' caches hold the same snapshots under the same names.
 	while read -r dir; do
 		[ -d "$dir" ] || continue
 		kv=(in_ns "$KVBOX_BIN" --state-dir "$dir")
@@ -544,6 +551,10 @@ stop_nodes() {
 			/^    "dir": / && index($2, d) == 1 { print n }'); do
 			"${kv[@]}" rm --force "$b" >/dev/null || warn "could not remove box $b of $dir"
 		done
+	done <"$NODE_DIRS"
+	while read -r dir; do
+		[ -d "$dir" ] || continue
+		kv=(in_ns "$KVBOX_BIN" --state-dir "$dir")
 		for b in $("${kv[@]}" snapshots ls --json 2>/dev/null | sed -n 's/^ *"name": "\([^"]*\)",$/\1/p'); do
 			"${kv[@]}" snapshots rm "$b" >/dev/null || warn "could not remove snapshot $b of $dir"
 		done
