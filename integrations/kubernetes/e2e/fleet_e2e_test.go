@@ -168,8 +168,9 @@ func TestFleetNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// kvbox-a with its capacity given; kvbox-b with the host's, its boxes
-	// capped by a /28 subnet (13 addresses).
+	// kvbox-a with its capacity given, its boxes on the podCIDR the node
+	// IPAM gives it; kvbox-b with the host's capacity, its boxes capped by
+	// the /28 subnet it is given (13 addresses). Bridges of their own.
 	start := func(name, addr string, extra ...string) *node {
 		creds := strings.TrimSpace(lastLine(fleet("node-credentials", name, addr)))
 		n := &node{name: name, addr: addr, log: filepath.Join(tmp, name+".log"), done: make(chan error, 1)}
@@ -196,8 +197,8 @@ func TestFleetNodes(t *testing.T) {
 		})
 		return n
 	}
-	a := start("kvbox-a", "127.0.0.2", "--cpus", "4", "--memory", "6Gi", "--subnet", "172.30.200.0/24")
-	b := start("kvbox-b", "127.0.0.3", "--subnet", "172.30.201.0/28")
+	a := start("kvbox-a", "127.0.0.2", "--cpus", "4", "--memory", "6Gi", "--bridge", "kvfa0")
+	b := start("kvbox-b", "127.0.0.3", "--subnet", "172.31.3.0/28", "--bridge", "kvfb0")
 
 	// Both nodes Ready, with their capacity, labels, taint and addresses.
 	wantCap := map[string][3]int64{
@@ -245,7 +246,7 @@ func TestFleetNodes(t *testing.T) {
 	for _, n := range []*node{a, b} {
 		nd := waitNode(ctx, t, client, n, "a podCIDR", func(nd *corev1.Node) bool { return nd.Spec.PodCIDR != "" })
 		p, err := netip.ParsePrefix(nd.Spec.PodCIDR)
-		if err != nil || !netip.MustParsePrefix("172.31.0.0/16").Contains(p.Addr()) {
+		if err != nil || !netip.MustParsePrefix("172.31.0.0/23").Contains(p.Addr()) {
 			t.Errorf("%s podCIDR %q is not in the cluster CIDR", n.name, nd.Spec.PodCIDR)
 		}
 		cidrs[n.name] = nd.Spec.PodCIDR

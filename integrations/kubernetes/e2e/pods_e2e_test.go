@@ -1,0 +1,534 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
+	"kvbox.dev/kvbox/testenv/gate"
+)
+
+// The test registry testenv/setup.sh starts in the test namespace.
+const testRegistry = "127.0.0.1:5000"
+
+// fleetRun is a local fleet of this test: the control plane and the two
+// kvbox nodes of testenv/fleet.sh nodes.
+type fleetRun struct {
+	t       *testing.T
+	repo    string
+	state   string // KVBOX_FLEET_STATE
+	cache   string
+	nodeDir string // KVBOX_FLEET_NODE_STATE: node X's state dir is this followed by X
+	env     map[string]string
+	client  kubernetes.Interface
+}
+
+func (f *fleetRun) sh(args ...string) (string, error) {
+	cmd := exec.Command("bash", append([]string{filepath.Join(f.repo, "testenv/fleet.sh")}, args...)...)
+	cmd.Env = append(os.Environ(), "KVBOX_FLEET_STATE="+f.state, "KVBOX_FLEET_CACHE="+f.cache, "KVBOX_TESTENV_NS="+testNetns,
+		"KVBOX_FLEET_NODE_STATE="+f.nodeDir)
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	f.t.Logf("fleet.sh %s:\n%s", strings.Join(args, " "), out.String())
+	return out.String(), err
+}
+
+func (f *fleetRun) must(args ...string) string {
+	f.t.Helper()
+	out, err := f.sh(args...)
+	if err != nil {
+		f.t.Fatalf("fleet.sh %s: %v", strings.Join(args, " "), err)
+	}
+	return out
+}
+
+// kubectl runs the fleet's kubectl as its admin.
+func (f *fleetRun) kubectl(args ...string) (string, int) {
+	cmd := exec.Command(f.env["KUBECTL"], append([]string{"--kubeconfig", f.env["KUBECONFIG"]}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		f.t.Fatalf("kubectl %s: %v", strings.Join(args, " "), err)
+	}
+	return out.String(), code
+}
+
+// nodePid is the pid of the fleet's kvbox-node name.
+func (f *fleetRun) nodePid(name string) int {
+	b, err := os.ReadFile(filepath.Join(f.state, "run", name+".pid"))
+	if err != nil {
+		f.t.Fatalf("%s's pid file: %v", name, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return pid
+}
+
+func (f *fleetRun) nodeLog(name string) string {
+	b, _ := os.ReadFile(filepath.Join(f.state, "logs", name+".log"))
+	return tail(string(b), 60)
+}
+
+// upFleet starts the control plane and kvbox-a and kvbox-b (fleet.sh up,
+// nodes) and stops them, their boxes, snapshots and bridges when the test
+// ends (fleet.sh down).
+func upFleet(t *testing.T) *fleetRun {
+	gate.Root(t)
+	gate.Tools(t, "openssl", "curl", "ip", "go", "virsh")
+	gate.LibvirtSocket(t)
+	inTestNetns(t)
+	repo, err := filepath.Abs("../../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cache := os.Getenv("KVBOX_FLEET_CACHE")
+	if cache == "" {
+		cache = "/var/lib/kvbox-testenv/k8s"
+	}
+	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl"} {
+		gate.File(t, filepath.Join(cache, "v1.37.2", "bin", b), "the control plane testenv/fleet.sh build makes (make testenv runs it)")
+	}
+	nodeDir := os.Getenv("KVBOX_FLEET_NODE_STATE")
+	if nodeDir == "" {
+		nodeDir = "/var/lib/kvbox-fleet-"
+	}
+	f := &fleetRun{t: t, repo: repo, state: filepath.Join(t.TempDir(), "fleet"), cache: cache, nodeDir: nodeDir}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, n := range []string{"kvbox-a", "kvbox-b"} {
+				t.Logf("%s's log:\n%s", n, f.nodeLog(n))
+			}
+		}
+		out, err := f.sh("down")
+		if err != nil {
+			t.Errorf("fleet.sh down: %v", err)
+		}
+		if strings.Contains(out, "could not remove") {
+			t.Errorf("fleet.sh down left something of the nodes")
+		}
+		for _, n := range []string{"a", "b"} {
+			if _, err := os.Stat(nodeDir + n); err == nil {
+				t.Errorf("fleet.sh down left the state dir %s%s", nodeDir, n)
+			}
+			if _, err := net.InterfaceByName("kvf" + n + "0"); err == nil {
+				t.Errorf("fleet.sh down left the bridge kvf%s0", n)
+			}
+		}
+	})
+	f.must("up")
+	f.env = readEnv(t, filepath.Join(f.state, "env"))
+	cfg, err := clientcmd.BuildConfigFromFlags("", f.env["KUBECONFIG"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.client = kubernetes.NewForConfigOrDie(cfg)
+	f.must("nodes")
+	return f
+}
+
+func randomID(t *testing.T) string {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// pushSource makes a box of the tiny image serving page on port 8080,
+// snapshots it, pushes the snapshot to the test registry and removes box
+// and snapshot; it returns the reference. The source's kvbox is this test
+// run's (KVBOX_STATE_DIR, KVBOX_BRIDGE, KVBOX_SUBNET).
+func pushSource(t *testing.T, f *fleetRun, id, page string) string {
+	kvbox := filepath.Join(f.state, "bin", "kvbox")
+	run := func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command(kvbox, args...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("kvbox %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return string(out)
+	}
+	src := "fleetsrc-" + id
+	defer exec.Command(kvbox, "rm", "--force", src).Run()
+	defer exec.Command(kvbox, "snapshots", "rm", src).Run()
+	run("new", "--image", "tiny", "--cpus", "1", "--memory", "256M", "--disk", "1G", src)
+	run("exec", src, "--", "sh", "-c", "mkdir -p /www && echo '"+page+"' > /www/index.html && "+
+		"setsid httpd -p 8080 -h /www </dev/null >/dev/null 2>&1; sleep 0.3; netstat -ltn | grep -q :8080")
+	run("snapshots", "new", src, src)
+	ref := testRegistry + "/fleet/web-" + id + ":v1"
+	run("snapshots", "push", "--insecure", src, ref)
+	return ref
+}
+
+func kvboxPodSpec(image string, command ...string) corev1.PodSpec {
+	rc := kvboxnode.DefaultRuntimeClass
+	return corev1.PodSpec{
+		RuntimeClassName: &rc,
+		Containers: []corev1.Container{{Name: "box", Image: image, Command: command,
+			Ports: []corev1.ContainerPort{{ContainerPort: 8080}}}},
+	}
+}
+
+// waitPod waits until ok holds for the pod, failing early when it ended.
+func waitPod(ctx context.Context, t *testing.T, c kubernetes.Interface, ns, name, what string, ok func(*corev1.Pod) bool) *corev1.Pod {
+	t.Helper()
+	var got *corev1.Pod
+	poll(ctx, t, "pod "+name+" "+what, func() bool {
+		p, err := c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("pod %s: %v", name, err)
+		}
+		got = p
+		return ok(p)
+	})
+	return got
+}
+
+func podReady(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// domain is what libvirt says of a box: its state, and its QEMU's pid.
+func domainState(t *testing.T, name string) (state string, exists bool) {
+	out, err := exec.Command("virsh", "-c", "qemu:///system", "domstate", name).CombinedOutput()
+	if err != nil {
+		if strings.Contains(string(out), "ailed to get domain") || strings.Contains(string(out), "no domain") {
+			return "", false
+		}
+		t.Fatalf("virsh domstate %s: %v\n%s", name, err, out)
+	}
+	return strings.TrimSpace(string(out)), true
+}
+
+func qemuPid(t *testing.T, name string) int {
+	b, err := os.ReadFile(filepath.Join("/run/libvirt/qemu", name+".pid"))
+	if err != nil {
+		t.Fatalf("box %s's QEMU pid: %v", name, err)
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return pid
+}
+
+// fleetBoxes lists the domains of the fleet's nodes' state dirs.
+func fleetBoxes(t *testing.T, f *fleetRun) map[string]string {
+	out := map[string]string{}
+	for _, n := range []string{"a", "b"} {
+		ents, err := os.ReadDir(filepath.Join(f.nodeDir+n, "boxes"))
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			if _, ok := domainState(t, e.Name()); ok {
+				out[e.Name()] = "kvbox-" + n
+			}
+		}
+	}
+	return out
+}
+
+func get(ctx context.Context, url string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return string(b), fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	return string(b), err
+}
+
+// checkServing checks a running pod: its box, named after it, runs on its
+// node; its guest's hostname is the pod's name (kubectl exec); its address
+// is on its node's podCIDR and serves page.
+func checkServing(ctx context.Context, t *testing.T, f *fleetRun, p *corev1.Pod, page string) string {
+	t.Helper()
+	box := kvboxnode.BoxName(p.Namespace, p.Name, string(p.UID))
+	if st, ok := domainState(t, box); !ok || st != "running" {
+		t.Errorf("pod %s: its box %s is %q (exists %v)", p.Name, box, st, ok)
+	}
+	if _, err := os.Stat(filepath.Join(f.nodeDir+strings.TrimPrefix(p.Spec.NodeName, "kvbox-"), "boxes", box)); err != nil {
+		t.Errorf("pod %s: its box is not in %s's state dir: %v", p.Name, p.Spec.NodeName, err)
+	}
+	nd, err := f.client.CoreV1().Nodes().Get(ctx, p.Spec.NodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cidr, err := netip.ParsePrefix(nd.Spec.PodCIDR)
+	ip, err2 := netip.ParseAddr(p.Status.PodIP)
+	if err != nil || err2 != nil || !cidr.Contains(ip) {
+		t.Errorf("pod %s's address %q is not on its node %s's podCIDR %q", p.Name, p.Status.PodIP, p.Spec.NodeName, nd.Spec.PodCIDR)
+	}
+	out, code := f.kubectl("exec", "-n", p.Namespace, p.Name, "--", "hostname")
+	if code != 0 || strings.TrimSpace(out) != p.Name {
+		t.Errorf("kubectl exec %s -- hostname: %q (exit %d), want the pod's name", p.Name, out, code)
+	}
+	body, err := get(ctx, "http://"+p.Status.PodIP+":8080/")
+	if err != nil || strings.TrimSpace(body) != page {
+		t.Errorf("pod %s at %s:8080: %q, %v; want %q", p.Name, p.Status.PodIP, body, err, page)
+	}
+	return box
+}
+
+// TestFleetPods: pods whose image is a pushed kvbox snapshot run as warm
+// clones on the fleet's two kvbox nodes (testenv/fleet.sh nodes), each with
+// the pod's name as its hostname and its own address, serving what the
+// source served; deleting a pod removes its box.
+func TestFleetPods(t *testing.T) {
+	f := upFleet(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	id := randomID(t)
+	page := "fleet-page-" + id
+	ref := pushSource(t, f, id, page)
+	ns := "default"
+	pods := f.client.CoreV1().Pods(ns)
+
+	// One pod: a warm clone, Running and Ready, its own hostname and
+	// address, serving the page.
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-" + id}, Spec: kvboxPodSpec(ref)}
+	if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	p := waitPod(ctx, t, f.client, ns, pod.Name, "Running and Ready", func(p *corev1.Pod) bool {
+		if p.Status.Phase == corev1.PodFailed {
+			t.Fatalf("pod %s failed: %s: %s", p.Name, p.Status.Reason, p.Status.Message)
+		}
+		return podReady(p)
+	})
+	t.Logf("pod %s Running and Ready on %s at %s, %.1fs after its creation (first pull on that node)", p.Name, p.Spec.NodeName, p.Status.PodIP, time.Since(t0).Seconds())
+	box := checkServing(ctx, t, f, p, page)
+	cs := p.Status.ContainerStatuses
+	if len(cs) != 1 || !strings.HasPrefix(cs[0].ImageID, testRegistry+"/fleet/web-"+id+"@sha256:") || cs[0].ContainerID != "kvbox://"+box {
+		t.Errorf("pod %s's container status: %+v", p.Name, cs)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// Deleted: its box goes with it.
+	if err := pods.Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(ctx, t, "pod "+pod.Name+" gone", func() bool {
+		_, err := pods.Get(ctx, pod.Name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	})
+	if st, ok := domainState(t, box); ok {
+		t.Errorf("pod %s deleted, its box %s is still there (%s)", pod.Name, box, st)
+	}
+	if _, err := os.Stat(filepath.Join(f.nodeDir+strings.TrimPrefix(p.Spec.NodeName, "kvbox-"), "boxes", box)); !os.IsNotExist(err) {
+		t.Errorf("pod %s deleted, its box's folder stays: %v", pod.Name, err)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// A Deployment of 3, spread over both nodes: each pod its own box,
+	// hostname and address, serving the page; kubectl exec keeps the exit
+	// code.
+	three := int32(3)
+	labels := map[string]string{"app": "webs-" + id}
+	spec := kvboxPodSpec(ref)
+	spec.TopologySpreadConstraints = []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "kubernetes.io/hostname",
+		WhenUnsatisfiable: corev1.DoNotSchedule, LabelSelector: &metav1.LabelSelector{MatchLabels: labels}}}
+	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "webs-" + id},
+		Spec: appsv1.DeploymentSpec{Replicas: &three, Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: spec}}}
+	if _, err := f.client.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	var webs []corev1.Pod
+	poll(ctx, t, "3 pods of the Deployment Ready", func() bool {
+		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		webs = l.Items
+		ready := 0
+		for i := range webs {
+			if webs[i].Status.Phase == corev1.PodFailed {
+				t.Fatalf("pod %s failed: %s: %s", webs[i].Name, webs[i].Status.Reason, webs[i].Status.Message)
+			}
+			if podReady(&webs[i]) {
+				ready++
+			}
+		}
+		return len(webs) == 3 && ready == 3
+	})
+	t.Logf("Deployment of 3 Ready %.1fs after its creation", time.Since(t0).Seconds())
+	onNode, ips, boxes := map[string]int{}, map[string]bool{}, map[string]string{}
+	for i := range webs {
+		w := &webs[i]
+		boxes[checkServing(ctx, t, f, w, page)] = w.Name
+		onNode[w.Spec.NodeName]++
+		ips[w.Status.PodIP] = true
+		t.Logf("pod %s on %s at %s", w.Name, w.Spec.NodeName, w.Status.PodIP)
+	}
+	if onNode["kvbox-a"] == 0 || onNode["kvbox-b"] == 0 {
+		t.Errorf("the Deployment's pods are not on both nodes: %v", onNode)
+	}
+	if len(ips) != 3 {
+		t.Errorf("the Deployment's 3 pods have %d addresses", len(ips))
+	}
+	if out, code := f.kubectl("exec", webs[0].Name, "--", "sh", "-c", "echo to-stderr >&2; exit 7"); code != 7 || !strings.Contains(out, "to-stderr") {
+		t.Errorf("kubectl exec of a command exiting 7: exit %d, output %q", code, out)
+	}
+	if got := fleetBoxes(t, f); len(got) != 3 {
+		t.Errorf("the fleet's nodes run %d boxes for 3 pods: %v", len(got), got)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// A Job whose command exits 3 fails, its pod's container with exit
+	// code 3; kubectl logs shows what the command printed; its box goes.
+	zero := int32(0)
+	jspec := kvboxPodSpec(ref, "sh", "-c", "echo job-says-"+id+"; exit 3")
+	jspec.RestartPolicy = corev1.RestartPolicyNever
+	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "exit3-" + id},
+		Spec: batchv1.JobSpec{BackoffLimit: &zero, Template: corev1.PodTemplateSpec{Spec: jspec}}}
+	if _, err := f.client.BatchV1().Jobs(ns).Create(ctx, job, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(ctx, t, "Job "+job.Name+" Failed", func() bool {
+		j, err := f.client.BatchV1().Jobs(ns).Get(ctx, job.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range j.Status.Conditions {
+			if c.Type == batchv1.JobComplete && c.Status == corev1.ConditionTrue {
+				t.Fatalf("Job %s completed; its command exits 3", job.Name)
+			}
+			if c.Type == batchv1.JobFailed && c.Status == corev1.ConditionTrue {
+				t.Logf("Job %s failed: %s: %s", job.Name, c.Reason, c.Message)
+				return true
+			}
+		}
+		return false
+	})
+	jl, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "batch.kubernetes.io/job-name=" + job.Name})
+	if err != nil || len(jl.Items) != 1 {
+		t.Fatalf("the Job's pods: %v (%v)", jl, err)
+	}
+	jp := &jl.Items[0]
+	if cs := jp.Status.ContainerStatuses; jp.Status.Phase != corev1.PodFailed || len(cs) != 1 || cs[0].State.Terminated == nil || cs[0].State.Terminated.ExitCode != 3 {
+		t.Errorf("the Job's pod %s: phase %s, container statuses %+v; want Failed, exit code 3", jp.Name, jp.Status.Phase, cs)
+	}
+	if out, code := f.kubectl("logs", jp.Name); code != 0 || strings.TrimSpace(out) != "job-says-"+id {
+		t.Errorf("kubectl logs %s: %q (exit %d), want what its command printed", jp.Name, out, code)
+	}
+	if st, ok := domainState(t, kvboxnode.BoxName(ns, jp.Name, string(jp.UID))); ok {
+		t.Errorf("the Job's pod ended, its box stays (%s)", st)
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// kvbox-a killed and started again: the same pods (no replacement, no
+	// restart), the same boxes (their QEMU processes ran on), no duplicate.
+	before := map[types.UID]string{}
+	pidsBefore := map[string]int{}
+	for _, w := range webs {
+		before[w.UID] = w.Spec.NodeName
+		b := kvboxnode.BoxName(w.Namespace, w.Name, string(w.UID))
+		pidsBefore[b] = qemuPid(t, b)
+	}
+	if err := syscall.Kill(f.nodePid("kvbox-a"), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	os.Setenv("KVBOX_FLEET_NODE_BUILD", "0")
+	defer os.Unsetenv("KVBOX_FLEET_NODE_BUILD")
+	f.must("nodes")
+	poll(ctx, t, "the Deployment's pods Ready after kvbox-a's restart", func() bool {
+		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		webs = l.Items
+		for i := range webs {
+			if !podReady(&webs[i]) {
+				return false
+			}
+		}
+		return true
+	})
+	if !strings.Contains(f.nodeLog("kvbox-a"), "found this host's pods again") {
+		t.Errorf("kvbox-a's log does not say it found its pods again")
+	}
+	if len(webs) != 3 {
+		t.Errorf("after kvbox-a's restart the Deployment has %d pods", len(webs))
+	}
+	for _, w := range webs {
+		if node, ok := before[w.UID]; !ok || node != w.Spec.NodeName {
+			t.Errorf("after kvbox-a's restart pod %s (%s) on %s is not one of before: %v", w.Name, w.UID, w.Spec.NodeName, before)
+		}
+		if cs := w.Status.ContainerStatuses; len(cs) != 1 || cs[0].RestartCount != 0 {
+			t.Errorf("after kvbox-a's restart pod %s's container statuses: %+v", w.Name, cs)
+		}
+	}
+	after := fleetBoxes(t, f)
+	if len(after) != 3 {
+		t.Errorf("after kvbox-a's restart the nodes run %d boxes for 3 pods: %v", len(after), after)
+	}
+	for b, pid := range pidsBefore {
+		if _, ok := after[b]; !ok {
+			t.Errorf("after kvbox-a's restart box %s is gone", b)
+		} else if got := qemuPid(t, b); got != pid {
+			t.Errorf("after kvbox-a's restart box %s runs in another QEMU (%d, was %d)", b, got, pid)
+		}
+	}
+	for i := range webs {
+		checkServing(ctx, t, f, &webs[i], page)
+	}
+}
