@@ -476,12 +476,22 @@ node_pid() {
 	case "$exe" in "$NODE_BIN" | "$NODE_BIN (deleted)") echo "$pid" ;; *) return 1 ;; esac
 }
 
+# node_strays: processes of the fleet's kvbox-node binary, whatever the pid files say.
+node_strays() {
+	local d exe
+	for d in /proc/[0-9]*; do
+		exe=$(readlink "$d/exe" 2>/dev/null) || continue
+		case "$exe" in "$NODE_BIN" | "$NODE_BIN (deleted)") echo "${d#/proc/}" ;; esac
+	done
+	return 0
+}
+
 node_ready() {
 	[ "$(kubectl_admin get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
 }
 
 cmd_nodes() {
-	local n dir pid
+	local n dir pid t
 	all_running && kubectl_admin get --raw /readyz >/dev/null 2>&1 || die "the fleet is not up: run testenv/fleet.sh up first"
 	mkdir -p "$FLEET_STATE/bin" || die "cannot create $FLEET_STATE/bin"
 	# Built from this checkout, niced; KVBOX_FLEET_NODE_BUILD=0 starts the ones built before (a node
@@ -505,12 +515,16 @@ cmd_nodes() {
 		mkdir -p "$dir" && chmod 0751 "$dir" || die "cannot create $dir"
 		grep -qxF "$dir" "$NODE_DIRS" 2>/dev/null || echo "$dir" >>"$NODE_DIRS"
 		: >>"$LOGS/$n.log"
-		in_ns setsid "$NODE_BIN" --name "$n" --node-address "$(node_addr "$n")" \
+		# A simple command, not the in_ns function: ip netns exec and setsid each exec the next, so
+		# $! is kvbox-node's own pid (a function would run in a subshell whose pid $! is).
+		ip netns exec "$KVBOX_TESTENV_NS" setsid "$NODE_BIN" --name "$n" --node-address "$(node_addr "$n")" \
 			--kubeconfig "$FLEET_STATE/nodes/$n/kubeconfig" --tls-cert-file "$FLEET_STATE/nodes/$n/kubelet.crt" \
 			--tls-private-key-file "$FLEET_STATE/nodes/$n/kubelet.key" --client-ca-file "$FLEET_STATE/nodes/$n/ca.crt" \
 			--state-dir "$dir" --bridge "$(node_bridge "$n")" --insecure-registry 127.0.0.1:5000 \
 			>>"$LOGS/$n.log" 2>&1 </dev/null &
 		echo $! >"$RUN/$n.pid"
+		for t in $(seq 50); do node_pid "$n" >/dev/null && break; sleep 0.1; done
+		node_pid "$n" >/dev/null || { tail -n 20 "$LOGS/$n.log" >&2; die "$n did not start (see $LOGS/$n.log)"; }
 		log "$n: state dir $dir, bridge $(node_bridge "$n"), kubelet API on $(node_addr "$n"):10250, log $LOGS/$n.log"
 	done
 	for n in $NODE_NAMES; do
@@ -538,6 +552,10 @@ stop_nodes() {
 		kill -TERM "$pid" 2>/dev/null
 		for t in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 		kill -0 "$pid" 2>/dev/null && { warn "killing $n (pid $pid): it did not stop within 10s"; kill -KILL "$pid"; }
+	done
+	for pid in $(node_strays); do
+		warn "stopping a kvbox-node of this fleet its pid file does not name (pid $pid)"
+		kill -KILL "$pid" 2>/dev/null
 	done
 	[ -f "$NODE_DIRS" ] || return 0
 	# Every node's boxes first: kvbox keeps a snapshot that a box of the libvirtd is cloned from,
