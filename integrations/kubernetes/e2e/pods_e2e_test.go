@@ -136,8 +136,11 @@ func upFleet(t *testing.T) *fleetRun {
 		if err != nil {
 			t.Errorf("fleet.sh down: %v", err)
 		}
-		if strings.Contains(out, "could not remove") {
-			t.Errorf("fleet.sh down left something of the nodes")
+		if strings.Contains(out, "could not remove") || strings.Contains(out, "does not name") {
+			t.Errorf("fleet.sh down left something of the nodes, or found a node it had lost")
+		}
+		if pids := processesOf(filepath.Join(f.state, "bin"), ""); len(pids) > 0 {
+			t.Errorf("kvbox-node processes left after down: %v", pids)
 		}
 		for _, n := range []string{"a", "b"} {
 			if _, err := os.Stat(nodeDir + n); err == nil {
@@ -484,12 +487,23 @@ func TestFleetPods(t *testing.T) {
 		b := kvboxnode.BoxName(w.Namespace, w.Name, string(w.UID))
 		pidsBefore[b] = qemuPid(t, b)
 	}
-	if err := syscall.Kill(f.nodePid("kvbox-a"), syscall.SIGKILL); err != nil {
+	killed := f.nodePid("kvbox-a")
+	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", killed)); err != nil || exe != filepath.Join(f.state, "bin", "kvbox-node") {
+		t.Fatalf("kvbox-a's pid file names %d, which runs %q (%v), not kvbox-node", killed, exe, err)
+	}
+	if err := syscall.Kill(killed, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
+	poll(ctx, t, "kvbox-a's process gone", func() bool {
+		_, err := os.Stat(fmt.Sprintf("/proc/%d", killed))
+		return os.IsNotExist(err)
+	})
 	os.Setenv("KVBOX_FLEET_NODE_BUILD", "0")
 	defer os.Unsetenv("KVBOX_FLEET_NODE_BUILD")
 	f.must("nodes")
+	if again := f.nodePid("kvbox-a"); again == killed {
+		t.Fatalf("kvbox-a was not started again (pid %d)", again)
+	}
 	poll(ctx, t, "the Deployment's pods Ready after kvbox-a's restart", func() bool {
 		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
 		if err != nil {
