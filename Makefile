@@ -65,7 +65,7 @@ test-kubernetes:
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
 test: export KVBOX_TEST_STRICT := 1
-test: testenv check unit fuzz e2e
+test: testenv check unit fuzz e2e test-kubernetes
 
 # The README's main job: set-up, then the warm-pool story on the Debian image,
 # all inside the kvbox-test network namespace.
