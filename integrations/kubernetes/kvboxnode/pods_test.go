@@ -319,3 +319,48 @@ func TestProviderRecover(t *testing.T) {
 		t.Errorf("after the restart: %d clones more, pod IP %q", lib.n-clonesBefore, st.PodIP)
 	}
 }
+
+// Every field kvbox cannot honour is refused in one line naming it; what
+// the API server adds to every pod passes.
+func TestCheckPod(t *testing.T) {
+	yes := true
+	other := "runc"
+	base := func() *corev1.Pod {
+		p := testPod("web", "u")
+		p.Spec.Volumes = []corev1.Volume{{Name: "kube-api-access-x1", VolumeSource: corev1.VolumeSource{Projected: &corev1.ProjectedVolumeSource{}}}}
+		p.Spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "kube-api-access-x1", MountPath: "/var/run/secrets/kubernetes.io/serviceaccount"}}
+		p.Spec.Containers[0].TerminationMessagePath = "/dev/termination-log"
+		p.Spec.SecurityContext = &corev1.PodSecurityContext{}
+		return p
+	}
+	if err := CheckPod(base(), DefaultRuntimeClass); err != nil {
+		t.Fatalf("a plain pod: %v", err)
+	}
+	for _, tc := range []struct {
+		field  string
+		change func(*corev1.Pod)
+	}{
+		{"hostNetwork", func(p *corev1.Pod) { p.Spec.HostNetwork = true }},
+		{"privileged", func(p *corev1.Pod) {
+			p.Spec.Containers[0].SecurityContext = &corev1.SecurityContext{Privileged: &yes}
+		}},
+		{"2 containers", func(p *corev1.Pod) { p.Spec.Containers = append(p.Spec.Containers, p.Spec.Containers[0]) }},
+		{"runtimeClassName runc", func(p *corev1.Pod) { p.Spec.RuntimeClassName = &other }},
+		{`volume "data"`, func(p *corev1.Pod) {
+			p.Spec.Volumes = append(p.Spec.Volumes, corev1.Volume{Name: "data", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/"}}})
+		}},
+		{"hostPort", func(p *corev1.Pod) {
+			p.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 80, HostPort: 80}}
+		}},
+		{"livenessProbe", func(p *corev1.Pod) { p.Spec.Containers[0].LivenessProbe = &corev1.Probe{} }},
+		{"args without command", func(p *corev1.Pod) { p.Spec.Containers[0].Command, p.Spec.Containers[0].Args = nil, []string{"x"} }},
+		{"initContainers", func(p *corev1.Pod) { p.Spec.InitContainers = []corev1.Container{{Name: "i"}} }},
+	} {
+		p := base()
+		tc.change(p)
+		err := CheckPod(p, DefaultRuntimeClass)
+		if err == nil || !strings.Contains(err.Error(), tc.field) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("%s: %v", tc.field, err)
+		}
+	}
+}
