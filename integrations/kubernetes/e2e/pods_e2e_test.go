@@ -3,10 +3,12 @@
 package e2e
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -15,12 +17,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -28,9 +33,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
+	"kvbox.dev/kvbox/registry"
+	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/testenv/gate"
 )
 
@@ -382,8 +390,11 @@ func TestFleetPods(t *testing.T) {
 	three := int32(3)
 	labels := map[string]string{"app": "webs-" + id}
 	spec := kvboxPodSpec(ref)
+	// Spread over the nodes that can take pods (a node down for good is
+	// tainted, and then counts no more).
+	honor := corev1.NodeInclusionPolicyHonor
 	spec.TopologySpreadConstraints = []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "kubernetes.io/hostname",
-		WhenUnsatisfiable: corev1.DoNotSchedule, LabelSelector: &metav1.LabelSelector{MatchLabels: labels}}}
+		WhenUnsatisfiable: corev1.DoNotSchedule, LabelSelector: &metav1.LabelSelector{MatchLabels: labels}, NodeTaintsPolicy: &honor}}
 	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "webs-" + id},
 		Spec: appsv1.DeploymentSpec{Replicas: &three, Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: spec}}}
@@ -429,6 +440,11 @@ func TestFleetPods(t *testing.T) {
 	}
 	if got := fleetBoxes(t, f); len(got) != 3 {
 		t.Errorf("the fleet's nodes run %d boxes for 3 pods: %v", len(got), got)
+	}
+	// kubectl port-forward reaches the guest's port through the API server
+	// and the node (no route to the box needed).
+	if body, err := portForward(ctx, t, f, webs[1].Name, 8080); err != nil || strings.TrimSpace(body) != page {
+		t.Errorf("kubectl port-forward %s 8080: %q, %v; want %q", webs[1].Name, body, err, page)
 	}
 	if t.Failed() {
 		t.FailNow()
@@ -545,4 +561,197 @@ func TestFleetPods(t *testing.T) {
 	for i := range webs {
 		checkServing(ctx, t, f, &webs[i], page)
 	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// A snapshot these hosts cannot restore (a machine type their QEMU
+	// lacks): a pod that asks for that machine type through its node
+	// selector stays Pending with the scheduler's reason; one put on a
+	// node by name fails with kvbox's one line.
+	badRef := pushIncompatible(ctx, t, ref, "pc-q35-99.0")
+	asking := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "needs-machine-" + id}, Spec: kvboxPodSpec(badRef)}
+	asking.Spec.NodeSelector = map[string]string{kvboxnode.MachineLabelPrefix + "pc-q35-99.0": "true"}
+	forced := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "forced-" + id}, Spec: kvboxPodSpec(badRef)}
+	forced.Spec.NodeName = "kvbox-b"
+	for _, pod := range []*corev1.Pod{asking, forced} {
+		if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitPod(ctx, t, f.client, ns, asking.Name, "unschedulable", func(p *corev1.Pod) bool {
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+				t.Logf("pod %s: %s", p.Name, c.Message)
+				if !strings.Contains(c.Message, "node affinity/selector") {
+					t.Errorf("pod %s is unschedulable for another reason: %s", p.Name, c.Message)
+				}
+				return true
+			}
+		}
+		return false
+	})
+	fp := waitPod(ctx, t, f.client, ns, forced.Name, "Failed", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodFailed })
+	t.Logf("pod %s: %s: %s", fp.Name, fp.Status.Reason, fp.Status.Message)
+	if fp.Status.Reason != kvboxnode.ReasonIncompatible || !strings.Contains(fp.Status.Message, "pc-q35-99.0") || strings.Contains(fp.Status.Message, "\n") {
+		t.Errorf("pod %s forced onto kvbox-b: reason %q, message %q; want %s and one line naming the machine type", fp.Name, fp.Status.Reason, fp.Status.Message, kvboxnode.ReasonIncompatible)
+	}
+	for _, pod := range []*corev1.Pod{asking, forced} {
+		if err := pods.Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Scaled to 0: no box is left on either node, and both still list the
+	// snapshot in their images (the scheduler prefers them for it).
+	scale, err := f.client.AppsV1().Deployments(ns).GetScale(ctx, dep.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scale.Spec.Replicas = 0
+	if _, err := f.client.AppsV1().Deployments(ns).UpdateScale(ctx, dep.Name, scale, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(ctx, t, "the Deployment's pods gone", func() bool {
+		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(l.Items) == 0
+	})
+	if got := fleetBoxes(t, f); len(got) != 0 {
+		t.Errorf("scaled to 0, the nodes still run boxes: %v", got)
+	}
+	for _, n := range []string{"kvbox-a", "kvbox-b"} {
+		nd, err := f.client.CoreV1().Nodes().Get(ctx, n, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		listed := false
+		for _, im := range nd.Status.Images {
+			if slices.Contains(im.Names, ref) && im.SizeBytes > 0 {
+				listed = true
+			}
+		}
+		if !listed {
+			t.Errorf("scaled to 0, %s's images do not list %s: %+v", n, ref, nd.Status.Images)
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+
+	// One node stopped for good: its pods are evicted once it is NotReady
+	// past their toleration, and made again on the other.
+	if scale, err = f.client.AppsV1().Deployments(ns).GetScale(ctx, dep.Name, metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	scale.Spec.Replicas = 3
+	if _, err := f.client.AppsV1().Deployments(ns).UpdateScale(ctx, dep.Name, scale, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(ctx, t, "the Deployment at 3 again, over both nodes", func() bool {
+		webs = readyPods(ctx, t, pods, "app=webs-"+id)
+		on := map[string]bool{}
+		for _, w := range webs {
+			on[w.Spec.NodeName] = true
+		}
+		return len(webs) == 3 && len(on) == 2
+	})
+	stopped := time.Now()
+	if err := syscall.Kill(f.nodePid("kvbox-b"), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	poll(ctx, t, "3 pods Ready on kvbox-a", func() bool {
+		webs = readyPods(ctx, t, pods, "app=webs-"+id)
+		for _, w := range webs {
+			if w.Spec.NodeName != "kvbox-a" {
+				return false
+			}
+		}
+		return len(webs) == 3
+	})
+	t.Logf("kvbox-b stopped for good: its pods made again on kvbox-a, all Ready %.1fs after (grace period and toleration %s + 30s)", time.Since(stopped).Seconds(), grace)
+	for i := range webs {
+		checkServing(ctx, t, f, &webs[i], page)
+	}
+}
+
+// portForward runs kubectl port-forward to the pod's port and fetches /
+// through it.
+func portForward(ctx context.Context, t *testing.T, f *fleetRun, pod string, port int) (string, error) {
+	cmd := exec.CommandContext(ctx, f.env["KUBECTL"], "--kubeconfig", f.env["KUBECONFIG"], "port-forward", "--address", "127.0.0.1", pod, fmt.Sprintf(":%d", port))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return "", err
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return "", err
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	// "Forwarding from 127.0.0.1:LOCAL -> PORT"
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		return "", fmt.Errorf("kubectl port-forward: %v: %s", err, stderr.String())
+	}
+	local, _, ok := strings.Cut(strings.TrimPrefix(strings.TrimSpace(line), "Forwarding from "), " ->")
+	if !ok {
+		return "", fmt.Errorf("kubectl port-forward said %q", line)
+	}
+	return get(ctx, "http://"+local+"/")
+}
+
+// readyPods lists the Ready pods of selector that are not being deleted.
+func readyPods(ctx context.Context, t *testing.T, pods corev1client.PodInterface, selector string) []corev1.Pod {
+	l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []corev1.Pod
+	for i := range l.Items {
+		if l.Items[i].DeletionTimestamp == nil && podReady(&l.Items[i]) {
+			out = append(out, l.Items[i])
+		}
+	}
+	return out
+}
+
+// pushIncompatible pushes, beside ref, its artifact with a compatibility
+// record that names machine type: the same parts, a manifest no host
+// without that machine type can restore.
+func pushIncompatible(ctx context.Context, t *testing.T, ref, machine string) string {
+	r, err := name.ParseReference(ref, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := remote.Get(r, remote.WithContext(ctx))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(desc.Manifest, &m); err != nil {
+		t.Fatal(err)
+	}
+	ann, _ := m["annotations"].(map[string]any)
+	raw, _ := ann[registry.AnnotCompat].(string)
+	var c snapshot.Compat
+	if err := json.Unmarshal([]byte(raw), &c); err != nil {
+		t.Fatalf("the artifact's %s annotation: %v", registry.AnnotCompat, err)
+	}
+	c.Machine = machine
+	b, err := json.Marshal(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ann[registry.AnnotCompat] = string(b)
+	if desc.Manifest, err = json.Marshal(m); err != nil {
+		t.Fatal(err)
+	}
+	bad := r.Context().Tag("needs-" + machine)
+	if err := remote.Put(bad, desc, remote.WithContext(ctx)); err != nil {
+		t.Fatal(err)
+	}
+	return bad.String()
 }
