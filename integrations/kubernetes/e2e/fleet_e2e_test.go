@@ -151,7 +151,9 @@ func TestFleetNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	hostType, err := (&domain.Host{Conn: conn, DomainTypeOverride: os.Getenv("KVBOX_DOMAIN_TYPE")}).DomainType()
+	dh := &domain.Host{DomainTypeOverride: os.Getenv("KVBOX_DOMAIN_TYPE")}
+	dh.SetConn(conn)
+	hostType, err := dh.DomainType()
 	if err != nil {
 		t.Fatal(err)
 	}

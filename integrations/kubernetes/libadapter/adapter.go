@@ -25,12 +25,15 @@ import (
 
 	"libvirt.org/go/libvirt"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/registry"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/statedir"
+	"kvbox.dev/kvbox/suspend"
 	"kvbox.dev/kvbox/templates"
 
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
@@ -69,25 +72,27 @@ func open(ctx context.Context, c Config, n network.Config) (*host, error) {
 	}
 	// Nothing kvbox or its children (qemu-img) create gets world bits.
 	syscall.Umask(0o027)
-	if err := os.MkdirAll(c.StateDir, domain.StateDirMode); err != nil {
+	if err := os.MkdirAll(c.StateDir, statedir.RootMode); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
 	conn, err := domain.Connect(c.URI)
 	if err != nil {
 		return nil, err
 	}
-	h := &domain.Host{Conn: conn, URI: c.URI, StateDir: c.StateDir, Net: n, Template: templates.Box, DomainTypeOverride: c.DomainType}
-	// SecureStateDir reads the host's facts, which the Host caches: read
-	// here, before any goroutine shares it.
+	h := &domain.Host{URI: c.URI, StateDir: c.StateDir, Net: n, Template: templates.Box, DomainTypeOverride: c.DomainType}
+	h.SetConn(conn)
+	// The state dir's folders and the host's facts (which the Host caches)
+	// before anything is asked of it: a host libvirt cannot describe fails
+	// here, not at the first pod.
 	if err := h.SecureStateDir(); err != nil {
-		conn.Close()
+		h.Close()
 		return nil, fmt.Errorf("state dir %s: %w", c.StateDir, err)
 	}
 	if _, err := h.DomainType(); err != nil {
-		conn.Close()
+		h.Close()
 		return nil, err
 	}
-	x := &host{h: h, snaps: snapshot.Store{Dir: filepath.Join(c.StateDir, "snapshots")}, images: image.Store{Dir: filepath.Join(c.StateDir, "images")},
+	x := &host{h: h, snaps: snapshot.Store{Dir: h.Layout().Snapshots()}, images: image.Store{Dir: h.Layout().Images()},
 		timeout: c.AgentTimeout, fwd: map[string]*agent.Forwarder{}}
 	// What a killed kvbox left half-done, as every kvbox command does first.
 	var errs []error
@@ -95,9 +100,9 @@ func open(ctx context.Context, c Config, n network.Config) (*host, error) {
 	_, err = h.RecoverBoxes()
 	errs = append(errs, err)
 	h.RemoveOrphanFolders()
-	errs = append(errs, snapshot.RecoverSuspends(ctx, h))
+	errs = append(errs, suspend.RecoverSuspends(ctx, h))
 	if err := errors.Join(errs...); err != nil {
-		conn.Close()
+		h.Close()
 		return nil, fmt.Errorf("finishing what a killed kvbox left half-done in %s: %w", c.StateDir, err)
 	}
 	return x, nil
@@ -110,8 +115,7 @@ func (x *host) Close() error {
 		delete(x.fwd, n)
 	}
 	x.mu.Unlock()
-	_, err := x.h.Conn.Close()
-	return err
+	return x.h.Close()
 }
 
 func (x *host) Facts(ctx context.Context) (kvboxnode.HostFacts, error) {
@@ -119,11 +123,11 @@ func (x *host) Facts(ctx context.Context) (kvboxnode.HostFacts, error) {
 	if err != nil {
 		return kvboxnode.HostFacts{}, err
 	}
-	hc, err := snapshot.HostCompatOf(x.h.Conn, typ)
+	hc, err := snapshot.HostCompatOf(x.h.Conn(), typ)
 	if err != nil {
 		return kvboxnode.HostFacts{}, fmt.Errorf("read this host's restore class from libvirt: %s", domain.LibvirtMessage(err))
 	}
-	info, err := x.h.Conn.GetNodeInfo()
+	info, err := x.h.Conn().GetNodeInfo()
 	if err != nil {
 		return kvboxnode.HostFacts{}, fmt.Errorf("read this host's CPUs and memory from libvirt: %s", domain.LibvirtMessage(err))
 	}
@@ -131,7 +135,7 @@ func (x *host) Facts(ctx context.Context) (kvboxnode.HostFacts, error) {
 }
 
 func (x *host) Healthy(ctx context.Context) error {
-	if _, err := x.h.Conn.GetVersion(); err != nil {
+	if _, err := x.h.Conn().GetVersion(); err != nil {
 		return errors.New(domain.LibvirtMessage(err))
 	}
 	return nil
@@ -142,11 +146,11 @@ func kind(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, domain.ErrNotFound):
+	case errors.Is(err, base.ErrNotFound):
 		return fmt.Errorf("%w: %w", kvboxnode.ErrNotFound, err)
-	case errors.Is(err, domain.ErrBusy):
+	case errors.Is(err, base.ErrBusy):
 		return fmt.Errorf("%w: %w", kvboxnode.ErrBusy, err)
-	case errors.Is(err, domain.ErrExists):
+	case errors.Is(err, base.ErrExists):
 		return fmt.Errorf("%w: %w", kvboxnode.ErrExists, err)
 	}
 	return err
@@ -154,7 +158,7 @@ func kind(err error) error {
 
 // compatible checks this host can restore snapshot s.
 func (x *host) compatible(s snapshot.Snapshot) error {
-	c, err := snapshot.LoadCompat(x.h.Conn, s.Dir)
+	c, err := snapshot.LoadCompat(x.h.Conn(), s.Dir)
 	if err != nil {
 		return err
 	}
@@ -162,7 +166,7 @@ func (x *host) compatible(s snapshot.Snapshot) error {
 	if err != nil {
 		return err
 	}
-	if err := c.Check(x.h.Conn, typ); err != nil {
+	if err := c.Check(x.h.Conn(), typ); err != nil {
 		return fmt.Errorf("%w: snapshot %q: %s", kvboxnode.ErrIncompatible, s.Name, strings.TrimPrefix(err.Error(), "incompatible host: "))
 	}
 	return nil
@@ -208,7 +212,7 @@ func (x *host) finish(ctx context.Context, b domain.Box, r kvboxnode.CloneReques
 	if err != nil {
 		return err
 	}
-	d, err := x.h.Conn.LookupDomainByName(b.Name)
+	d, err := x.h.Conn().LookupDomainByName(b.Name)
 	if err != nil {
 		return errors.New(domain.LibvirtMessage(err))
 	}
@@ -240,7 +244,7 @@ func marshalLabels(m map[string]string) (string, error) {
 
 // labels reads a box's labels; none when it has no labels element.
 func (x *host) labels(name string) (map[string]string, error) {
-	d, err := x.h.Conn.LookupDomainByName(name)
+	d, err := x.h.Conn().LookupDomainByName(name)
 	if err != nil {
 		return nil, err
 	}
@@ -265,24 +269,17 @@ func (x *host) labels(name string) (map[string]string, error) {
 }
 
 func (x *host) box(b domain.Box, labels map[string]string) kvboxnode.Box {
-	return kvboxnode.Box{Name: b.Name, State: b.State, IP: b.IP, Snapshot: b.Snapshot, Labels: labels, Created: b.Created,
+	return kvboxnode.Box{Name: b.Name, State: string(b.State), IP: b.IP, Snapshot: b.Snapshot, Labels: labels, Created: b.Created,
 		CPUs: b.CPUs, Memory: b.MemoryBytes, Disk: b.DiskBytes}
 }
 
-// mine reports whether a box is of this state dir (today's Boxes lists
-// every state dir's).
-func (x *host) mine(b domain.Box) bool { return b.Dir != "" && filepath.Dir(b.Dir) == x.h.BoxesDir() }
-
 func (x *host) Boxes(ctx context.Context) ([]kvboxnode.Box, error) {
-	all, err := x.h.Boxes()
+	all, err := x.h.Boxes() // this state dir's
 	if err != nil {
 		return nil, err
 	}
 	var out []kvboxnode.Box
 	for _, b := range all {
-		if !x.mine(b) {
-			continue
-		}
 		l, err := x.labels(b.Name)
 		var le libvirt.Error
 		if errors.As(err, &le) && le.Code == libvirt.ERR_NO_DOMAIN {
@@ -296,16 +293,11 @@ func (x *host) Boxes(ctx context.Context) ([]kvboxnode.Box, error) {
 	return out, nil
 }
 
-// get is this state dir's box called name.
+// get is this state dir's box called name (another state dir's is not
+// found).
 func (x *host) get(name string) (domain.Box, error) {
 	b, err := x.h.Get(name)
-	if err != nil {
-		return b, kind(err)
-	}
-	if !x.mine(b) {
-		return domain.Box{}, fmt.Errorf("%w: box %q is another state dir's", kvboxnode.ErrNotFound, name)
-	}
-	return b, nil
+	return b, kind(err)
 }
 
 func (x *host) Remove(ctx context.Context, name string) error {
@@ -481,9 +473,9 @@ func (x *host) Stats(ctx context.Context, name string) (kvboxnode.BoxStats, erro
 	if _, err := x.get(name); err != nil {
 		return kvboxnode.BoxStats{}, err
 	}
-	d, err := x.h.Conn.LookupDomainByName(name)
+	d, err := x.h.Conn().LookupDomainByName(name)
 	if err != nil {
-		return kvboxnode.BoxStats{}, kind(fmt.Errorf("%s: %w", domain.LibvirtMessage(err), domain.ErrNotFound))
+		return kvboxnode.BoxStats{}, kind(fmt.Errorf("%s: %w", domain.LibvirtMessage(err), base.ErrNotFound))
 	}
 	defer d.Free()
 	info, err := d.GetInfo()
@@ -592,10 +584,10 @@ func (x *host) Pull(ctx context.Context, ref, name string, o kvboxnode.PullOptio
 	if err := json.Unmarshal([]byte(m.Annotations[registry.AnnotCompat]), &c); err != nil {
 		return kvboxnode.Snapshot{}, fmt.Errorf("%s: bad %s annotation: %w", ref, registry.AnnotCompat, err)
 	}
-	if err := c.Check(x.h.Conn, ro.DomainType); err != nil {
+	if err := c.Check(x.h.Conn(), ro.DomainType); err != nil {
 		return kvboxnode.Snapshot{}, fmt.Errorf("%w: %s", kvboxnode.ErrIncompatible, strings.TrimPrefix(err.Error(), "incompatible host: "))
 	}
-	res, err := registry.Pull(ctx, x.h.Conn, x.h.StateDir, ref, name, ro)
+	res, err := registry.Pull(ctx, x.h.Conn(), x.h.StateDir, ref, name, ro)
 	if err != nil {
 		return kvboxnode.Snapshot{}, kind(err)
 	}
