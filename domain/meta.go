@@ -3,7 +3,10 @@ package domain
 import (
 	"encoding/xml"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // MetadataNS is the XML namespace of kvbox's facts about a box inside the
@@ -34,6 +37,67 @@ type Meta struct {
 	// Suspended is set while the box is suspended (kvbox suspend): its
 	// memory and device state wait on disk for kvbox resume.
 	Suspended *Suspended `xml:"suspended,omitempty" json:"suspended,omitempty"`
+	// NoInternet: the box has no route out of the host (its port filter
+	// drops what it sends the host to route); boxes of its group still
+	// reach it.
+	NoInternet bool `xml:"no-internet,omitempty" json:"no_internet,omitempty"`
+	// Labels are facts a front keeps with the box (kvbox serve: the
+	// sandbox's template and metadata). They are in the domain XML, which
+	// libvirt shows to whoever may read domains (on many hosts every local
+	// user, read-only): never a secret.
+	Labels []Label `xml:"labels>label,omitempty" json:"labels,omitempty"`
+}
+
+// Label is one key and value of Meta.Labels.
+type Label struct {
+	Key   string `xml:"key,attr" json:"key"`
+	Value string `xml:",chardata" json:"value"`
+}
+
+// LabelMap is labels as a map.
+func LabelMap(labels []Label) map[string]string {
+	if len(labels) == 0 {
+		return nil
+	}
+	m := make(map[string]string, len(labels))
+	for _, l := range labels {
+		m[l.Key] = l.Value
+	}
+	return m
+}
+
+// Labels is m as labels, sorted by key.
+func Labels(m map[string]string) []Label {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make([]Label, 0, len(m))
+	for k, v := range m {
+		out = append(out, Label{Key: k, Value: v})
+	}
+	slices.SortFunc(out, func(a, b Label) int { return strings.Compare(a.Key, b.Key) })
+	return out
+}
+
+// ValidLabel says in one line what makes a label unfit for the domain's
+// XML: an empty key, or text XML cannot carry (control characters, invalid
+// UTF-8), which would not read back as it was written.
+func ValidLabel(key, value string) error {
+	if key == "" {
+		return fmt.Errorf("%w: a label needs a key", ErrInvalid)
+	}
+	for i, s := range []string{key, value} {
+		if !utf8.ValidString(s) {
+			return fmt.Errorf("%w: label %q: not UTF-8", ErrInvalid, key)
+		}
+		for _, r := range s {
+			// A value may span lines; a key (an XML attribute) may not.
+			if r < 0x20 && (i == 0 || r != '\t' && r != '\n') || r == 0x7f || r == 0xFFFE || r == 0xFFFF {
+				return fmt.Errorf("%w: label %q: holds control characters", ErrInvalid, key)
+			}
+		}
+	}
+	return nil
 }
 
 // Suspended is where a suspended box's saved state is.
