@@ -3,6 +3,7 @@ package domain
 import (
 	"encoding/xml"
 	"fmt"
+	"kvbox.dev/kvbox/base"
 	"slices"
 	"strings"
 	"time"
@@ -84,16 +85,16 @@ func Labels(m map[string]string) []Label {
 // UTF-8), which would not read back as it was written.
 func ValidLabel(key, value string) error {
 	if key == "" {
-		return fmt.Errorf("%w: a label needs a key", ErrInvalid)
+		return fmt.Errorf("%w: a label needs a key", base.ErrInvalid)
 	}
 	for i, s := range []string{key, value} {
 		if !utf8.ValidString(s) {
-			return fmt.Errorf("%w: label %q: not UTF-8", ErrInvalid, key)
+			return fmt.Errorf("%w: label %q: not UTF-8", base.ErrInvalid, key)
 		}
 		for _, r := range s {
 			// A value may span lines; a key (an XML attribute) may not.
 			if r < 0x20 && (i == 0 || r != '\t' && r != '\n') || r == 0x7f || r == 0xFFFE || r == 0xFFFF {
-				return fmt.Errorf("%w: label %q: holds control characters", ErrInvalid, key)
+				return fmt.Errorf("%w: label %q: holds control characters", base.ErrInvalid, key)
 			}
 		}
 	}

@@ -57,14 +57,14 @@ func (h *Host) AllowPort(b Box) error {
 		return nil
 	}
 	tap := network.TapName(b.MAC)
-	err := network.AllowPort(tap, b.MAC, b.Addr())
+	err := network.AllowPort(tap, b.MAC, b.Addr(), b.NoInternet)
 	if errors.Is(err, network.ErrNoPortFilter) {
 		// Another kvbox removed the filter with its last port since this
 		// one made sure of it: made again, then the port.
 		if err := h.EnsurePortFilter(); err != nil {
 			return err
 		}
-		err = network.AllowPort(tap, b.MAC, b.Addr())
+		err = network.AllowPort(tap, b.MAC, b.Addr(), b.NoInternet)
 	}
 	return err
 }

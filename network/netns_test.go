@@ -90,8 +90,27 @@ func TestEnsurePortFilter(t *testing.T) {
 		t.Fatalf("second EnsurePortFilter: created %v, %v", created, err)
 	}
 	ip := netip.MustParseAddr("172.30.0.9")
-	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
+	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
 		t.Fatal(err)
+	}
+	offline := func() int {
+		t.Helper()
+		c, err := nftables.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		set, err := c.GetSetByName(filterTable(), "offline")
+		if err != nil {
+			t.Fatalf("the offline set: %v", err)
+		}
+		els, err := c.GetSetElements(set)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(els)
+	}
+	if n := offline(); n != 1 {
+		t.Errorf("an offline box's tap: %d elements in the offline set", n)
 	}
 
 	// What an older kvbox left: no input chain, its own rules in the
@@ -101,6 +120,7 @@ func TestEnsurePortFilter(t *testing.T) {
 		t.Fatal(err)
 	}
 	conn.DelChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
+	conn.DelSet(offlineSet(filterTable()))
 	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "from-boxes"})
 	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyINet, Name: tableName})
 	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyARP, Name: tableName})
@@ -124,6 +144,30 @@ func TestEnsurePortFilter(t *testing.T) {
 	if els, err := conn.GetSetElements(set); err != nil || len(els) != 1 {
 		t.Errorf("the box's port after completing an older table: %d elements, %v", len(els), err)
 	}
+	if n := offline(); n != 0 {
+		t.Errorf("an older table's new offline set: %d elements", n)
+	}
+	rules, err = conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "to-host"})
+	if err != nil || len(rules) != len(toHostRules(offlineSet(filterTable()))) {
+		t.Errorf("to-host after completing an older table: %d rules, %v", len(rules), err)
+	}
+	// A table with every chain but without the offline set (the kvbox
+	// before it) gets the set and the rule that uses it.
+	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
+	conn.DelSet(offlineSet(filterTable()))
+	if err := conn.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := EnsurePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if n := offline(); n != 0 {
+		t.Errorf("the offline set added to a table without it: %d elements", n)
+	}
+	rules, err = conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "to-host"})
+	if err != nil || len(rules) != len(toHostRules(offlineSet(filterTable()))) {
+		t.Errorf("to-host after adding the offline set: %d rules, %v", len(rules), err)
+	}
 
 	// Part of the inet table: made again whole.
 	conn.DelChain(&nftables.Chain{Table: &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}, Name: "output"})
@@ -140,8 +184,14 @@ func TestEnsurePortFilter(t *testing.T) {
 	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != all {
 		t.Errorf("removed with a box in the filter: %v, %v", err, kvboxChains(t))
 	}
+	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
+		t.Fatal(err)
+	}
 	if err := ForgetPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
 		t.Fatal(err)
+	}
+	if n := offline(); n != 0 {
+		t.Errorf("a forgotten box's tap left in the offline set (%d)", n)
 	}
 	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != 0 {
 		t.Errorf("left after the last box: %v, %v", err, kvboxChains(t))
@@ -271,13 +321,13 @@ func TestAllowPortAfterFilterRemoved(t *testing.T) {
 	}
 	ip := netip.MustParseAddr("172.30.60.2")
 	mac := "52:54:00:aa:bb:01"
-	if err := AllowPort(TapName(mac), mac, ip); !errors.Is(err, ErrNoPortFilter) {
+	if err := AllowPort(TapName(mac), mac, ip, false); !errors.Is(err, ErrNoPortFilter) {
 		t.Fatalf("a port with no filter: %v, want ErrNoPortFilter", err)
 	}
 	if _, err := EnsurePortFilter(); err != nil {
 		t.Fatal(err)
 	}
-	if err := AllowPort(TapName(mac), mac, ip); err != nil {
+	if err := AllowPort(TapName(mac), mac, ip, false); err != nil {
 		t.Fatalf("a port once the filter is made again: %v", err)
 	}
 	if err := removePortFilter(); err != nil {

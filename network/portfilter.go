@@ -75,6 +75,23 @@ func portSet(t *nftables.Table) *nftables.Set {
 	return &nftables.Set{Table: t, Name: "ports", KeyType: portKeyType, Concatenation: true}
 }
 
+// offlineSet holds the taps of boxes with no route out of the host
+// (AllowPort's offline): what such a box sends the host, which the host
+// would route beyond the bridge, is dropped on the bridge's local path.
+// Its bridge still forwards what it sends to the boxes of its group.
+func offlineSet(t *nftables.Table) *nftables.Set {
+	return &nftables.Set{Table: t, Name: "offline", KeyType: nftables.TypeIFName}
+}
+
+func offlineKey(tap string) ([]byte, error) {
+	if len(tap) >= unix.IFNAMSIZ {
+		return nil, fmt.Errorf("port filter: device name %q is too long", tap)
+	}
+	k := make([]byte, nftables.TypeIFName.Bytes)
+	copy(k, tap)
+	return k, nil
+}
+
 // The reserved link-local group addresses 01:80:c2:00:00:0X are not
 // forwarded by a Linux bridge: a frame to one of them goes up its port's own
 // stack (the tap's, an interface of the host), past every rule of the
@@ -122,7 +139,7 @@ func portChains(set *nftables.Set) []chainSpec {
 	return []chainSpec{
 		{baseChain(t, "from-boxes", nftables.ChainHookPrerouting, prio), fromBoxRules(set)},
 		{baseChain(t, "to-boxes", nftables.ChainHookPostrouting, prio), toBoxRules()},
-		{baseChain(t, "to-host", nftables.ChainHookInput, prio), toHostRules()},
+		{baseChain(t, "to-host", nftables.ChainHookInput, prio), toHostRules(offlineSet(t))},
 	}
 }
 
@@ -209,16 +226,23 @@ func EnsurePortFilter() (created bool, err error) {
 	case missing["from-boxes"]:
 		// No table: the whole of it, no box in it yet.
 		conn.AddTable(t)
-		if err := conn.AddSet(set, nil); err != nil {
-			return false, fmt.Errorf("port filter: %w", err)
+		for _, st := range []*nftables.Set{set, offlineSet(t)} {
+			if err := conn.AddSet(st, nil); err != nil {
+				return false, fmt.Errorf("port filter: %w", err)
+			}
 		}
 		for _, c := range portChains(set) {
 			addChain(conn, c)
 		}
 		created = true
-	case missing["to-host"]:
+	case missing["to-host"], missing[offlineSetKey]:
 		// An older kvbox's table: its set and the boxes in it stay; its
 		// chains are refilled with this kvbox's rules, in the same batch.
+		if missing[offlineSetKey] {
+			if err := conn.AddSet(offlineSet(t), nil); err != nil {
+				return false, fmt.Errorf("port filter: %w", err)
+			}
+		}
 		for _, c := range portChains(set) {
 			if !missing[c.chain.Name] {
 				conn.FlushChain(c.chain)
@@ -276,8 +300,12 @@ func chainKey(c *nftables.Chain) string {
 	return fmt.Sprintf("%d/%s", c.Table.Family, c.Name)
 }
 
+// offlineSetKey names the offline set among missingChains' chains.
+const offlineSetKey = "set offline"
+
 // missingChains lists, by chainKey, the chains of kvbox's tables that are
-// not in the kernel.
+// not in the kernel, and the offline set (offlineSetKey) when the bridge
+// table is there without it (an older kvbox's).
 func missingChains(conn *nftables.Conn) (map[string]bool, error) {
 	chains, err := conn.ListChains()
 	if err != nil {
@@ -293,6 +321,11 @@ func missingChains(conn *nftables.Conn) (map[string]bool, error) {
 	for _, c := range append(portChains(portSet(filterTable())), tapStackChains()...) {
 		if !have[chainKey(c.chain)] {
 			missing[chainKey(c.chain)] = true
+		}
+	}
+	if !missing["from-boxes"] {
+		if _, err := conn.GetSetByName(filterTable(), offlineSet(filterTable()).Name); err != nil {
+			missing[offlineSetKey] = true
 		}
 	}
 	return missing, nil
@@ -374,9 +407,17 @@ func dropLinkLocal() []expr.Any {
 // toHostRules: what the bridge passes up from a box's port. Frames it
 // forwarded passed the port filter on their way in; a frame to a reserved
 // link-local group address did not, and is dropped here before the bridge
-// hands it up the tap's stack (and learns its source MAC).
-func toHostRules() [][]expr.Any {
-	return [][]expr.Any{otherPorts(expr.MetaKeyIIFNAME), dropLinkLocal()}
+// hands it up the tap's stack (and learns its source MAC). IPv4 of a box
+// with no route out goes no further: the host would route it (the host's
+// own services drop it anyway), and ARP alone reaches nothing.
+func toHostRules(offline *nftables.Set) [][]expr.Any {
+	noRoute := []expr.Any{
+		load(expr.PayloadBaseLLHeader, 12, 2, reg), cmp(expr.CmpOpEq, byte(unix.ETH_P_IP>>8), byte(unix.ETH_P_IP&0xff)),
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: reg},
+		&expr.Lookup{SourceRegister: reg, SetName: offline.Name, SetID: offline.ID},
+		verdict(expr.VerdictDrop),
+	}
+	return [][]expr.Any{otherPorts(expr.MetaKeyIIFNAME), dropLinkLocal(), noRoute}
 }
 
 // toBoxRules: frames to a box: IPv4 and ARP only.
@@ -395,18 +436,19 @@ func toBoxRules() [][]expr.Any {
 var ErrNoPortFilter = errors.New("kvbox's port filter is not there")
 
 // AllowPort lets the box with this tap, MAC and address through its port
-// (and nothing else of it). Adding a port already there changes nothing.
+// (and nothing else of it); offline, nothing it sends is routed beyond its
+// bridge. Adding a port already there changes nothing.
 // Ports are added under the port filter's lock, which removePortFilter
 // holds from its check that no port is left until the tables are gone: a
 // port is added before that check, or finds the tables gone
 // (ErrNoPortFilter), never lost between the two.
-func AllowPort(tap, mac string, ip netip.Addr) error {
+func AllowPort(tap, mac string, ip netip.Addr, offline bool) error {
 	unlock, err := lockNetwork("port-filter")
 	if err != nil {
 		return fmt.Errorf("port filter: %w", err)
 	}
 	defer unlock()
-	err = portElement(tap, mac, ip, true)
+	err = portElement(tap, mac, ip, true, offline)
 	if errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("%w: %w", ErrNoPortFilter, err)
 	}
@@ -415,15 +457,23 @@ func AllowPort(tap, mac string, ip netip.Addr) error {
 
 // ForgetPort takes a box's port out of the filter; one not there is fine.
 func ForgetPort(tap, mac string, ip netip.Addr) error {
-	err := portElement(tap, mac, ip, false)
+	err := portElement(tap, mac, ip, false, false)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		err = nil
+	}
+	// Whether or not it was offline: nothing of its tap stays behind.
+	if oerr := offlineElement(tap); oerr != nil && !errors.Is(oerr, os.ErrNotExist) && err == nil {
+		err = oerr
 	}
 	return err
 }
 
-func portElement(tap, mac string, ip netip.Addr, add bool) error {
+func portElement(tap, mac string, ip netip.Addr, add, offline bool) error {
 	k, err := portKey(tap, mac, ip)
+	if err != nil {
+		return err
+	}
+	ok, err := offlineKey(tap)
 	if err != nil {
 		return err
 	}
@@ -431,18 +481,43 @@ func portElement(tap, mac string, ip netip.Addr, add bool) error {
 	if err != nil {
 		return fmt.Errorf("port filter: %w", err)
 	}
-	set := portSet(filterTable())
+	t := filterTable()
 	el := []nftables.SetElement{{Key: k}}
 	if add {
-		err = conn.SetAddElements(set, el)
+		// One batch: the port never passes without its offline mark.
+		if offline {
+			err = conn.SetAddElements(offlineSet(t), []nftables.SetElement{{Key: ok}})
+		}
+		if err == nil {
+			err = conn.SetAddElements(portSet(t), el)
+		}
 	} else {
-		err = conn.SetDeleteElements(set, el)
+		err = conn.SetDeleteElements(portSet(t), el)
 	}
 	if err == nil {
 		err = conn.Flush()
 	}
 	if err != nil {
 		return fmt.Errorf("port filter: %s %s (%s %s): %w", map[bool]string{true: "add", false: "remove"}[add], tap, mac, ip, err)
+	}
+	return nil
+}
+
+// offlineElement takes a tap out of the offline set.
+func offlineElement(tap string) error {
+	k, err := offlineKey(tap)
+	if err != nil {
+		return err
+	}
+	conn, err := nftables.New()
+	if err != nil {
+		return fmt.Errorf("port filter: %w", err)
+	}
+	if err := conn.SetDeleteElements(offlineSet(filterTable()), []nftables.SetElement{{Key: k}}); err != nil {
+		return fmt.Errorf("port filter: forget %s as offline: %w", tap, err)
+	}
+	if err := conn.Flush(); err != nil {
+		return fmt.Errorf("port filter: forget %s as offline: %w", tap, err)
 	}
 	return nil
 }

@@ -25,7 +25,7 @@ type hookPacket struct {
 // lookup, verdicts.
 type nftVM struct {
 	regs [80]byte
-	set  map[string]bool // the port set's keys
+	set  map[string]bool // the keys of the sets, by set name and key
 }
 
 func regOff(r uint32) int {
@@ -86,7 +86,11 @@ func (vm *nftVM) rule(t *testing.T, p hookPacket, exprs []expr.Any) expr.Verdict
 			}
 		case *expr.Lookup:
 			o := regOff(e.SourceRegister)
-			if !vm.set[string(vm.regs[o:o+int(portKeyType.Bytes)])] {
+			n := map[string]int{"ports": int(portKeyType.Bytes), "offline": int(nftables.TypeIFName.Bytes)}[e.SetName]
+			if n == 0 {
+				t.Fatalf("set %q is not modelled", e.SetName)
+			}
+			if !vm.set[e.SetName+"/"+string(vm.regs[o:o+n])] {
 				return next
 			}
 		case *expr.Verdict:
@@ -162,7 +166,7 @@ func TestPortFilterClosesEveryPath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	set := map[string]bool{string(k): true}
+	set := map[string]bool{"ports/" + string(k): true}
 	gw := netip.MustParseAddr("172.30.0.1")
 	own := ipv4(boxIP, gw, unix.IPPROTO_UDP)
 	bridgeMAC := "fe:54:00:00:00:01"
@@ -237,4 +241,56 @@ func TestPortFilterClosesEveryPath(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A box with no route out (offline): its IPv4 goes nowhere the host would
+// route it, its ARP and what its bridge forwards to a groupmate still
+// pass; a box that is not offline is untouched.
+func TestPortFilterOffline(t *testing.T) {
+	k, err := portKey(boxTap, boxMAC, boxIP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok, err := offlineKey(boxTap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	online := map[string]bool{"ports/" + string(k): true}
+	offline := map[string]bool{"ports/" + string(k): true, "offline/" + string(ok): true}
+	gw, mate := netip.MustParseAddr("172.30.0.1"), netip.MustParseAddr("172.30.0.8")
+	out := frame("fe:54:00:00:00:01", boxMAC, unix.ETH_P_IP, ipv4(boxIP, netip.MustParseAddr("203.0.113.10"), unix.IPPROTO_TCP))
+	toGW := frame("fe:54:00:00:00:01", boxMAC, unix.ETH_P_IP, ipv4(boxIP, gw, unix.IPPROTO_UDP))
+	toMate := frame("52:54:00:ab:cd:0f", boxMAC, unix.ETH_P_IP, ipv4(boxIP, mate, unix.IPPROTO_TCP))
+	arpReq := frame("ff:ff:ff:ff:ff:ff", boxMAC, unix.ETH_P_ARP, arpPayload(boxMAC, boxIP, gw))
+	br := nftables.TableFamilyBridge
+	in, pre := *nftables.ChainHookInput, *nftables.ChainHookPrerouting
+	for _, tc := range []struct {
+		name string
+		hook nftables.ChainHook
+		f    []byte
+		set  map[string]bool
+		want string
+	}{
+		{"offline: IPv4 to be routed out", in, out, offline, "drop"},
+		{"offline: IPv4 to the gateway", in, toGW, offline, "drop"},
+		{"offline: ARP for the gateway", in, arpReq, offline, "accept"},
+		{"offline: IPv4 to a groupmate, forwarded", pre, toMate, offline, "accept"},
+		{"online: IPv4 to be routed out", in, out, online, "accept"},
+		{"online: IPv4 to a groupmate", pre, toMate, online, "accept"},
+	} {
+		if got := verdictAt(t, br, tc.hook, hookPacket{iif: boxTap, frame: tc.f}, tc.set); got != tc.want {
+			t.Errorf("%s: %s, want %s", tc.name, got, tc.want)
+		}
+	}
+}
+
+// arpPayload is an Ethernet/IPv4 ARP request from mac and ip for target.
+func arpPayload(mac string, ip, target netip.Addr) []byte {
+	hw, _ := net.ParseMAC(mac)
+	p := []byte{0, 1, 8, 0, 6, 4, 0, 1}
+	p = append(p, hw...)
+	a, b := ip.As4(), target.As4()
+	p = append(p, a[:]...)
+	p = append(p, make([]byte, 6)...)
+	return append(p, b[:]...)
 }
