@@ -137,7 +137,7 @@ func (h *Host) WaitAgent(ctx context.Context, d *libvirt.Domain, b Box) (*agent.
 // applies the identity as soon as it took the token, while its answers to
 // the HELLO and the token are on their way. It returns the client and the
 // guest's boot_id ("" if the agent does not say); the caller checks that.
-func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, newToken bool) (*agent.Client, string, error) {
+func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, newToken bool, extra ...agent.Call) (*agent.Client, string, error) {
 	tokens, err := readAgentTokens(b.Dir)
 	if err != nil {
 		return nil, "", fmt.Errorf("box %q: %w", b.Name, err)
@@ -152,7 +152,7 @@ func (h *Host) WaitAgentIdentify(ctx context.Context, d *libvirt.Domain, b Box, 
 		if err := silent(c, b); err != nil {
 			return nil, "", true, err
 		}
-		err = h.Reidentify(ctx, c, b, newToken)
+		err = h.Reidentify(ctx, c, b, newToken, extra...)
 		if err == nil {
 			return c, c.BootID, false, nil
 		}
@@ -224,8 +224,8 @@ func (h *Host) Identity(b Box) agent.Identity {
 // copied (a snapshot's, agent.token.snapshot), the box gets a token of its
 // own: written beside the old one first, then put in its place once the
 // agent took it (Dial still finds it if kvbox dies in between). The caller
-// holds the box's lock.
-func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken bool) error {
+// holds the box's lock. Extra calls go in the same round trip (Creation.Extra).
+func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken bool, extra ...agent.Call) error {
 	seed := make([]byte, 64)
 	if _, err := rand.Read(seed); err != nil {
 		return err
@@ -237,7 +237,7 @@ func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken 
 			return err
 		}
 	}
-	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed, token); err != nil {
+	if err := c.Reidentify(ctx, h.Identity(b), time.Now(), seed, token, extra...); err != nil {
 		return fmt.Errorf("box %q: %w", b.Name, err)
 	}
 	if !bytes.Equal(token, c.Token) {

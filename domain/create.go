@@ -32,6 +32,10 @@ type Creation struct {
 	// clone: its snapshot's): another one means the guest booted again
 	// after its memory was restored, and the box is not what was asked.
 	BootID string
+	// Extra are agent calls that go with the identity, in its round trip
+	// (a sandbox's envd configuration: agent.EnvdInitCall); one that fails
+	// fails the creation.
+	Extra []agent.Call
 
 	borrowed bool             // Dom is the caller's to free
 	undefine *revert.Reverter // what define made
@@ -165,7 +169,7 @@ func (c *Creation) checkBoot(bootID string) error {
 }
 
 func (c *Creation) identify(context.Context) error {
-	return c.Host.Reidentify(c.actx, c.Agent, c.Box, c.NewToken)
+	return c.Host.Reidentify(c.actx, c.Agent, c.Box, c.NewToken, c.Extra...)
 }
 
 // AgentIdentify is the agent and identify steps in one round trip, for a
@@ -175,7 +179,7 @@ func (c *Creation) identify(context.Context) error {
 func (c *Creation) AgentIdentify(ctx context.Context) (err error) {
 	c.actx, c.cancel = context.WithTimeout(ctx, c.AgentTimeout)
 	var bootID string
-	c.Agent, bootID, err = c.Host.WaitAgentIdentify(c.actx, c.Dom, c.Box, c.NewToken)
+	c.Agent, bootID, err = c.Host.WaitAgentIdentify(c.actx, c.Dom, c.Box, c.NewToken, c.Extra...)
 	if err == nil {
 		err = c.checkBoot(bootID)
 	}

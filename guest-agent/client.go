@@ -528,7 +528,10 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 	// On a first contact a change of token waits for the HELLO's echo: a
 	// HELLO retried before it (a guest slow to answer, or stuck on a stale
 	// frame) must present the token the agent still has.
-	held := func(call Call) bool { return call.Method == methodSetToken }
+	// So does envd-init: a HELLO retried with the calls makes a slow
+	// guest serve them twice, and two envd-inits at once would race on
+	// the configuration file.
+	held := func(call Call) bool { return call.Method == methodSetToken || call.Method == methodEnvdInit }
 	if c.needsHello() {
 		err := c.hello(ctx, func() ([]byte, error) {
 			clear(ids)
@@ -607,9 +610,10 @@ func (c *Client) SetClock(ctx context.Context, t time.Time) error {
 // client keeps presenting its own until the caller changes it), in one
 // round trip (the requests pipelined). The agent's info (Ping) comes in
 // the same round trip and is kept for the calls that check it (the
-// after-clone hooks ask whether there are any). It says which of them
-// failed; an agent older than tokens takes the rest.
-func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed, token []byte) error {
+// after-clone hooks ask whether there are any). Extra calls (a sandbox's
+// envd-init, EnvdInitCall) go in the same round trip. It says which of
+// them failed; an agent older than tokens takes the rest.
+func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, seed, token []byte, extra ...Call) error {
 	if len(seed) > 4096 {
 		return errors.New("Reidentify: at most 4096 bytes of seed")
 	}
@@ -621,12 +625,13 @@ func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, see
 	if token != nil {
 		calls = append(calls, Call{Method: methodSetToken, Params: authMsg{Token: token}})
 	}
+	calls = append(calls, extra...)
 	errs, err := c.Pipeline(ctx, calls...)
 	if err != nil {
 		return err
 	}
 	whats := map[string]string{methodIdentify: "set the identity", methodSetClock: "set the clock", methodAddEntropy: "seed the RNG",
-		methodPing: "ask the agent who it is", methodSetToken: "give the agent its token"}
+		methodPing: "ask the agent who it is", methodSetToken: "give the agent its token", methodEnvdInit: "configure its envd"}
 	for i, call := range calls {
 		var re *RemoteError
 		switch {
@@ -638,7 +643,11 @@ func (c *Client) Reidentify(ctx context.Context, id Identity, now time.Time, see
 			errs[i] = nil // an agent without auth
 		}
 		if errs[i] != nil {
-			errs[i] = fmt.Errorf("%s: %w", whats[call.Method], errs[i])
+			what := whats[call.Method]
+			if what == "" {
+				what = call.Method
+			}
+			errs[i] = fmt.Errorf("%s: %w", what, errs[i])
 		}
 	}
 	return errors.Join(errs...)

@@ -2,6 +2,8 @@ package agent
 
 import (
 	"bufio"
+	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,7 +14,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"kvbox.dev/kvbox/guest-agent/envd"
 )
@@ -165,5 +169,66 @@ func TestEnvdInitPortTaken(t *testing.T) {
 	}
 	if s.envdServer().Config().AccessToken != "x" {
 		t.Error("the configuration was not applied")
+	}
+}
+
+// recordReads keeps every byte read from a connection.
+type recordReads struct {
+	net.Conn
+	mu  sync.Mutex
+	got []byte
+}
+
+func (r *recordReads) Read(b []byte) (int, error) {
+	n, err := r.Conn.Read(b)
+	r.mu.Lock()
+	r.got = append(r.got, b[:n]...)
+	r.mu.Unlock()
+	return n, err
+}
+
+// requests counts the requests of each method in what r read.
+func (r *recordReads) requests(t *testing.T) map[string]int {
+	t.Helper()
+	r.mu.Lock()
+	d := newDecoder(bytes.NewReader(append([]byte(nil), r.got...)))
+	r.mu.Unlock()
+	n := map[string]int{}
+	for {
+		f, err := d.next()
+		if err != nil {
+			return n
+		}
+		var req request
+		if f.Type == frameRequest && json.Unmarshal(f.Payload, &req) == nil {
+			n[req.Method]++
+		}
+	}
+}
+
+// A clone's envd-init goes in its identify round trip, and reaches the
+// agent once even when the guest is slower than the HELLO's retry (which
+// writes the pipelined calls again: two envd-inits at once raced on the
+// configuration file, and one failed the clone).
+func TestEnvdInitInSlowFirstContact(t *testing.T) {
+	s := envdTestServer(t, t.TempDir())
+	hc, gc := socketpair(t)
+	rec := &recordReads{Conn: gc}
+	go s.serveConn(context.Background(), &slowStart{Conn: rec, delay: 1300 * time.Millisecond}, true)
+	c := NewClient(hc)
+	defer c.Close()
+	cfg := envd.Config{AccessToken: "tok", SandboxID: "sbx1"}
+	if err := c.Reidentify(tctx(t), Identity{Hostname: "c1"}, time.Now(), nil, nil, EnvdInitCall(cfg)); err != nil {
+		t.Fatalf("a slow first contact with envd-init: %v", err)
+	}
+	if got := s.envdServer().Config(); got.AccessToken != "tok" || got.SandboxID != "sbx1" {
+		t.Errorf("envd's configuration after the first contact: %+v", got)
+	}
+	n := rec.requests(t)
+	if n[methodIdentify] < 2 {
+		t.Fatalf("the HELLO was not retried (identify sent %d times): the guest was not slow enough for this test", n[methodIdentify])
+	}
+	if n[methodEnvdInit] != 1 {
+		t.Errorf("envd-init reached the agent %d times", n[methodEnvdInit])
 	}
 }
