@@ -2,13 +2,17 @@ package snapshot
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/guest-agent/envd"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/revert"
@@ -41,6 +45,19 @@ type CloneOptions struct {
 	// agent.DefaultHooksDeadline): a clone whose hooks have not ended by
 	// then fails and is removed, as one whose hook failed.
 	HooksDeadline time.Duration
+
+	// Expires is the clone's deadline, in its metadata from its
+	// definition on (the caller starts its reaper once it runs).
+	Expires *time.Time
+	// Labels are kept in the clone's metadata (domain.Meta.Labels).
+	Labels []domain.Label
+	// NoInternet gives the clone no route out of the host
+	// (domain.Meta.NoInternet), from its first frame.
+	NoInternet bool
+	// Envd, when set, configures the envd of the clone's agent (a
+	// sandbox's access token, variables, ids) in the clone's identify
+	// round trip: the clone is up only once its envd serves that sandbox.
+	Envd *envd.Config
 }
 
 // CloneWith is Clone with o's bounds.
@@ -58,9 +75,26 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 	}
 	// The clone's agent has its snapshot's token until identify gives it
 	// one of its own.
-	cl := &cloning{snap: snap, srcXML: string(srcXML), hooksDeadline: o.HooksDeadline,
+	for _, l := range o.Labels {
+		if err := domain.ValidLabel(l.Key, l.Value); err != nil {
+			return domain.Box{}, nil, err
+		}
+	}
+	cl := &cloning{snap: snap, srcXML: string(srcXML), hooksDeadline: o.HooksDeadline, opts: o,
 		c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
-	return cl.c.Run(ctx, cl.plan())
+	if o.Envd != nil {
+		if err := o.Envd.Validate(); err != nil {
+			return domain.Box{}, nil, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+		}
+		cl.c.Extra = []agent.Call{agent.EnvdInitCall(*o.Envd)}
+	}
+	b, tm, err := cl.c.Run(ctx, cl.plan())
+	var re *agent.RemoteError
+	if o.Envd != nil && errors.As(err, &re) && strings.Contains(re.Message, "unknown method") {
+		err = fmt.Errorf("snapshot %q: its agent has no envd (the feature %q: it was made from an image with an older kvbox-agent; build the image and the snapshot again with this kvbox): %w (%v)",
+			snap.Name, agent.FeatureEnvd, domain.ErrInvalid, err)
+	}
+	return b, tm, err
 }
 
 // cloning is one clone being made.
@@ -72,6 +106,7 @@ type cloning struct {
 	net    network.Config      // the network it is on: the main one or its group's
 
 	hooksDeadline time.Duration // CloneOptions.HooksDeadline
+	opts          CloneOptions
 }
 
 func (cl *cloning) plan() step.Plan {
@@ -139,9 +174,14 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
 		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: src.Group, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
+		Labels: cl.opts.Labels, NoInternet: cl.opts.NoInternet,
+	}
+	if at := cl.opts.Expires; at != nil {
+		t := at.UTC().Truncate(time.Second)
+		meta.Expires = &t
 	}
 	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
-		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge, meta.Group = "", 0, "", "", "", ""
+		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge, meta.Group, meta.NoInternet = "", 0, "", "", "", "", false
 	}
 	cl.spec = vmstate.RestoreSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
