@@ -1,0 +1,355 @@
+package serve
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeHost is a Host in memory: boxes are records, and each box answers
+// streams with an HTTP server that records what reached it.
+type fakeHost struct {
+	mu        sync.Mutex
+	boxes     map[string]*fakeBox
+	snaps     map[string]Snapshot
+	failClone map[string]error // by snapshot name
+	clones    int
+	calls     []string
+	disk      int64 // of the next clones (0: 8 GiB)
+	failNth   int   // the clone of this number fails
+}
+
+type fakeBox struct {
+	Box
+	seen        []seenReq // requests that reached the box, any target
+	openPorts   map[string]bool
+	resumeCalls int
+	conns       []net.Conn // its streams, which end with its QEMU
+}
+
+// seenReq is a request as it reached a box.
+type seenReq struct {
+	Target, Method, Path string
+	Header               http.Header
+}
+
+func newFakeHost() *fakeHost {
+	return &fakeHost{boxes: map[string]*fakeBox{}, snaps: map[string]Snapshot{
+		"warm": {Name: "warm", Box: "dev", Created: time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)},
+	}, failClone: map[string]error{}}
+}
+
+func (h *fakeHost) record(format string, a ...any) {
+	h.calls = append(h.calls, fmt.Sprintf(format, a...))
+}
+
+func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("clone %s %s", req.Snapshot, req.Name)
+	if err := h.failClone[req.Snapshot]; err != nil {
+		return Box{}, err
+	}
+	if _, ok := h.snaps[req.Snapshot]; !ok {
+		return Box{}, fmt.Errorf("snapshot %q does not exist: %w", req.Snapshot, ErrNotFound)
+	}
+	if _, ok := h.boxes[req.Name]; ok {
+		return Box{}, fmt.Errorf("box %s: %w", req.Name, ErrExists)
+	}
+	if req.Envd == nil || req.Envd.AccessToken == "" || req.Envd.SandboxID != req.Name {
+		return Box{}, fmt.Errorf("clone without an envd configuration: %+v", req.Envd)
+	}
+	h.clones++
+	if h.clones == h.failNth {
+		return Box{}, fmt.Errorf("clone %s: the agent did not answer", req.Name)
+	}
+	if req.Expires != nil {
+		t := req.Expires.UTC().Truncate(time.Second)
+		req.Expires = &t
+	}
+	b := &fakeBox{Box: Box{Name: req.Name, UUID: fmt.Sprintf("uuid-%d", h.clones), State: Running, Snapshot: req.Snapshot,
+		Created: time.Date(2026, 12, 5, 12, 0, h.clones, 0, time.UTC), Expires: req.Expires, CPUs: 2,
+		MemoryBytes: 4 << 30, DiskBytes: cmp.Or(h.disk, 8<<30), Labels: req.Labels, NoInternet: req.NoInternet},
+		openPorts: map[string]bool{"envd": true, "127.0.0.1:8000": true}}
+	h.boxes[req.Name] = b
+	return b.Box, nil
+}
+
+func (h *fakeHost) get(name string) (*fakeBox, error) {
+	b := h.boxes[name]
+	if b == nil {
+		return nil, fmt.Errorf("box %q does not exist: %w", name, ErrNotFound)
+	}
+	return b, nil
+}
+
+func (h *fakeHost) Remove(ctx context.Context, name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("remove %s", name)
+	if _, err := h.get(name); err != nil {
+		return err
+	}
+	delete(h.boxes, name)
+	return nil
+}
+
+func (h *fakeHost) Suspend(ctx context.Context, name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("suspend %s", name)
+	b, err := h.get(name)
+	if err != nil {
+		return err
+	}
+	if b.State != Running {
+		return fmt.Errorf("box %s is %s: %w", name, b.State, ErrBusy)
+	}
+	b.State = Suspended
+	for _, c := range b.conns {
+		c.Close()
+	}
+	b.conns = nil
+	return nil
+}
+
+func (h *fakeHost) Resume(ctx context.Context, name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("resume %s", name)
+	b, err := h.get(name)
+	if err != nil {
+		return err
+	}
+	if b.State != Suspended {
+		return fmt.Errorf("box %s is %s: %w", name, b.State, ErrBusy)
+	}
+	b.State = Running
+	b.resumeCalls++
+	return nil
+}
+
+func (h *fakeHost) SetExpires(ctx context.Context, name string, at *time.Time) (Box, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("expires %s %v", name, at != nil)
+	b, err := h.get(name)
+	if err != nil {
+		return Box{}, err
+	}
+	if at != nil {
+		t := at.UTC().Truncate(time.Second)
+		at = &t
+	}
+	b.Expires = at
+	return b.Box, nil
+}
+
+func (h *fakeHost) Boxes(ctx context.Context) ([]Box, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []Box
+	for _, b := range h.boxes {
+		out = append(out, b.Box)
+	}
+	return out, nil
+}
+
+func (h *fakeHost) Box(ctx context.Context, name string) (Box, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	b, err := h.get(name)
+	if err != nil {
+		return Box{}, err
+	}
+	return b.Box, nil
+}
+
+func (h *fakeHost) Snapshot(ctx context.Context, box, name string, expires *time.Time) (Snapshot, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("snapshot %s %s", box, name)
+	if _, err := h.get(box); err != nil {
+		return Snapshot{}, err
+	}
+	if _, ok := h.snaps[name]; ok {
+		return Snapshot{}, fmt.Errorf("snapshot %q: %w", name, ErrExists)
+	}
+	sn := Snapshot{Name: name, Box: box, Created: time.Date(2026, 12, 5, 13, 0, len(h.snaps), 0, time.UTC), Expires: expires}
+	h.snaps[name] = sn
+	return sn, nil
+}
+
+func (h *fakeHost) Snapshots(ctx context.Context) ([]Snapshot, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []Snapshot
+	for _, s := range h.snaps {
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+func (h *fakeHost) RemoveSnapshot(ctx context.Context, name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.snaps[name]; !ok {
+		return fmt.Errorf("snapshot %q: %w", name, ErrNotFound)
+	}
+	for _, b := range h.boxes {
+		if b.Snapshot == name {
+			return fmt.Errorf("snapshot %q has clones: %w", name, ErrBusy)
+		}
+	}
+	delete(h.snaps, name)
+	return nil
+}
+
+// Dial serves the stream with an HTTP server of the box's, which records
+// each request and answers with its target.
+func (h *fakeHost) Dial(ctx context.Context, name, target string) (net.Conn, error) {
+	h.mu.Lock()
+	b, err := h.get(name)
+	if err == nil && b.State != Running {
+		err = fmt.Errorf("box %s is %s: %w", name, b.State, ErrBusy)
+	}
+	if err == nil && !b.openPorts[target] {
+		err = fmt.Errorf("dial %s: connection refused", target)
+	}
+	h.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	c1, c2 := net.Pipe()
+	h.mu.Lock()
+	b.conns = append(b.conns, c2)
+	h.mu.Unlock()
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		h.mu.Lock()
+		b.seen = append(b.seen, seenReq{Target: target, Method: r.Method, Path: r.URL.Path, Header: r.Header.Clone()})
+		h.mu.Unlock()
+		w.Header().Set("X-Box", name)
+		fmt.Fprintf(w, "%s %s %s", name, target, r.URL.Path)
+	}), ErrorLog: log.New(io.Discard, "", 0)}
+	go srv.Serve(&oneConn{c: c2})
+	return c1, nil
+}
+
+// oneConn is a listener of one connection.
+type oneConn struct {
+	mu   sync.Mutex
+	c    net.Conn
+	done chan struct{}
+}
+
+func (l *oneConn) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	c := l.c
+	l.c = nil
+	if l.done == nil {
+		l.done = make(chan struct{})
+	}
+	done := l.done
+	l.mu.Unlock()
+	if c != nil {
+		return c, nil
+	}
+	<-done
+	return nil, net.ErrClosed
+}
+
+func (l *oneConn) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done == nil {
+		l.done = make(chan struct{})
+	}
+	select {
+	case <-l.done:
+	default:
+		close(l.done)
+	}
+	return nil
+}
+
+func (l *oneConn) Addr() net.Addr { return &net.UnixAddr{Name: "box", Net: "unix"} }
+
+// stop stops a box as its QEMU ending would: its streams end.
+func (h *fakeHost) stop(name string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	b := h.boxes[name]
+	b.State = Stopped
+	for _, c := range b.conns {
+		c.Close()
+	}
+	b.conns = nil
+}
+
+// seen is what reached box name.
+func (h *fakeHost) seen(name string) []seenReq {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if b := h.boxes[name]; b != nil {
+		return append([]seenReq(nil), b.seen...)
+	}
+	return nil
+}
+
+const testKey = "e2b_0123456789abcdef0123456789abcdef01234567"
+const testDomain = "kvbox.localhost:3049"
+
+// newTestServer is a Server over a fake host, and its listener.
+func newTestServer(t *testing.T, h *fakeHost, dir string) (*Server, *httptest.Server) {
+	t.Helper()
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	s, err := New(context.Background(), Config{Host: h, APIKey: testKey, Domain: testDomain, SecretsDir: dir, Log: log.New(io.Discard, "", 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(s)
+	t.Cleanup(func() { ts.Close(); s.Close() })
+	return s, ts
+}
+
+// call makes a request to ts with the API key and headers (name: value),
+// and returns the status and body.
+func call(t *testing.T, ts *httptest.Server, method, path, body string, headers ...string) (int, string, http.Header) {
+	t.Helper()
+	req, err := http.NewRequest(method, ts.URL+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-API-Key", testKey)
+	for _, h := range headers {
+		k, v, _ := strings.Cut(h, ": ")
+		if k == "Host" {
+			req.Host = v
+			continue
+		}
+		if v == "" {
+			req.Header.Del(k)
+			continue
+		}
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), resp.Header
+}
