@@ -185,6 +185,7 @@ and disk) while it runs on, and cloned warm from it.`,
 		a.newCmdPortForward(), a.newCmdSSHProxy(), a.newCmdSSHConfig())
 	root.AddCommand(a.newCmdCp())
 	root.AddCommand(a.newCmdTTL(), a.newCmdReap(), a.newCmdSuspend(), a.newCmdResume())
+	root.AddCommand(a.newCmdServe())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would

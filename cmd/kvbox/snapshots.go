@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"time"
@@ -182,16 +183,29 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 				}
 			}
 			for _, s := range snaps {
-				if err := snapshot.Remove(h, a.snapshots(), s.Name); err != nil {
+				if err := a.removeSnapshot(c.Context(), h, s.Name); err != nil {
 					return err
 				}
-				h.StopReaper(domain.ReapSnapshot, s.Name)
 				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", s.Name)
-				a.pruneImageVersion(c.Context(), h, s.BaseDisk)
 			}
 			return nil
 		},
 	}
+}
+
+// removeSnapshot removes a snapshot no box is cloned from, stops its
+// reaper, and prunes the image version it was the last user of.
+func (a *app) removeSnapshot(ctx context.Context, h *domain.Host, name string) error {
+	s, err := a.snapshots().Get(name)
+	if err != nil {
+		return err
+	}
+	if err := snapshot.Remove(h, a.snapshots(), name); err != nil {
+		return err
+	}
+	h.StopReaper(domain.ReapSnapshot, name)
+	a.pruneImageVersion(ctx, h, s.BaseDisk)
+	return nil
 }
 
 // copyProgressLine is the status line of a memory copy in progress.
