@@ -38,6 +38,9 @@ type Meta struct {
 	// Suspended is set while the box is suspended (kvbox suspend): its
 	// memory and device state wait on disk for kvbox resume.
 	Suspended *Suspended `xml:"suspended,omitempty" json:"suspended,omitempty"`
+	// OnExpiry is what the box's deadline does: "" removes the box,
+	// ExpirySuspend suspends it (and takes the deadline away).
+	OnExpiry string `xml:"on-expiry,omitempty" json:"on_expiry,omitempty"`
 	// NoInternet: the box has no route out of the host (its port filter
 	// drops what it sends the host to route); boxes of its group still
 	// reach it.
@@ -48,6 +51,9 @@ type Meta struct {
 	// user, read-only): never a secret.
 	Labels []Label `xml:"labels>label,omitempty" json:"labels,omitempty"`
 }
+
+// ExpirySuspend is Meta.OnExpiry of a box its deadline suspends.
+const ExpirySuspend = "suspend"
 
 // Label is one key and value of Meta.Labels.
 type Label struct {

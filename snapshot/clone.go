@@ -49,6 +49,8 @@ type CloneOptions struct {
 	// Expires is the clone's deadline, in its metadata from its
 	// definition on (the caller starts its reaper once it runs).
 	Expires *time.Time
+	// OnExpiry is what the deadline does (domain.Meta.OnExpiry).
+	OnExpiry string
 	// Labels are kept in the clone's metadata (domain.Meta.Labels).
 	Labels []domain.Label
 	// NoInternet gives the clone no route out of the host
@@ -84,7 +86,7 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 		c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
 	if o.Envd != nil {
 		if err := o.Envd.Validate(); err != nil {
-			return domain.Box{}, nil, fmt.Errorf("%w: %v", domain.ErrInvalid, err)
+			return domain.Box{}, nil, fmt.Errorf("%w: %v", base.ErrInvalid, err)
 		}
 		cl.c.Extra = []agent.Call{agent.EnvdInitCall(*o.Envd)}
 	}
@@ -92,7 +94,7 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 	var re *agent.RemoteError
 	if o.Envd != nil && errors.As(err, &re) && strings.Contains(re.Message, "unknown method") {
 		err = fmt.Errorf("snapshot %q: its agent has no envd (the feature %q: it was made from an image with an older kvbox-agent; build the image and the snapshot again with this kvbox): %w (%v)",
-			snap.Name, agent.FeatureEnvd, domain.ErrInvalid, err)
+			snap.Name, agent.FeatureEnvd, base.ErrInvalid, err)
 	}
 	return b, tm, err
 }
@@ -174,7 +176,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
 		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: src.Group, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
-		Labels: cl.opts.Labels, NoInternet: cl.opts.NoInternet,
+		Labels: cl.opts.Labels, NoInternet: cl.opts.NoInternet, OnExpiry: cl.opts.OnExpiry,
 	}
 	if at := cl.opts.Expires; at != nil {
 		t := at.UTC().Truncate(time.Second)

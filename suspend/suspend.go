@@ -37,16 +37,37 @@ func suspendedRAMDir(b domain.Box) string {
 // suspending.plan); on a failure before QEMU is gone, the box runs on as it
 // was.
 func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, error) {
+	return SuspendWith(ctx, h, name, SuspendOptions{})
+}
+
+// SuspendOptions are what a suspend checks and changes besides.
+type SuspendOptions struct {
+	// Check, when set, is run on the box under its lock before anything
+	// is done: an error refuses the suspend (a TTL's suspend checks the
+	// box is the one whose deadline passed: domain.DueBox).
+	Check func(domain.Box) error
+	// ClearExpires takes the box's deadline away with the suspend (a TTL
+	// that suspends: the box then waits, suspended, until resumed).
+	ClearExpires bool
+}
+
+// SuspendWith is Suspend with o.
+func SuspendWith(ctx context.Context, h *domain.Host, name string, o SuspendOptions) (SuspendResult, error) {
 	t0 := time.Now()
 	box, dom, release, err := h.LockedLookup(name)
 	if err != nil {
 		return SuspendResult{}, err
 	}
 	defer release()
+	if o.Check != nil {
+		if err := o.Check(box); err != nil {
+			return SuspendResult{}, err
+		}
+	}
 	if box.State != domain.StateRunning {
 		return SuspendResult{}, base.Errorf(base.Busy, "box %q is %s; kvbox suspends a running box", name, box.State)
 	}
-	s := &suspending{h: h, box: box, dom: dom, stateName: fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())}
+	s := &suspending{h: h, box: box, dom: dom, clearExpires: o.ClearExpires, stateName: fmt.Sprintf("suspend-%d.state", time.Now().UnixNano())}
 	s.save = &vmstate.Save{QMP: h.QMP(dom, name), Dom: dom, Box: name, Path: filepath.Join(box.Dir, s.stateName), Under: box.Dir}
 	if err := s.readDefinitions(); err != nil {
 		return SuspendResult{}, err
@@ -76,6 +97,7 @@ type suspending struct {
 	stateName    string        // the state file, in the box's folder
 	save         *vmstate.Save // the memory's copy into it
 	pause        time.Duration
+	clearExpires bool // SuspendOptions.ClearExpires
 }
 
 // plan lists a suspend's steps: the RAM is copied live into a mapped-ram
@@ -196,6 +218,9 @@ func (s *suspending) defineSuspended(context.Context) error {
 		return fmt.Errorf("define suspended box %q: %w", s.box.Name, err)
 	}
 	meta := s.box.Meta
+	if s.clearExpires {
+		meta.Expires = nil
+	}
 	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: true, PauseMillis: s.pause.Milliseconds()}
 	if err := domain.WriteMeta(s.dom, meta, false); err != nil {
 		s.defineBoot()

@@ -259,6 +259,17 @@ func (a *app) sweepExpired(h *domain.Host) {
 		if b.Expires == nil || filepath.Dir(b.Dir) != h.Layout().Boxes() {
 			continue
 		}
+		if !time.Now().Before(*b.Expires) && b.OnExpiry == domain.ExpirySuspend {
+			if b.State != "running" {
+				continue // its reaper, or kvbox resume, deals with it
+			}
+			if err := a.suspendDue(ctx, h, b.Name, b.UUID); err == nil {
+				fmt.Fprintf(a.io.Err, "kvbox: suspended box %s, whose TTL ended at %s\n", b.Name, b.Expires.Format(time.RFC3339))
+			} else if !errors.Is(err, domain.ErrNotFound) && !errors.Is(err, domain.ErrNotDue) {
+				fmt.Fprintf(a.io.Err, "kvbox: warning: suspending expired box %s: %v\n", b.Name, err)
+			}
+			continue
+		}
 		if !time.Now().Before(*b.Expires) {
 			step.KillPoint("sweep-expired-box")
 			// By identity: a box removed meanwhile may have a successor
@@ -408,6 +419,21 @@ func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, l
 		}
 		return nil
 	}
+	if b, err := h.Get(name); err == nil && b.OnExpiry == domain.ExpirySuspend {
+		err := a.suspendDue(ctx, h, name, id)
+		switch {
+		case errors.Is(err, domain.ErrNotFound):
+			logf("nothing to do (gone)")
+		case errors.Is(err, domain.ErrNotDue):
+			logf("nothing suspended: %v", err)
+		case err != nil:
+			logf("suspending the expired box: %v", err)
+			return err
+		default:
+			logf("suspended: its TTL ended (it has no deadline while suspended)")
+		}
+		return nil
+	}
 	err := a.removeBoxIf(ctx, h, name, true, domain.DueBox(id))
 	switch {
 	case errors.Is(err, base.ErrNotFound):
@@ -421,6 +447,14 @@ func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, l
 		logf("removed: its TTL ended")
 	}
 	return nil
+}
+
+// suspendDue suspends a box whose deadline suspends it (OnExpiry), if
+// under its lock it is still the box with UUID uuid and its deadline has
+// passed, and takes the deadline away.
+func (a *app) suspendDue(ctx context.Context, h *domain.Host, name, uuid string) error {
+	_, err := snapshot.SuspendWith(ctx, h, name, snapshot.SuspendOptions{Check: domain.DueBox(uuid), ClearExpires: true})
+	return err
 }
 
 // reconnect replaces a broken libvirt connection (libvirtd restarted).
