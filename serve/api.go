@@ -225,9 +225,10 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request) {
 	if n := req.Network; n != nil && n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
 		rec.TrafficToken = newToken()
 	}
-	noInternet := req.AllowInternetAccess != nil && !*req.AllowInternetAccess
+	how := startHow{noInternet: req.AllowInternetAccess != nil && !*req.AllowInternetAccess,
+		pauseAtTimeout: req.AutoPause != nil && *req.AutoPause}
 	t0 := time.Now()
-	b, err := s.start(r.Context(), snap, labels, rec, timeout, noInternet)
+	b, err := s.start(r.Context(), snap, labels, rec, timeout, how)
 	if errors.Is(err, ErrNotFound) {
 		err = errorf(http.StatusNotFound, "template %q not found: a template is a kvbox snapshot (kvbox snapshots ls lists them; kvbox snapshots new BOX NAME makes one)", req.TemplateID)
 	}
@@ -243,8 +244,6 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request) {
 // serve cannot give: better refused than quietly not done.
 func refuseUnsupported(req newSandboxJSON) error {
 	switch {
-	case req.AutoPause != nil && *req.AutoPause:
-		return errorf(http.StatusBadRequest, "lifecycle onTimeout 'pause' (autoPause): kvbox serve removes a sandbox at its timeout; pause it yourself (sandbox.pause) before then")
 	case len(req.VolumeMounts) > 0:
 		return errorf(http.StatusBadRequest, "volumeMounts: kvbox serve has no volumes")
 	case len(req.MCP) > 0 && string(req.MCP) != "null":
@@ -260,11 +259,18 @@ func refuseUnsupported(req newSandboxJSON) error {
 	return nil
 }
 
+// startHow is what a sandbox is started with besides its template,
+// labels, secrets and timeout.
+type startHow struct {
+	noInternet     bool // allow_internet_access false
+	pauseAtTimeout bool // lifecycle onTimeout pause (autoPause)
+}
+
 // start clones a sandbox: its secrets kept first (a serve that dies
 // meanwhile leaves a record without a box, which the next prune takes),
 // then the clone with its envd configured in the same round trip as its
 // identity.
-func (s *Server) start(ctx context.Context, snap string, labels map[string]string, rec record, timeout time.Duration, noInternet bool) (Box, error) {
+func (s *Server) start(ctx context.Context, snap string, labels map[string]string, rec record, timeout time.Duration, how startHow) (Box, error) {
 	unlock := s.opLock(rec.ID)
 	defer unlock()
 	if err := s.secrets.put(rec); err != nil {
@@ -279,7 +285,8 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 	defer func() { <-s.clones }()
 	at := time.Now().Add(timeout)
 	cfg := &envd.Config{AccessToken: rec.AccessToken, EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
-	b, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg, NoInternet: noInternet})
+	b, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
+		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout})
 	if err != nil {
 		s.secrets.del(rec.ID)
 		return Box{}, err
@@ -769,7 +776,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 			if rec.TrafficToken != "" {
 				fr.TrafficToken = newToken()
 			}
-			fb, err := s.start(r.Context(), snap, labels, fr, d, b.NoInternet)
+			fb, err := s.start(r.Context(), snap, labels, fr, d, startHow{noInternet: b.NoInternet})
 			if err != nil {
 				status := http.StatusInternalServerError
 				if errors.Is(err, ErrBusy) || errors.Is(err, ErrExists) {

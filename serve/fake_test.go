@@ -78,7 +78,8 @@ func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
 	}
 	b := &fakeBox{Box: Box{Name: req.Name, UUID: fmt.Sprintf("uuid-%d", h.clones), State: Running, Snapshot: req.Snapshot,
 		Created: time.Date(2026, 12, 5, 12, 0, h.clones, 0, time.UTC), Expires: req.Expires, CPUs: 2,
-		MemoryBytes: 4 << 30, DiskBytes: cmp.Or(h.disk, 8<<30), Labels: req.Labels, NoInternet: req.NoInternet},
+		MemoryBytes: 4 << 30, DiskBytes: cmp.Or(h.disk, 8<<30), Labels: req.Labels, NoInternet: req.NoInternet,
+		SuspendAtExpiry: req.SuspendAtExpiry},
 		openPorts: map[string]bool{"envd": true, "127.0.0.1:8000": true}}
 	h.boxes[req.Name] = b
 	return b.Box, nil

@@ -49,6 +49,9 @@ type CloneRequest struct {
 	Labels         map[string]string
 	Envd           *envd.Config
 	NoInternet     bool
+	// SuspendAtExpiry: the deadline suspends the box (and takes itself
+	// away) instead of removing it.
+	SuspendAtExpiry bool
 }
 
 // State is a box's state as serve tells them apart.
@@ -76,6 +79,8 @@ type Box struct {
 	DiskBytes   int64
 	Labels      map[string]string
 	NoInternet  bool
+	// SuspendAtExpiry: CloneRequest's.
+	SuspendAtExpiry bool
 }
 
 // Snapshot is a kvbox snapshot: an E2B template.

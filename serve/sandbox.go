@@ -92,7 +92,15 @@ func listedOf(b Box) listedJSON {
 func (s *Server) detailOf(b Box, rec record) detailJSON {
 	return detailJSON{listedJSON: listedOf(b), EnvdAccessToken: rec.AccessToken, Domain: s.cfg.Domain,
 		AllowInternetAccess: !b.NoInternet,
-		Lifecycle:           lifecycleJSON{AutoResume: b.Labels[labelAutoResume] == "true", OnTimeout: "kill"}}
+		Lifecycle:           lifecycleJSON{AutoResume: b.Labels[labelAutoResume] == "true", OnTimeout: onTimeout(b)}}
+}
+
+// onTimeout is what the sandbox's timeout does, in E2B's words.
+func onTimeout(b Box) string {
+	if b.SuspendAtExpiry {
+		return "pause"
+	}
+	return "kill"
 }
 
 // errGone is a sandbox serve cannot serve: no box of that id, a box that is
@@ -120,12 +128,15 @@ func (s *Server) lookup(ctx context.Context, id string) (Box, error) {
 	return b, nil
 }
 
-// cached is the sandbox's box as last seen, or read now.
+// cached is the sandbox's box as last seen, or read now. A sandbox that
+// resumes itself is read each time: its timeout may have paused it (its
+// reaper, behind serve's back), and a request must then resume it rather
+// than find its streams gone.
 func (s *Server) cached(ctx context.Context, id string) (Box, error) {
 	s.mu.Lock()
 	e := s.boxes[id]
 	s.mu.Unlock()
-	if e != nil && e.box.State == Running {
+	if e != nil && e.box.State == Running && e.box.Labels[labelAutoResume] != "true" {
 		return e.box, nil
 	}
 	return s.lookup(ctx, id)

@@ -206,7 +206,6 @@ func TestErrorShapes(t *testing.T) {
 		{"negative timeout", "POST", "/sandboxes", `{"templateID":"warm","timeout":-1}`, nil, 400},
 		{"bad variable", "POST", "/sandboxes", `{"templateID":"warm","envVars":{"A=B":"x"}}`, nil, 400},
 		{"control characters in metadata", "POST", "/sandboxes", `{"templateID":"warm","metadata":{"k":"a\u0001"}}`, nil, 400},
-		{"pause on timeout", "POST", "/sandboxes", `{"templateID":"warm","autoPause":true}`, nil, 400},
 		{"egress rules", "POST", "/sandboxes", `{"templateID":"warm","network":{"allowOut":["1.1.1.1"]}}`, nil, 400},
 		{"a clone that fails", "POST", "/sandboxes", `{"templateID":"broken"}`, nil, 500},
 		{"oversized body", "POST", "/sandboxes", `{"templateID":"warm","metadata":{"k":"` + strings.Repeat("x", maxBody) + `"}}`, nil, 413},
@@ -736,5 +735,45 @@ func TestTrafficToken(t *testing.T) {
 	b := create(t, ts, `{"templateID":"warm"}`)
 	if s, body, _ := call(t, ts, "GET", "/", "", "Host: 8000-"+b.ID+"."+testDomain, "X-API-Key: "); s != 200 {
 		t.Errorf("a public port: %d %s", s, body)
+	}
+}
+
+// lifecycle onTimeout pause: the box's deadline suspends it (the host's
+// reapers do, serve or not); with autoResume, a request for the paused
+// sandbox resumes it, with its timeout again, and goes through.
+func TestAutoPauseAndResume(t *testing.T) {
+	h := newFakeHost()
+	_, ts := newTestServer(t, h, "")
+	a := create(t, ts, `{"templateID":"warm","timeout":120,"autoPause":true,"autoResume":{"enabled":true}}`)
+	b := create(t, ts, `{"templateID":"warm","autoPause":true}`)
+	for _, id := range []string{a.ID, b.ID} {
+		if bx, _ := h.Box(context.Background(), id); !bx.SuspendAtExpiry {
+			t.Errorf("sandbox %s: its box's deadline does not suspend it", id)
+		}
+	}
+	_, body, _ := call(t, ts, "GET", "/sandboxes/"+a.ID, "")
+	if !strings.Contains(body, `"lifecycle":{"autoResume":true,"onTimeout":"pause"}`) {
+		t.Errorf("a's lifecycle: %s", body)
+	}
+	// Their deadlines pass: the host suspends them and takes the deadline
+	// away.
+	for _, id := range []string{a.ID, b.ID} {
+		h.Suspend(context.Background(), id)
+		h.SetExpires(context.Background(), id, nil)
+	}
+	s, body, _ := call(t, ts, "GET", "/envs", "", "E2b-Sandbox-Id: "+b.ID, "X-Access-Token: "+b.Token)
+	errorShape(t, "a paused sandbox without autoResume", s, body, 409)
+	if s, body, _ := call(t, ts, "GET", "/envs", "", "E2b-Sandbox-Id: "+a.ID, "X-Access-Token: "+a.Token); s != 200 {
+		t.Fatalf("a request for a paused autoResume sandbox: %d %s", s, body)
+	}
+	if d := deadline(t, h, a.ID); d != 2*time.Minute {
+		t.Errorf("an auto-resumed sandbox's deadline: %s, want its timeout", d)
+	}
+	// A wrong token resumes nothing.
+	h.Suspend(context.Background(), a.ID)
+	s, body, _ = call(t, ts, "GET", "/envs", "", "E2b-Sandbox-Id: "+a.ID, "X-Access-Token: wrong")
+	errorShape(t, "a wrong token for a paused autoResume sandbox", s, body, 401)
+	if bx, _ := h.Box(context.Background(), a.ID); bx.State != Suspended {
+		t.Errorf("a request with a wrong token resumed the sandbox")
 	}
 }

@@ -76,7 +76,8 @@ func serveBox(b domain.Box) serve.Box {
 		st = serve.Suspended
 	}
 	return serve.Box{Name: b.Name, UUID: b.UUID, State: st, Snapshot: b.Snapshot, Created: b.Created, Expires: b.Expires,
-		CPUs: b.CPUs, MemoryBytes: b.MemoryBytes, DiskBytes: b.DiskBytes, Labels: domain.LabelMap(b.Labels), NoInternet: b.NoInternet}
+		CPUs: b.CPUs, MemoryBytes: b.MemoryBytes, DiskBytes: b.DiskBytes, Labels: domain.LabelMap(b.Labels), NoInternet: b.NoInternet,
+		SuspendAtExpiry: b.OnExpiry == domain.ExpirySuspend}
 }
 
 func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.Box, error) {
@@ -96,10 +97,14 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 		sh.checked[key] = true
 		sh.mu.Unlock()
 	}
-	b, _, err := snapshot.CloneWith(ctx, sh.h, snap, req.Name, snapshot.CloneOptions{
+	opts := snapshot.CloneOptions{
 		AgentTimeout: 90 * time.Second, HooksDeadline: agent.DefaultHooksDeadline,
 		Expires: req.Expires, Labels: domain.Labels(req.Labels), NoInternet: req.NoInternet, Envd: req.Envd,
-	})
+	}
+	if req.SuspendAtExpiry {
+		opts.OnExpiry = domain.ExpirySuspend
+	}
+	b, _, err := snapshot.CloneWith(ctx, sh.h, snap, req.Name, opts)
 	if err != nil {
 		return serve.Box{}, serveErr(err)
 	}
