@@ -128,7 +128,11 @@ func (h *Host) StartReaper(kind, name, id string) error {
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start the reaper of %s %q: %w", kind, name, err)
 	}
-	return cmd.Process.Release()
+	// Reaped when it ends, so that a long-running caller (kvbox serve,
+	// a reaper per sandbox) keeps no zombie; a CLI that exits first
+	// leaves it to init.
+	go cmd.Wait()
+	return nil
 }
 
 // StopReaper ends the reaper of KIND NAME, if one runs (and is not the

@@ -4,6 +4,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -74,3 +75,55 @@ func TestReaperLockAndStop(t *testing.T) {
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
+
+// A reaper that ends leaves no zombie under the process that started it
+// (kvbox serve starts one per sandbox and runs for days).
+func TestReaperLeavesNoZombie(t *testing.T) {
+	h := &Host{StateDir: t.TempDir()}
+	h.ReaperCommand = func(kind, name, id string) *exec.Cmd {
+		return exec.Command("true")
+	}
+	os.MkdirAll(h.BoxDir("dev"), 0o700)
+	if err := h.StartReaper(ReapBox, "dev", "uuid"); err != nil {
+		t.Fatal(err)
+	}
+	// The child is the only one this test starts: find it among this
+	// process's children, and wait until it is reaped (gone from the
+	// list), not a zombie.
+	for i := 0; ; i++ {
+		pid := 0
+		zombie := false
+		for _, c := range childrenOf(t, os.Getpid()) {
+			st, err := os.ReadFile("/proc/" + strconv.Itoa(c) + "/stat")
+			if err == nil && strings.Contains(string(st), "(true) ") {
+				pid = c
+				zombie = strings.Contains(string(st), ") Z ")
+			}
+		}
+		if pid == 0 {
+			return
+		}
+		if i == 500 {
+			t.Fatalf("the reaper (pid %d) ended and stays a child of this process (zombie: %v)", pid, zombie)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// childrenOf lists pid's child processes, from every thread's children.
+func childrenOf(t *testing.T, pid int) []int {
+	tasks, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []int
+	for _, task := range tasks {
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/task/" + task.Name() + "/children")
+		for _, f := range strings.Fields(string(b)) {
+			if n, err := strconv.Atoi(f); err == nil {
+				out = append(out, n)
+			}
+		}
+	}
+	return out
+}
