@@ -235,6 +235,25 @@ func (h *fakeHost) Dial(ctx context.Context, name, target string) (net.Conn, err
 	b.conns = append(b.conns, c2)
 	h.mu.Unlock()
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {
+			// A server that switches protocols, then echoes what it
+			// is sent, prefixed with the box's name.
+			c, rw, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			rw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+			rw.Flush()
+			buf := make([]byte, 512)
+			for {
+				n, err := rw.Read(buf)
+				if err != nil {
+					return
+				}
+				c.Write(append([]byte(name+":"), buf[:n]...))
+			}
+		}
 		io.Copy(io.Discard, r.Body)
 		h.mu.Lock()
 		b.seen = append(b.seen, seenReq{Target: target, Method: r.Method, Path: r.URL.Path, Header: r.Header.Clone()})

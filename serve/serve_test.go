@@ -1,9 +1,12 @@
 package serve
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -775,5 +778,39 @@ func TestAutoPauseAndResume(t *testing.T) {
 	errorShape(t, "a wrong token for a paused autoResume sandbox", s, body, 401)
 	if bx, _ := h.Box(context.Background(), a.ID); bx.State != Suspended {
 		t.Errorf("a request with a wrong token resumed the sandbox")
+	}
+}
+
+// getHost's URL carries a WebSocket: the upgrade goes through to the
+// sandbox's port, and bytes go both ways after it.
+func TestWebSocketByHost(t *testing.T) {
+	h := newFakeHost()
+	_, ts := newTestServer(t, h, "")
+	a := create(t, ts, `{"templateID":"warm"}`)
+	c, err := net.Dial("tcp", ts.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(time.Minute))
+	fmt.Fprintf(c, "GET /ws HTTP/1.1\r\nHost: 8000-%s.%s\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", a.ID, testDomain)
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		b, _ := io.ReadAll(resp.Body)
+		t.Fatalf("the upgrade: %d %s", resp.StatusCode, b)
+	}
+	for _, msg := range []string{"ping", "pong"} {
+		c.Write([]byte(msg))
+		got := make([]byte, len(a.ID)+1+len(msg))
+		if _, err := io.ReadFull(br, got); err != nil {
+			t.Fatal(err)
+		}
+		if string(got) != a.ID+":"+msg {
+			t.Errorf("after the upgrade: %q", got)
+		}
 	}
 }
