@@ -67,6 +67,7 @@ var sections = []section{
 	{"snapshot-debian", benchSnapshotDebian},
 	{"cp", benchCp},
 	{"lifecycle", benchLifecycle},
+	{"serve", benchServe},
 }
 
 func main() {

@@ -1,0 +1,292 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"time"
+
+	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/snapshot"
+)
+
+// serveSDK is the version of the E2B SDK the serve section drives.
+const serveSDK = "2.51.0"
+
+// benchServe times, in one run, a sandbox through E2B's SDK against kvbox
+// serve (Sandbox.create, and create to the first command's end) against
+// the CLI's warm clone and exec (new --from, exec true) and a cold boot of
+// the image (new --image, exec true), all of the Debian template with a
+// server running; then ten creates at once through the SDK against the
+// CLI's new --count 10. SDK and CLI alternate, so the machine's load
+// weighs on both alike.
+func benchServe(ctx context.Context, e *env) error {
+	im, err := (image.Store{Dir: e.stateDir + "/images"}).Get("debian")
+	if err != nil {
+		return fmt.Errorf("the Debian image: %w (make testenv builds it)", err)
+	}
+	sdk := filepath.Join("testenv", "e2b", serveSDK)
+	if _, err := os.Stat(filepath.Join(sdk, "node_modules", "e2b")); err != nil {
+		return fmt.Errorf("the E2B SDK %s: %w (make testenv installs it)", serveSDK, err)
+	}
+	// The template: a Debian box at the image's size with a server
+	// started, frozen; the box goes, the template when the bench ends.
+	src, tmpl := "bench-srv-src", "bench-srv-warm"
+	if _, err := e.kvboxCLI(ctx, "new", "--image", im.Name, "--timeout", "300s", src); err != nil {
+		return err
+	}
+	defer e.kvboxCLI(context.Background(), "rm", "--force", src)
+	if _, err := e.kvboxCLI(ctx, "exec", src, "--", "sh", "-c",
+		"mkdir -p /srv/www && echo bench > /srv/www/index.html && cd /srv/www && setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null & "+
+			"for i in $(seq 300); do curl -sf localhost:8000/ >/dev/null && exit 0; sleep 0.2; done; exit 1"); err != nil {
+		return err
+	}
+	if _, err := e.kvboxCLI(ctx, "snapshots", "new", src, tmpl); err != nil {
+		return err
+	}
+	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
+	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, tmpl) })
+	if _, err := e.kvboxCLI(ctx, "rm", "--force", src); err != nil {
+		return err
+	}
+
+	srv, addr, err := startServe(ctx, e)
+	if err != nil {
+		return err
+	}
+	defer srv.stop()
+	node, err := startSDK(ctx, e, sdk, addr, tmpl)
+	if err != nil {
+		return err
+	}
+	defer node.stop()
+
+	type cli struct{ clone, first time.Duration }
+	cliOnce := func(i int) (cli, error) {
+		name := fmt.Sprintf("bench-srv-cli-%d", i)
+		defer e.kvboxCLI(context.Background(), "rm", "--force", name)
+		clone, err := e.kvboxCLI(ctx, "new", "--from", tmpl, name)
+		if err != nil {
+			return cli{}, err
+		}
+		exec, err := e.kvboxCLI(ctx, "exec", name, "--", "true")
+		return cli{clone, clone + exec}, err
+	}
+	// A first of each, not counted: page cache, the SDK's connections.
+	if _, err := node.one(); err != nil {
+		return err
+	}
+	if _, err := cliOnce(-1); err != nil {
+		return err
+	}
+	var sdkCreate, sdkFirst, cliClone, cliFirst []time.Duration
+	for i := range e.n {
+		r, err := node.one()
+		if err != nil {
+			return err
+		}
+		sdkCreate, sdkFirst = append(sdkCreate, r.create), append(sdkFirst, r.first)
+		c, err := cliOnce(i)
+		if err != nil {
+			return err
+		}
+		cliClone, cliFirst = append(cliClone, c.clone), append(cliFirst, c.first)
+	}
+	var cold []time.Duration
+	for i := range e.boots {
+		name := fmt.Sprintf("bench-srv-cold-%d", i)
+		boot, err := e.kvboxCLI(ctx, "new", "--image", im.Name, "--timeout", "300s", name)
+		if err == nil {
+			var ex time.Duration
+			ex, err = e.kvboxCLI(ctx, "exec", name, "--", "true")
+			boot += ex
+		}
+		e.kvboxCLI(context.Background(), "rm", "--force", name)
+		if err != nil {
+			return err
+		}
+		cold = append(cold, boot)
+	}
+	many, err := node.many(10)
+	if err != nil {
+		return err
+	}
+	t0 := time.Now()
+	_, err = e.kvboxCLI(ctx, "new", "--from", tmpl, "--count", "10", "bench-srv-many")
+	cliMany := time.Since(t0)
+	names := []string{"rm", "--force"}
+	for i := 1; i <= 10; i++ {
+		names = append(names, fmt.Sprintf("bench-srv-many-%d", i))
+	}
+	e.kvboxCLI(context.Background(), names...)
+	if err != nil {
+		return err
+	}
+
+	row := func(what string, ds []time.Duration) {
+		fmt.Printf("  %-44s %7.0f ms %7.0f ms\n", what, ms(pct(ds, 50)), ms(pct(ds, 90)))
+	}
+	fmt.Printf("Debian template (%s), a server running; %d of each, SDK and CLI alternated; e2b %s over kvbox serve\n", im.Name, e.n, serveSDK)
+	fmt.Printf("  %-44s %10s %10s\n", "", "p50", "p90")
+	row("SDK Sandbox.create", sdkCreate)
+	row("SDK create to the first command's end", sdkFirst)
+	row("CLI kvbox new --from", cliClone)
+	row("CLI new --from, then kvbox exec true", cliFirst)
+	row(fmt.Sprintf("cold boot: new --image, exec true (%d)", len(cold)), cold)
+	d := pct(sdkFirst, 50) - pct(cliFirst, 50)
+	fmt.Printf("SDK create to first command minus CLI clone + exec, p50: %+.0f ms (target: at most +150 ms); p90: %+.0f ms\n",
+		ms(d), ms(pct(sdkFirst, 90)-pct(cliFirst, 90)))
+	fmt.Printf("ratio cold boot / SDK create to first command (p50): %.1fx\n", float64(pct(cold, 50))/float64(pct(sdkFirst, 50)))
+	fmt.Printf("10 creates at once through the SDK: all ten at their first command's end in %.0f ms; each create p50 %.0f ms, p90 %.0f ms\n",
+		ms(many.wall), ms(pct(many.creates, 50)), ms(pct(many.creates, 90)))
+	fmt.Printf("peer: kvbox new --from --count 10: %.0f ms\n", ms(cliMany))
+	return nil
+}
+
+// pct is the p-th percentile of ds (nearest rank).
+func pct(ds []time.Duration, p int) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := (p*len(s) + 99) / 100
+	return s[max(0, min(len(s)-1, i-1))]
+}
+
+// serveProc is the kvbox serve the section runs.
+type serveProc struct{ cmd *exec.Cmd }
+
+func (p *serveProc) stop() {
+	p.cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+var serveAddrRe = regexp.MustCompile(`E2B's API on http://([0-9.]+:[0-9]+)`)
+
+// startServe starts bin/kvbox serve on a free loopback port.
+func startServe(ctx context.Context, e *env) (*serveProc, string, error) {
+	cmd := exec.CommandContext(ctx, "bin/kvbox", "--state-dir", e.stateDir, "serve", "--listen", "127.0.0.1:0")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, "", err
+	}
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	p := &serveProc{cmd}
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		if m := serveAddrRe.FindStringSubmatch(sc.Text()); m != nil {
+			go io.Copy(io.Discard, out)
+			return p, m[1], nil
+		}
+	}
+	p.stop()
+	return nil, "", fmt.Errorf("kvbox serve ended before it listened")
+}
+
+// sdkProc is testenv/e2b/bench.mjs, driven a line at a time.
+type sdkProc struct {
+	cmd *exec.Cmd
+	in  io.WriteCloser
+	out *bufio.Scanner
+}
+
+func startSDK(ctx context.Context, e *env, sdk, addr, tmpl string) (*sdkProc, error) {
+	key, err := exec.CommandContext(ctx, "bin/kvbox", "--state-dir", e.stateDir, "serve", "key").Output()
+	if err != nil {
+		return nil, fmt.Errorf("kvbox serve key: %w", err)
+	}
+	abs, err := filepath.Abs(sdk)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, "node", filepath.Join("testenv", "e2b", "bench.mjs"))
+	cmd.Env = append(os.Environ(), "E2B_SDK_DIR="+abs, "E2B_API_URL=http://"+addr, "E2B_SANDBOX_URL=http://"+addr,
+		"E2B_API_KEY="+strings.TrimSpace(string(key)), "KVBOX_TEMPLATE="+tmpl,
+		"NO_PROXY=*", "HTTP_PROXY=", "HTTPS_PROXY=", "http_proxy=", "https_proxy=")
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return &sdkProc{cmd: cmd, in: in, out: bufio.NewScanner(out)}, nil
+}
+
+func (p *sdkProc) stop() {
+	p.in.Close()
+	p.cmd.Wait()
+}
+
+// ask sends one command and decodes its answer into v.
+func (p *sdkProc) ask(line string, v any) error {
+	if _, err := fmt.Fprintln(p.in, line); err != nil {
+		return err
+	}
+	if !p.out.Scan() {
+		return fmt.Errorf("the SDK's bench ended: %v", p.out.Err())
+	}
+	var e struct{ Error string }
+	json.Unmarshal(p.out.Bytes(), &e)
+	if e.Error != "" {
+		return fmt.Errorf("the SDK: %s", e.Error)
+	}
+	return json.Unmarshal(p.out.Bytes(), v)
+}
+
+type sdkOne struct{ create, first time.Duration }
+
+func msDur(f float64) time.Duration { return time.Duration(f * float64(time.Millisecond)) }
+
+func (p *sdkProc) one() (sdkOne, error) {
+	var raw struct {
+		Create float64 `json:"create_ms"`
+		First  float64 `json:"first_ms"`
+	}
+	err := p.ask("one", &raw)
+	return sdkOne{msDur(raw.Create), msDur(raw.First)}, err
+}
+
+type sdkMany struct {
+	wall    time.Duration
+	creates []time.Duration
+}
+
+func (p *sdkProc) many(n int) (sdkMany, error) {
+	var raw struct {
+		Wall   float64   `json:"wall_ms"`
+		Create []float64 `json:"create_ms"`
+	}
+	if err := p.ask(fmt.Sprintf("many %d", n), &raw); err != nil {
+		return sdkMany{}, err
+	}
+	m := sdkMany{wall: msDur(raw.Wall)}
+	for _, c := range raw.Create {
+		m.creates = append(m.creates, msDur(c))
+	}
+	return m, nil
+}
