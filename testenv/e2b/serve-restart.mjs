@@ -29,6 +29,9 @@ if (process.env.KVBOX_PHASE === 'before') {
   for (let i = 0; i < 100 && (await read(kept)) < 3; i++) await new Promise((r) => setTimeout(r, 100))
   const count = await read(kept)
   const endAt = (await short.getInfo()).endAt.getTime()
+  // Stop following the command (it runs on), or its open stream keeps
+  // node from ending.
+  await h.disconnect()
   writeFileSync(file, JSON.stringify({ kept: kept.sandboxId, token: kept.envdAccessToken, pid: h.pid, count, short: short.sandboxId, shortEnd: endAt }))
   console.log(`before the restart: ${kept.sandboxId} counting (${count}), ${short.sandboxId} times out at ${new Date(endAt).toISOString()}`)
 } else {
