@@ -83,7 +83,7 @@ func TestReaperLeavesNoZombie(t *testing.T) {
 	h.ReaperCommand = func(kind, name, id string) *exec.Cmd {
 		return exec.Command("true")
 	}
-	os.MkdirAll(h.BoxDir("dev"), 0o700)
+	os.MkdirAll(h.Layout().Box("dev"), 0o700)
 	if err := h.StartReaper(ReapBox, "dev", "uuid"); err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/serve"
 )
@@ -83,7 +83,7 @@ var apiKeyRe = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
 // SDK version's check takes it) root's only; made says it was made now.
 func (a *app) serveKey() (key string, made bool, err error) {
 	if os.Geteuid() != 0 {
-		return "", false, fmt.Errorf("%w: kvbox serve's key is root's: run it as root", domain.ErrUnavailable)
+		return "", false, fmt.Errorf("%w: kvbox serve's key is root's: run it as root", base.ErrUnavailable)
 	}
 	dir := a.serveDir()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -105,7 +105,7 @@ func (a *app) serveKey() (key string, made bool, err error) {
 		}
 		key := strings.TrimSpace(string(b))
 		if !apiKeyRe.MatchString(key) {
-			return "", false, fmt.Errorf("%w: %s does not hold an API key (e2b_ and 40 hex digits): remove it and kvbox serve key makes one", domain.ErrInvalid, path)
+			return "", false, fmt.Errorf("%w: %s does not hold an API key (e2b_ and 40 hex digits): remove it and kvbox serve key makes one", base.ErrInvalid, path)
 		}
 		return key, false, nil
 	}
@@ -136,9 +136,9 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return err
 	}
-	lock, err := domain.LockFile(filepath.Join(a.serveDir(), "lock"), false)
+	lock, err := base.Lock(filepath.Join(a.serveDir(), "lock"), false)
 	if err != nil {
-		return fmt.Errorf("%w: another kvbox serve runs on state dir %s (%v)", domain.ErrBusy, a.stateDir, err)
+		return fmt.Errorf("%w: another kvbox serve runs on state dir %s (%v)", base.ErrBusy, a.stateDir, err)
 	}
 	defer lock.Unlock()
 	l, err := net.Listen("tcp", o.listen)

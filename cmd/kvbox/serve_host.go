@@ -17,10 +17,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/serve"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/suspend"
 )
 
 // serveHost is serve.Host over a's host.
@@ -53,8 +55,8 @@ func serveErr(err error) error {
 		return nil
 	}
 	for _, k := range []struct{ d, s error }{
-		{domain.ErrNotFound, serve.ErrNotFound}, {domain.ErrExists, serve.ErrExists},
-		{domain.ErrBusy, serve.ErrBusy}, {domain.ErrInvalid, serve.ErrInvalid},
+		{base.ErrNotFound, serve.ErrNotFound}, {base.ErrExists, serve.ErrExists},
+		{base.ErrBusy, serve.ErrBusy}, {base.ErrInvalid, serve.ErrInvalid},
 	} {
 		if errors.Is(err, k.d) {
 			return kindError{err, k.s}
@@ -63,9 +65,9 @@ func serveErr(err error) error {
 	return err
 }
 
-// ours says a box is of this state dir (domain.Host.Boxes lists every
-// kvbox box on the libvirt host).
-func (sh *serveHost) ours(b domain.Box) bool { return filepath.Dir(b.Dir) == sh.h.BoxesDir() }
+// ours says a box is of this state dir (domain.Host.AllBoxes lists every
+// kvbox box on the libvirt host; a name looked up may be another's).
+func (sh *serveHost) ours(b domain.Box) bool { return filepath.Dir(b.Dir) == sh.h.Layout().Boxes() }
 
 func serveBox(b domain.Box) serve.Box {
 	st := serve.Stopped
@@ -126,12 +128,12 @@ func (sh *serveHost) Remove(ctx context.Context, name string) error {
 
 func (sh *serveHost) Suspend(ctx context.Context, name string) error {
 	sh.closeStreams(name)
-	_, err := snapshot.Suspend(ctx, sh.h, name)
+	_, err := suspend.Suspend(ctx, sh.h, name)
 	return serveErr(err)
 }
 
 func (sh *serveHost) Resume(ctx context.Context, name string) error {
-	_, err := snapshot.Resume(ctx, sh.h, name, 60*time.Second)
+	_, err := suspend.Resume(ctx, sh.h, name, 60*time.Second)
 	return serveErr(err)
 }
 

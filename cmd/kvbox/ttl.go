@@ -17,6 +17,7 @@ import (
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/step"
+	"kvbox.dev/kvbox/suspend"
 )
 
 // parseTTL reads a --ttl or `kvbox ttl` duration: a Go duration (30s, 30m,
@@ -265,7 +266,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 			}
 			if err := a.suspendDue(ctx, h, b.Name, b.UUID); err == nil {
 				fmt.Fprintf(a.io.Err, "kvbox: suspended box %s, whose TTL ended at %s\n", b.Name, b.Expires.Format(time.RFC3339))
-			} else if !errors.Is(err, domain.ErrNotFound) && !errors.Is(err, domain.ErrNotDue) {
+			} else if !errors.Is(err, base.ErrNotFound) && !errors.Is(err, base.ErrNotDue) {
 				fmt.Fprintf(a.io.Err, "kvbox: warning: suspending expired box %s: %v\n", b.Name, err)
 			}
 			continue
@@ -422,9 +423,9 @@ func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, l
 	if b, err := h.Get(name); err == nil && b.OnExpiry == domain.ExpirySuspend {
 		err := a.suspendDue(ctx, h, name, id)
 		switch {
-		case errors.Is(err, domain.ErrNotFound):
+		case errors.Is(err, base.ErrNotFound):
 			logf("nothing to do (gone)")
-		case errors.Is(err, domain.ErrNotDue):
+		case errors.Is(err, base.ErrNotDue):
 			logf("nothing suspended: %v", err)
 		case err != nil:
 			logf("suspending the expired box: %v", err)
@@ -453,7 +454,7 @@ func (a *app) reap(ctx context.Context, h *domain.Host, kind, name, id string, l
 // under its lock it is still the box with UUID uuid and its deadline has
 // passed, and takes the deadline away.
 func (a *app) suspendDue(ctx context.Context, h *domain.Host, name, uuid string) error {
-	_, err := snapshot.SuspendWith(ctx, h, name, snapshot.SuspendOptions{Check: domain.DueBox(uuid), ClearExpires: true})
+	_, err := suspend.SuspendWith(ctx, h, name, suspend.SuspendOptions{Check: domain.DueBox(uuid), ClearExpires: true})
 	return err
 }
 
