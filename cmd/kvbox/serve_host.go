@@ -72,9 +72,9 @@ func (sh *serveHost) ours(b domain.Box) bool { return filepath.Dir(b.Dir) == sh.
 func serveBox(b domain.Box) serve.Box {
 	st := serve.Stopped
 	switch {
-	case b.State == "running":
+	case b.State == domain.StateRunning:
 		st = serve.Running
-	case b.State == "suspended" && b.Suspended != nil:
+	case b.State == domain.StateSuspended && b.Suspended != nil:
 		st = serve.Suspended
 	}
 	return serve.Box{Name: b.Name, UUID: b.UUID, State: st, Snapshot: b.Snapshot, Created: b.Created, Expires: b.Expires,

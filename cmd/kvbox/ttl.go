@@ -261,7 +261,7 @@ func (a *app) sweepExpired(h *domain.Host) {
 			continue
 		}
 		if !time.Now().Before(*b.Expires) && b.OnExpiry == domain.ExpirySuspend {
-			if b.State != "running" {
+			if b.State != domain.StateRunning {
 				continue // its reaper, or kvbox resume, deals with it
 			}
 			if err := a.suspendDue(ctx, h, b.Name, b.UUID); err == nil {
