@@ -22,7 +22,7 @@ if (process.env.KVBOX_PHASE === 'before') {
   const kept = await Sandbox.create(template, { ...opts, timeoutMs: 900_000, metadata: { restart: 'kept' } })
   // timeoutMs 0: no Connect-Timeout-Ms, which would bound the command's
   // life (envd's semantics) to less than the restart takes.
-  const h = await kept.commands.run('i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done', { background: true, timeoutMs: 0 })
+  const h = await kept.commands.run('i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.2; done', { background: true, timeoutMs: 0 })
   await kept.files.write('/home/user/note', 'written before the restart')
   const short = await Sandbox.create(template, { ...opts, timeoutMs: 10_000, metadata: { restart: 'short' } })
   await short.commands.run('true')

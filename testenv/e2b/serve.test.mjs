@@ -37,6 +37,11 @@ async function create(o = {}) {
 }
 
 // until polls cond (bounded), for what arrives asynchronously.
+// counting counts in /tmp/counter, a file replaced whole each time: a
+// read never sees it truncated and not yet written.
+const counting = 'i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.2; done'
+const readCounter = async (x) => Number((await x.files.read('/tmp/counter')).trim())
+
 async function until(what, cond, tries = 600, every = 100) {
   for (let i = 0; i < tries; i++) {
     if (await cond()) return
@@ -187,36 +192,35 @@ test('setTimeout moves the deadline; connect only extends it', async () => {
 
 test('pause: the sandbox is paused, answers nothing, and after connect its counter counts on', async () => {
   const s = await create()
-  await s.commands.run('i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done', { background: true })
-  const read = async (x) => Number((await x.files.read('/tmp/counter').catch(() => '0')).trim())
-  await until('the counter', async () => (await read(s)) > 3)
-  const before = await read(s)
+  await s.commands.run(counting, { background: true })
+  await until('the counter', async () => (await readCounter(s).catch(() => 0)) > 3)
+  const before = await readCounter(s)
   assert.equal(await s.pause(), true)
   const listed = await Sandbox.list({ ...opts, query: { state: ['paused'] } }).nextItems()
   assert.ok(listed.some((x) => x.sandboxId === s.sandboxId && x.state === 'paused'))
   await assert.rejects(s.commands.run('true'), /paused/i)
   assert.equal(await s.pause(), false, 'pausing a paused sandbox')
   const again = await Sandbox.connect(s.sandboxId, opts)
-  const resumed = await read(again)
+  const resumed = await readCounter(again)
   assert.ok(resumed >= before, `${resumed} < ${before}`)
-  await until('the counter counting on', async () => (await read(again)) > resumed + 3)
+  await until('the counter counting on', async () => (await readCounter(again)) > resumed + 3)
 })
 
 test('lifecycle onTimeout pause with autoResume: paused at its timeout, resumed by the next request', async () => {
   const s = await create({ timeoutMs: 20_000, lifecycle: { onTimeout: 'pause', autoResume: true } })
   const info = await s.getInfo()
   if (info.lifecycle) assert.deepEqual({ ...info.lifecycle }, { onTimeout: 'pause', autoResume: true })
-  await s.commands.run('i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done', { background: true })
+  await s.commands.run(counting, { background: true })
   // Paused by its timeout (the box's reaper, not serve): listed as paused.
   await until('paused at its timeout', async () => {
     const l = await Sandbox.list({ ...opts, query: { state: ['paused'] } }).nextItems()
     return l.some((x) => x.sandboxId === s.sandboxId)
   }, 600, 500)
   // The next request resumes it, with its timeout again.
-  const n = Number((await s.files.read('/tmp/counter')).trim())
+  const n = await readCounter(s)
   assert.ok(n > 0)
   assert.equal((await s.getInfo()).state, 'running')
-  await until('the counter counting on', async () => Number((await s.files.read('/tmp/counter')).trim()) > n + 3)
+  await until('the counter counting on', async () => (await readCounter(s)) > n + 3)
   await s.kill()
 })
 
