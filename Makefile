@@ -72,10 +72,16 @@ test: testenv check unit fuzz e2e test-kubernetes
 demo: testenv build
 	$(call guarded,bash testenv/demo.sh)
 
-# Benchmarks are a program, not timed assertions in tests: one run, medians
-# and ratios (cold boot, snapshot pause, warm clone step by step).
+# Benchmarks are programs, not timed assertions in tests: one run, medians
+# and ratios (cold boot, snapshot pause, warm clone step by step; then the
+# fleet: a pod created to Running and a Deployment scaled 0 -> 10 on a local
+# control plane, against kvbox new --from on the same host). BENCH takes
+# testenv/bench's flags; its -only also knows the section fleet
+# (BENCH='-only fleet' runs that alone), whose own flags are BENCH_FLEET
+# (integrations/kubernetes/cmd/fleet-bench). testenv/bench.sh runs both
+# inside $(NS).
 bench: testenv build
-	$(call guarded,ip netns exec $(NS) $(GO) run ./testenv/bench $(BENCH))
+	$(call guarded,KVBOX_TESTENV_NS=$(NS) BENCH_FLEET='$(BENCH_FLEET)' bash testenv/bench.sh $(BENCH))
 
 # The command reference in docs/reference, from the commands themselves
 # (TestDocsMatchCommands, part of make unit, fails when it is out of date).
