@@ -603,20 +603,15 @@ cmd_status() {
 	all_running
 }
 
-# down: every process of the fleet stopped (TERM, then KILL after 15 s), its listeners gone, and
-# everything of the run but its logs removed from the state folder.
-cmd_down() {
-	local c pid pids="" left t
-	stop_nodes
-	for c in kube-controller-manager kube-scheduler kube-apiserver etcd; do
-		pid=$(pid_of "$c") && pids="$pids $pid"
-	done
-	pids=$(echo $pids $(stray_pids) | tr ' ' '\n' | sort -u)
+# stop_pids PID...: each sent TERM, and KILL if it has not ended after 15 s.
+stop_pids() {
+	local pid pids="$*" left t
+	[ -n "$pids" ] || return 0
 	for pid in $pids; do kill -TERM "$pid" 2>/dev/null; done
 	for t in $(seq 150); do
 		left=""
 		for pid in $pids; do kill -0 "$pid" 2>/dev/null && left="$left $pid"; done
-		[ -z "$left" ] && break
+		[ -z "$left" ] && return 0
 		if [ "$t" = 150 ]; then
 			for pid in $left; do warn "killing $(cat "/proc/$pid/comm" 2>/dev/null) (pid $pid): it did not stop within 15s"; done
 			kill -KILL $left 2>/dev/null
@@ -624,6 +619,20 @@ cmd_down() {
 		fi
 		sleep 0.1
 	done
+}
+
+# down: every process of the fleet stopped (the API server's clients, the API server, etcd: TERM,
+# then KILL after 15 s each), its listeners gone, and everything of the run but its logs removed
+# from the state folder.
+cmd_down() {
+	local c pid
+	stop_nodes
+	# The clients of the API server first, etcd last: an API server whose etcd went at the same
+	# time hung in its shutdown until it was killed.
+	for c in kube-controller-manager kube-scheduler kube-apiserver etcd; do
+		pid=$(pid_of "$c") && stop_pids "$pid"
+	done
+	stop_pids $(stray_pids)
 	[ -z "$(stray_pids)" ] || { warn "processes of the fleet still run: $(stray_pids)"; return 1; }
 	if [ -d "$FLEET_STATE" ]; then
 		find "$FLEET_STATE" -mindepth 1 -maxdepth 1 ! -name logs -exec rm -rf {} + || return 1
