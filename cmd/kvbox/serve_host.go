@@ -118,6 +118,14 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 			return serve.Box{}, fmt.Errorf("box %q could not get its TTL's reaper, so it is removed: %w", b.Name, err)
 		}
 	}
+	// The agent connection its streams will go through is made now,
+	// while the answer goes back: the sandbox's first command (which
+	// waits for it if it is not done) does not pay for it.
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		sh.forwarder(ctx, b.Name)
+	}()
 	return serveBox(b), nil
 }
 
