@@ -25,6 +25,7 @@ import (
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/templates"
+	"kvbox.dev/kvbox/testenv/benchstat"
 )
 
 // env is what every section gets: the host, the image to boot and the
@@ -202,4 +203,5 @@ func median[T cmp.Ordered](xs []T) T {
 	return s[len(s)/2]
 }
 
-func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+// The timings' summaries, shared with the other bench.
+var pct, ms = benchstat.Pct, benchstat.Ms

@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"strings"
 	"time"
 
@@ -149,17 +148,6 @@ func benchServe(ctx context.Context, e *env) error {
 		ms(many.wall), ms(pct(many.creates, 50)), ms(pct(many.creates, 90)))
 	fmt.Printf("peer: kvbox new --from --count 10: %.0f ms\n", ms(cliMany))
 	return nil
-}
-
-// pct is the p-th percentile of ds (nearest rank).
-func pct(ds []time.Duration, p int) time.Duration {
-	if len(ds) == 0 {
-		return 0
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	i := (p*len(s) + 99) / 100
-	return s[max(0, min(len(s)-1, i-1))]
 }
 
 // serveProc is the kvbox serve the section runs.

@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
+	"kvbox.dev/kvbox/testenv/benchstat"
 )
 
 const (
@@ -325,22 +326,12 @@ func timeScale(ctx context.Context, f *fleet, tr *tracker, depName, ref string, 
 	return r, deps.Delete(ctx, depName, metav1.DeleteOptions{})
 }
 
-// pct is the p-th percentile of ds (nearest rank), as testenv/bench's.
-func pct(ds []time.Duration, p int) time.Duration {
-	if len(ds) == 0 {
-		return 0
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	i := (p*len(s) + 99) / 100
-	return s[max(0, min(len(s)-1, i-1))]
-}
-
-func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-
 func ratio(a, b time.Duration) float64 {
 	if b == 0 {
 		return 0
 	}
 	return float64(a) / float64(b)
 }
+
+// The timings' summaries, shared with the other bench.
+var pct, ms = benchstat.Pct, benchstat.Ms
