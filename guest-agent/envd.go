@@ -82,13 +82,24 @@ func (s *Server) envdServer() *envd.Server {
 // stream's; envd serves the other.
 func (s *Server) dialEnvd() (net.Conn, error) {
 	s.envdServer()
+	a, b, err := SocketPair()
+	if err != nil {
+		return nil, fmt.Errorf("envd: %w", err)
+	}
+	s.envd.conns <- b
+	return a, nil
+}
+
+// SocketPair is two connected unix stream sockets, which half-close as a
+// TCP connection does.
+func SocketPair() (net.Conn, net.Conn, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("envd: socketpair: %w", err)
+		return nil, nil, fmt.Errorf("socketpair: %w", err)
 	}
 	var conns []net.Conn
 	for _, fd := range fds {
-		f := os.NewFile(uintptr(fd), "envd")
+		f := os.NewFile(uintptr(fd), "stream")
 		c, cerr := net.FileConn(f) // a dup of fd
 		f.Close()
 		if cerr != nil {
@@ -101,10 +112,9 @@ func (s *Server) dialEnvd() (net.Conn, error) {
 		for _, c := range conns {
 			c.Close()
 		}
-		return nil, fmt.Errorf("envd: %w", err)
+		return nil, nil, err
 	}
-	s.envd.conns <- conns[1]
-	return conns[0], nil
+	return conns[0], conns[1], nil
 }
 
 // chanListener hands http.Serve the connections sent on it.

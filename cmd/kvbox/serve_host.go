@@ -10,12 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
@@ -217,7 +214,7 @@ func (sh *serveHost) Dial(ctx context.Context, name, target string) (net.Conn, e
 		if err != nil {
 			return nil, err
 		}
-		local, remote, err := socketPair()
+		local, remote, err := agent.SocketPair()
 		if err != nil {
 			return nil, err
 		}
@@ -316,30 +313,4 @@ func (sh *serveHost) close() {
 	for _, f := range fs {
 		f.Close()
 	}
-}
-
-// socketPair is two connected unix stream sockets.
-func socketPair() (net.Conn, net.Conn, error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, nil, fmt.Errorf("socketpair: %w", err)
-	}
-	var conns []net.Conn
-	for _, fd := range fds {
-		f := os.NewFile(uintptr(fd), "stream")
-		c, cerr := net.FileConn(f)
-		f.Close()
-		if cerr != nil {
-			err = cerr
-			continue
-		}
-		conns = append(conns, c)
-	}
-	if err != nil {
-		for _, c := range conns {
-			c.Close()
-		}
-		return nil, nil, err
-	}
-	return conns[0], conns[1], nil
 }
