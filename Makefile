@@ -65,10 +65,12 @@ test-kubernetes:
 # Under make test a test whose host requirement is missing fails instead of
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
 test: export KVBOX_TEST_STRICT := 1
+test: export KVBOX_TESTENV_FLEET := background
 test: testenv check unit fuzz e2e test-kubernetes
 
 # The README's main job: set-up, then the warm-pool story on the Debian image,
 # all inside the kvbox-test network namespace.
+demo: export KVBOX_TESTENV_SKIP_FLEET := 1
 demo: testenv build
 	$(call guarded,bash testenv/demo.sh)
 

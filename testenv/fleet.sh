@@ -151,7 +151,10 @@ cmd_build() {
 	mkdir -p "$FLEET_CACHE" || die "cannot create $FLEET_CACHE"
 	# One build at a time on this machine (two set-ups, or a set-up and a test).
 	exec {lock}>"$FLEET_CACHE/.lock"
-	flock "$lock"
+	if ! flock -n "$lock"; then
+		log "waiting for the build that holds $FLEET_CACHE/.lock (set-up's in the background: its log is $FLEET_CACHE/background-build.log)"
+		flock "$lock"
+	fi
 	if cached "$BIN/.kubernetes.key" "$K8S_KEY" $K8S_BINARIES && cached "$BIN/.etcd.key" "$ETCD_KEY" etcd; then
 		log "control plane $K8S_VERSION and etcd $ETCD_VERSION already built in $BIN"
 		return 0
