@@ -7,7 +7,6 @@ package domain
 import (
 	"errors"
 	"os"
-	"os/exec"
 	"sync"
 
 	"libvirt.org/go/libvirt"
@@ -36,9 +35,6 @@ type Host struct {
 	// Interrupt, when set, ends a wait on a lock another kvbox holds (the
 	// CLI closes it on Ctrl-C or SIGTERM); nil waits for as long as it takes.
 	Interrupt <-chan struct{}
-	// ReaperCommand builds the command of a detached reaper (kvbox re-run
-	// as `kvbox ... __reap KIND NAME ID`); nil starts none.
-	ReaperCommand func(kind, name, id string) *exec.Cmd
 
 	mu    sync.Mutex
 	conn  *libvirt.Connect

@@ -572,7 +572,6 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 	// Best effort: the box is gone either way; its port filter entry
 	// names a tap no other box can have (its MAC's).
 	portErr := h.ForgetPort(b)
-	h.StopReaper(ReapBox, name)
 	h.RemoveSuspendFiles(name)
 	if b.Dir != "" && filepath.Dir(b.Dir) == h.Layout().Boxes() {
 		if err := os.RemoveAll(b.Dir); err != nil {

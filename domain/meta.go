@@ -3,11 +3,17 @@ package domain
 import (
 	"encoding/xml"
 	"fmt"
-	"kvbox.dev/kvbox/base"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"libvirt.org/go/libvirt"
+
+	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // MetadataNS is the XML namespace of kvbox's facts about a box inside the
@@ -128,4 +134,88 @@ func MarshalMeta(m Meta) (string, error) {
 		return "", fmt.Errorf("render kvbox metadata: %w", err)
 	}
 	return "    " + string(b), nil
+}
+
+// SetExpires writes the box's deadline (nil: none) into its libvirt
+// metadata, live and persistent (`virsh dumpxml` shows <expires>), and
+// then, still under the box's lock, calls then (nil: nothing) with the box
+// as it is now: the TTL's reaper is started there (package kvbox).
+func (h *Host) SetExpires(name string, at *time.Time, then func(Box) error) (Box, error) {
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	if at != nil {
+		t := at.UTC().Truncate(time.Second)
+		at = &t
+	}
+	b.Expires = at
+	if err := writeMeta(dom, b.Meta); err != nil {
+		return Box{}, fmt.Errorf("set the deadline of box %q: %w", name, err)
+	}
+	if then != nil {
+		if err := then(b); err != nil {
+			return Box{}, err
+		}
+	}
+	return b, nil
+}
+
+// writeMeta replaces a domain's kvbox metadata, in its live definition when
+// it runs and in its persistent one.
+func writeMeta(dom *libvirt.Domain, m Meta) error { return WriteMeta(dom, m, true) }
+
+// WriteMeta replaces a domain's kvbox metadata in its persistent
+// definition, and with live also in the running one.
+func WriteMeta(dom *libvirt.Domain, m Meta, live bool) error {
+	md, err := MarshalMeta(m)
+	if err != nil {
+		return err
+	}
+	flags := libvirt.DOMAIN_AFFECT_CONFIG
+	if active, err := dom.IsActive(); err == nil && active && live {
+		flags |= libvirt.DOMAIN_AFFECT_LIVE
+	}
+	if err := dom.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, strings.TrimSpace(md), "kvbox", MetadataNS, flags); err != nil {
+		return fmt.Errorf("%s", LibvirtMessage(err))
+	}
+	return nil
+}
+
+// The files kvbox keeps for a suspended box (statedir.SuspendLive, ...).
+const (
+	SuspendLive   = statedir.SuspendLive
+	SuspendBoot   = statedir.SuspendBoot
+	SuspendSaving = statedir.SuspendSaving
+)
+
+// SuspendFile is the file of kind kvbox keeps for the suspended box name.
+func (h *Host) SuspendFile(name, kind string) string {
+	return h.Layout().SuspendFile(name, kind)
+}
+
+// RemoveSuspendFiles deletes what kvbox keeps for a suspended box.
+func (h *Host) RemoveSuspendFiles(name string) {
+	for _, k := range []string{SuspendLive, SuspendBoot, SuspendSaving} {
+		os.Remove(h.SuspendFile(name, k))
+	}
+}
+
+// PullPlug ends a box's QEMU at once (SIGKILL, then libvirt's destroy): for
+// a box whose state is saved or that is being removed.
+func PullPlug(dom *libvirt.Domain, name string) error {
+	killQEMU(name)
+	return powerOff(dom, name)
+}
+
+// SuspendedBoxes are the names of boxes with suspend files (suspended, or
+// being suspended or resumed).
+func (h *Host) SuspendedBoxes() []string {
+	m, _ := filepath.Glob(h.Layout().SuspendFiles())
+	var out []string
+	for _, p := range m {
+		out = append(out, strings.TrimSuffix(filepath.Base(p), "."+SuspendBoot))
+	}
+	return out
 }

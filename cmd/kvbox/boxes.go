@@ -16,6 +16,7 @@ import (
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -35,7 +36,7 @@ type newOptions struct {
 	publish      []string
 
 	// ports are the bound --publish listeners (publish.go).
-	ports     []portSpec
+	ports     []kvbox.Port
 	listeners []*net.TCPListener
 	network   string
 	ttl       string
@@ -111,11 +112,11 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	}
 	if len(o.publish) > 0 {
 		// Bound before the box exists: a taken port creates nothing.
-		specs, err := parsePortSpecs(o.publish)
+		specs, err := kvbox.ParsePorts(o.publish)
 		if err != nil {
 			return err
 		}
-		if o.listeners, err = listenAll(specs); err != nil {
+		if o.listeners, err = kvbox.Listen(specs); err != nil {
 			return err
 		}
 		o.ports = specs
@@ -166,13 +167,13 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	if o.expires != nil {
-		if b, err = a.setBoxTTL(c.Context(), h, b.Name, *o.expires); err != nil {
+		if b, err = a.setBoxTTL(c.Context(), b.Name, *o.expires); err != nil {
 			return err
 		}
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)%s\n",
 		b.Name, b.IP, b.From(), b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
-	if err := a.publish(c.Context(), h, b, o); err != nil {
+	if err := a.publish(c.Context(), b, o); err != nil {
 		return err
 	}
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
@@ -207,13 +208,13 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	if o.expires != nil {
-		if b, err = a.setBoxTTL(c.Context(), h, b.Name, *o.expires); err != nil {
+		if b, err = a.setBoxTTL(c.Context(), b.Name, *o.expires); err != nil {
 			return err
 		}
 	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)%s\n",
 		b.Name, b.IP, snap.Name, b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
-	if err := a.publish(c.Context(), h, b, o); err != nil {
+	if err := a.publish(c.Context(), b, o); err != nil {
 		return err
 	}
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
@@ -232,12 +233,16 @@ func (a *app) newCmdLs() *cobra.Command {
 		Example: "  kvbox ls\n  kvbox ls --json | jq -r '.[].ip'",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			boxes, err := a.boxes()
+			k, err := a.lib()
+			if err != nil {
+				return err
+			}
+			boxes, err := k.Boxes(c.Context())
 			if err != nil {
 				return err
 			}
 			if asJSON {
-				return a.printJSON(a.withPublished(boxes))
+				return a.printJSON(boxes)
 			}
 			w := a.table("NAME", "STATE", "IP", "FROM/IMAGE", "CPUS", "MEMORY", "DISK", "AGE", "TTL")
 			for _, b := range boxes {
@@ -310,14 +315,21 @@ func (a *app) newCmdStart() *cobra.Command {
 			if b, err := h.Get(args[0]); err == nil && (b.State == domain.StatePaused || b.State == domain.StateSuspended || b.State == domain.StatePMSuspended) {
 				return a.resumeBox(c, h, args[0], timeout, false)
 			}
-			stop := a.spin("booting " + args[0] + ", waiting for its agent")
-			b, err := h.Start(c.Context(), args[0], timeout)
-			stop()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
+			stop := a.spin("booting " + args[0] + ", waiting for its agent")
+			b, err := k.Start(c.Context(), args[0], timeout)
+			stop()
+			if b.Name == "" {
+				return err
+			}
 			fmt.Fprintf(a.io.Out, "✓ box %s is running at %s\n", b.Name, b.IP)
-			return a.republish(b)
+			for _, p := range b.Published {
+				fmt.Fprintf(a.io.Out, "✓ published %s -> %s:%d again\n", p.ListenAddr(), b.Name, p.GuestPort)
+			}
+			return err
 		},
 	}
 	c.Flags().DurationVar(&timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
@@ -333,17 +345,12 @@ func (a *app) newCmdStop() *cobra.Command {
 		Example: "  kvbox stop dev\n  kvbox stop --force dev",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
 			for _, n := range args {
-				if b, err := h.Get(n); err == nil {
-					if err := a.stopPublish(b); err != nil {
-						return err
-					}
-				}
-				if err := h.Stop(c.Context(), n, timeout, force); err != nil {
+				if err := k.Stop(c.Context(), n, force, timeout); err != nil {
 					return err
 				}
 				fmt.Fprintf(a.io.Out, "✓ box %s is stopped\n", n)
@@ -369,11 +376,11 @@ and a name that is no box is skipped quietly (as rm -f does).`,
 		Example: "  kvbox rm dev\n  kvbox rm --force agent-1 agent-2",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			return a.removeBoxes(c.Context(), h, args, force)
+			return a.removeBoxes(c.Context(), k, args, force)
 		},
 	}
 	c.Flags().BoolVarP(&force, "force", "f", false, "remove running boxes too")
@@ -384,7 +391,7 @@ and a name that is no box is skipped quietly (as rm -f does).`,
 // handled and each failure reported, and the error (whose exit code is the
 // first failure's) comes only if one failed. With force a box that does not
 // exist is no failure, as with rm -f.
-func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, force bool) error {
+func (a *app) removeBoxes(ctx context.Context, k *kvbox.Host, names []string, force bool) error {
 	var (
 		mu     sync.Mutex
 		failed []string
@@ -402,7 +409,7 @@ func (a *app) removeBoxes(ctx context.Context, h *domain.Host, names []string, f
 		go func() {
 			defer wg.Done()
 			slots <- struct{}{}
-			err := a.removeBox(ctx, h, n, force)
+			err := k.Remove(ctx, n, force)
 			<-slots
 			mu.Lock()
 			defer mu.Unlock()

@@ -19,89 +19,8 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/kvbox"
 )
-
-// portSpec is one [ADDR:]HOSTPORT:GUESTPORT.
-type portSpec struct {
-	Addr      string `json:"address"` // host address to bind
-	HostPort  int    `json:"host_port"`
-	GuestPort int    `json:"guest_port"`
-}
-
-func (p portSpec) listenAddr() string { return net.JoinHostPort(p.Addr, strconv.Itoa(p.HostPort)) }
-func (p portSpec) guestAddr() string  { return "127.0.0.1:" + strconv.Itoa(p.GuestPort) }
-func (p portSpec) String() string     { return p.listenAddr() + ":" + strconv.Itoa(p.GuestPort) }
-
-// parsePortSpec reads [ADDR:]HOSTPORT:GUESTPORT; ADDR is 127.0.0.1 when
-// left out, and an IPv6 address goes in brackets ([::1]:8080:80).
-func parsePortSpec(s string) (portSpec, error) {
-	bad := func(why string) (portSpec, error) {
-		return portSpec{}, fmt.Errorf("%w: port %q: %s (give [ADDR:]HOSTPORT:GUESTPORT, e.g. 8080:8000 or 0.0.0.0:8080:8000)", errUsage, s, why)
-	}
-	i := strings.LastIndexByte(s, ':')
-	if i < 0 {
-		return bad("no guest port")
-	}
-	gp, err := strconv.Atoi(s[i+1:])
-	if err != nil || gp < 1 || gp > 65535 {
-		return bad("the guest port must be 1-65535")
-	}
-	host := s[:i]
-	p := portSpec{Addr: "127.0.0.1", GuestPort: gp}
-	hp := host
-	if j := strings.LastIndexByte(host, ':'); j >= 0 {
-		p.Addr, hp = host[:j], host[j+1:]
-		if a, ok := strings.CutPrefix(p.Addr, "["); ok {
-			p.Addr, ok = strings.CutSuffix(a, "]")
-			if !ok {
-				return bad("unbalanced [")
-			}
-		}
-		if net.ParseIP(p.Addr) == nil {
-			return bad("the host address must be an IP address")
-		}
-	}
-	p.HostPort, err = strconv.Atoi(hp)
-	if err != nil || p.HostPort < 0 || p.HostPort > 65535 {
-		return bad("the host port must be 0-65535")
-	}
-	return p, nil
-}
-
-func parsePortSpecs(args []string) ([]portSpec, error) {
-	var specs []portSpec
-	seen := map[string]bool{}
-	for _, s := range args {
-		p, err := parsePortSpec(s)
-		if err != nil {
-			return nil, err
-		}
-		if p.HostPort != 0 && seen[p.listenAddr()] {
-			return nil, fmt.Errorf("%w: %s is given twice", errUsage, p.listenAddr())
-		}
-		seen[p.listenAddr()] = true
-		specs = append(specs, p)
-	}
-	return specs, nil
-}
-
-// listenAll binds every spec, or none: on an error the ones bound are
-// closed. A spec with host port 0 gets the port the kernel picked.
-func listenAll(specs []portSpec) ([]*net.TCPListener, error) {
-	var ls []*net.TCPListener
-	for i, p := range specs {
-		l, err := net.Listen("tcp", p.listenAddr())
-		if err != nil {
-			for _, l := range ls {
-				l.Close()
-			}
-			return nil, fmt.Errorf("listen on %s: %w", p.listenAddr(), errors.Unwrap(err))
-		}
-		specs[i].HostPort = l.Addr().(*net.TCPAddr).Port
-		ls = append(ls, l.(*net.TCPListener))
-	}
-	return ls, nil
-}
 
 // openForwarder reaches the box's agent and makes its connection a stream
 // carrier.
@@ -148,7 +67,7 @@ func (a *app) openForwarder(ctx context.Context, name string, before func(*agent
 // serveForwards accepts on every listener and carries each connection to
 // its guest port until ctx ends or the box's agent connection ends. A
 // connection the guest refuses is closed and reported on one line.
-func (a *app) serveForwards(ctx context.Context, name string, f *agent.Forwarder, specs []portSpec, ls []*net.TCPListener) {
+func (a *app) serveForwards(ctx context.Context, name string, f *agent.Forwarder, specs []kvbox.Port, ls []*net.TCPListener) {
 	var wg sync.WaitGroup
 	var emu sync.Mutex
 	for i, l := range ls {
@@ -161,12 +80,12 @@ func (a *app) serveForwards(ctx context.Context, name string, f *agent.Forwarder
 					return
 				}
 				go func() {
-					if _, err := f.Connect(ctx, specs[i].guestAddr(), c); err != nil {
+					if _, err := f.Connect(ctx, specs[i].GuestAddr(), c); err != nil {
 						c.SetLinger(0)
 						c.Close()
 						if ctx.Err() == nil {
 							emu.Lock()
-							fmt.Fprintf(a.io.Err, "kvbox: %s -> %s:%d: %s\n", specs[i].listenAddr(), name, specs[i].GuestPort, remoteMessage(err))
+							fmt.Fprintf(a.io.Err, "kvbox: %s -> %s:%d: %s\n", specs[i].ListenAddr(), name, specs[i].GuestPort, remoteMessage(err))
 							emu.Unlock()
 						}
 					}
@@ -243,15 +162,15 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 			return nil
 		},
 		RunE: func(c *cobra.Command, args []string) error {
-			specs, err := parsePortSpecs(args[1:])
+			specs, err := kvbox.ParsePorts(args[1:])
 			if err != nil {
 				return err
 			}
 			var ls []*net.TCPListener
 			if listenFDs {
-				ls, err = inheritedListeners(specs)
+				ls, err = kvbox.Inherited(specs)
 			} else {
-				ls, err = listenAll(specs)
+				ls, err = kvbox.Listen(specs)
 			}
 			if err != nil {
 				return err
@@ -267,7 +186,7 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 			}
 			defer f.Close()
 			for _, p := range specs {
-				fmt.Fprintf(a.io.Out, "forwarding %s -> %s:%d\n", p.listenAddr(), args[0], p.GuestPort)
+				fmt.Fprintf(a.io.Out, "forwarding %s -> %s:%d\n", p.ListenAddr(), args[0], p.GuestPort)
 			}
 			a.serveForwards(ctx, args[0], f, specs, ls)
 			if ctx.Err() != nil {
@@ -281,27 +200,6 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 	c.Flags().IntVar(&readyFD, "ready-fd", 0, "write ok (or the error) on this fd once forwarding")
 	c.Flags().MarkHidden("ready-fd")
 	return c
-}
-
-// inheritedListeners takes the listening sockets a parent kvbox bound
-// (fds 3, 4, ... in the order of specs).
-func inheritedListeners(specs []portSpec) ([]*net.TCPListener, error) {
-	var ls []*net.TCPListener
-	for i := range specs {
-		f := os.NewFile(uintptr(3+i), "listener")
-		l, err := net.FileListener(f)
-		f.Close()
-		if err != nil {
-			return nil, fmt.Errorf("inherited listener %d: %w", i, err)
-		}
-		tl, ok := l.(*net.TCPListener)
-		if !ok {
-			return nil, fmt.Errorf("inherited listener %d is not TCP", i)
-		}
-		specs[i].HostPort = tl.Addr().(*net.TCPAddr).Port
-		ls = append(ls, tl)
-	}
-	return ls, nil
 }
 
 // stdioConn is standard input and output as one connection, for ssh's

@@ -180,7 +180,7 @@ func (a *app) startAll(c *cobra.Command, h *domain.Host, st starter, o *newOptio
 			t0 := time.Now()
 			b, tm, err := st.start(c.Context(), n)
 			if err == nil && o.expires != nil {
-				b, err = a.setBoxTTL(c.Context(), h, n, *o.expires)
+				b, err = a.setBoxTTL(c.Context(), n, *o.expires)
 			}
 			r := newResult{Name: n, From: st.from, Seconds: time.Since(t0).Seconds(), err: err, timing: tm}
 			if err != nil {

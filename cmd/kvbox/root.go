@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,11 +16,8 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
-	"kvbox.dev/kvbox/snapshot"
-	"kvbox.dev/kvbox/statedir"
-	"kvbox.dev/kvbox/suspend"
-	"kvbox.dev/kvbox/templates"
 )
 
 // IO is where a command reads and writes; tests pass their own.
@@ -51,9 +47,9 @@ type app struct {
 	domType  string
 	// dialTimeout bounds reaching a box's agent (dial and handshake).
 	dialTimeout time.Duration
-	// interrupt ends waits on another kvbox's lock (Ctrl-C, SIGTERM).
-	interrupt <-chan struct{}
-	host      *domain.Host
+	// ctx ends waits on another kvbox's lock (Ctrl-C, SIGTERM).
+	ctx  context.Context
+	host *kvbox.Host
 	// reaper says this kvbox is a box's or snapshot's reaper (__reap): it
 	// does not sweep for expired boxes itself.
 	reaper bool
@@ -77,7 +73,7 @@ type exitCodeError struct{ code int }
 func (e exitCodeError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
 
 func run(ctx context.Context, args []string, ios IO) int {
-	a := &app{io: printableIO(ios), raw: ios, interrupt: ctx.Done()}
+	a := &app{io: printableIO(ios), raw: ios, ctx: ctx}
 	root := a.newRoot()
 	root.SetArgs(args)
 	root.SetIn(ios.In)
@@ -255,8 +251,20 @@ func absOr(p string) string {
 	return p
 }
 
-// Host connects to libvirt on first use.
+// Host is the libvirt side of the library's host, for the commands that
+// do not go through the library yet.
 func (a *app) Host() (*domain.Host, error) {
+	k, err := a.lib()
+	if err != nil {
+		return nil, err
+	}
+	return k.Domain(), nil
+}
+
+// lib opens the library's host on first use: every command first finishes
+// what a killed kvbox left half-done and removes what expired (after a
+// reboot no reaper runs), and says what it did on stderr.
+func (a *app) lib() (*kvbox.Host, error) {
 	if a.host != nil {
 		return a.host, nil
 	}
@@ -267,61 +275,29 @@ func (a *app) Host() (*domain.Host, error) {
 	if err != nil {
 		return nil, base.Errorf(base.Invalid, "%v", err)
 	}
-	tmpl := templates.Box
-	if a.template != "" {
-		b, err := os.ReadFile(a.template)
-		if err != nil {
-			return nil, base.Errorf(base.Invalid, "template: %v", err)
-		}
-		tmpl = string(b)
-	}
 	switch a.domType {
-	case "auto", "":
-		a.domType = ""
-	case "kvm", "qemu":
+	case "auto", "", "kvm", "qemu":
 	default:
 		return nil, fmt.Errorf("%w: --domain-type %q: give auto, kvm or qemu", errUsage, a.domType)
 	}
-	if os.Geteuid() != 0 {
-		return nil, base.Errorf(base.Unavailable, "kvbox manages bridges and libvirt domains: run it as root")
+	ctx := a.ctx
+	if ctx == nil {
+		ctx = context.Background()
 	}
-	// Nothing kvbox or its children (qemu-img) create gets world bits.
-	syscall.Umask(0o027)
-	if err := os.MkdirAll(a.stateDir, statedir.RootMode); err != nil {
-		return nil, err
+	a.host, err = kvbox.Open(ctx, kvbox.Config{URI: a.uri, StateDir: a.stateDir, Template: a.template, DomainType: a.domType,
+		Network: nc, DialTimeout: a.dialTimeout, Notify: a.notify, ReaperCommand: a.reaperCommand, HolderCommand: a.holderCommand,
+		NoSweep: a.reaper})
+	return a.host, err
+}
+
+// notify prints what the library's host did on its own (recovery, the
+// sweep) on stderr.
+func (a *app) notify(n kvbox.Notice) {
+	if n.Warning {
+		fmt.Fprintf(a.io.Err, "kvbox: warning: %s\n", n.Text)
+		return
 	}
-	conn, err := domain.Connect(a.uri)
-	if err != nil {
-		return nil, err
-	}
-	a.host = &domain.Host{URI: a.uri, StateDir: a.stateDir, Net: nc, Template: tmpl, DomainTypeOverride: a.domType, Interrupt: a.interrupt,
-		ReaperCommand: a.reaperCommand}
-	a.host.SetConn(conn)
-	if err := a.host.SecureStateDir(); err != nil {
-		return nil, fmt.Errorf("state dir %s: %w", a.stateDir, err)
-	}
-	// Every command first finishes what a killed kvbox left half-done.
-	if err := snapshot.Recover(context.Background(), a.host, a.snapshots()); err != nil {
-		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted snapshot: %v\n", err)
-	}
-	removed, err := a.host.RecoverBoxes()
-	for _, n := range removed {
-		fmt.Fprintf(a.io.Err, "kvbox: removed box %s, whose creation a killed kvbox left half-done\n", n)
-	}
-	if err != nil {
-		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted box creation: %v\n", err)
-	}
-	for _, n := range a.host.RemoveOrphanFolders() {
-		fmt.Fprintf(a.io.Err, "kvbox: removed the folder of box %s, which no domain has any more\n", n)
-	}
-	if err := suspend.RecoverSuspends(context.Background(), a.host); err != nil {
-		fmt.Fprintf(a.io.Err, "kvbox: warning: cleaning up an interrupted suspend or resume: %v\n", err)
-	}
-	// After a reboot no reaper runs: what expired meanwhile goes now.
-	if !a.reaper {
-		a.sweepExpired(a.host)
-	}
-	return a.host, nil
+	fmt.Fprintf(a.io.Err, "kvbox: %s\n", n.Text)
 }
 
 // boxes connects and lists every box.

@@ -124,12 +124,12 @@ func (a *app) serveKey() (key string, made bool, err error) {
 }
 
 func (a *app) runServe(ctx context.Context, o *serveOptions) error {
-	h, err := a.Host()
+	k, err := a.lib()
 	if err != nil {
 		return err
 	}
 	// Read once, before requests run in parallel.
-	if _, err := h.DomainType(); err != nil {
+	if _, err := k.Domain().DomainType(); err != nil {
 		return err
 	}
 	key, made, err := a.serveKey()
@@ -152,7 +152,7 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 		dom = fmt.Sprintf("kvbox.localhost:%d", addr.Port)
 	}
 	logger := log.New(a.io.Err, "kvbox serve: ", log.LstdFlags)
-	sh := newServeHost(a, h)
+	sh := newServeHost(a, k)
 	defer sh.close()
 	srv, err := serve.New(ctx, serve.Config{Host: sh, APIKey: key, Domain: dom, SecretsDir: filepath.Join(a.serveDir(), "sandboxes"), Log: logger})
 	if err != nil {

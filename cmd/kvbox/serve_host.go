@@ -1,9 +1,8 @@
 package main
 
-// The serve.Host of `kvbox serve` over today's packages (domain, snapshot)
-// and this command's own rm and snapshot paths. It stands in for the kvbox
-// library (issue 34, LIBRARY-CONTRACT.md) until that lands; then serve is
-// given the library's Host and this file goes.
+// The serve.Host of `kvbox serve`: over the kvbox library for the removal
+// of boxes and snapshots and their deadlines, over today's packages
+// (domain, snapshot) for the rest until the library has it.
 
 import (
 	"context"
@@ -17,6 +16,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/serve"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/suspend"
@@ -25,6 +25,7 @@ import (
 // serveHost is serve.Host over a's host.
 type serveHost struct {
 	a *app
+	k *kvbox.Host
 	h *domain.Host
 
 	mu      sync.Mutex
@@ -33,8 +34,8 @@ type serveHost struct {
 	checked map[string]bool             // snapshots this host can run, by name and creation
 }
 
-func newServeHost(a *app, h *domain.Host) *serveHost {
-	return &serveHost{a: a, h: h, fwd: map[string]*agent.Forwarder{}, dialing: map[string]*sync.Mutex{}, checked: map[string]bool{}}
+func newServeHost(a *app, k *kvbox.Host) *serveHost {
+	return &serveHost{a: a, k: k, h: k.Domain(), fwd: map[string]*agent.Forwarder{}, dialing: map[string]*sync.Mutex{}, checked: map[string]bool{}}
 }
 
 // kindError is err with the serve error kind of its domain sentinel.
@@ -84,7 +85,7 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 	if err != nil {
 		return serve.Box{}, serveErr(err)
 	}
-	key := snap.Name + "@" + snapshotID(snap)
+	key := snap.Name + "@" + snap.Created.UTC().Format(time.RFC3339Nano)
 	sh.mu.Lock()
 	ok := sh.checked[key]
 	sh.mu.Unlock()
@@ -110,8 +111,8 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 	if b.Expires != nil {
 		// Its deadline is in its metadata already; without a reaper it
 		// would only go at the next sweep.
-		if err := sh.h.StartReaper(domain.ReapBox, b.Name, b.UUID); err != nil {
-			sh.a.removeBox(context.WithoutCancel(ctx), sh.h, b.Name, true)
+		if _, err := sh.k.SetExpires(ctx, b.Name, b.Expires); err != nil {
+			sh.k.Remove(context.WithoutCancel(ctx), b.Name, true)
 			return serve.Box{}, fmt.Errorf("box %q could not get its TTL's reaper, so it is removed: %w", b.Name, err)
 		}
 	}
@@ -128,7 +129,7 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 
 func (sh *serveHost) Remove(ctx context.Context, name string) error {
 	sh.closeStreams(name)
-	return serveErr(sh.a.removeBox(ctx, sh.h, name, true))
+	return serveErr(sh.k.Remove(ctx, name, true))
 }
 
 func (sh *serveHost) Suspend(ctx context.Context, name string) error {
@@ -143,7 +144,7 @@ func (sh *serveHost) Resume(ctx context.Context, name string) error {
 }
 
 func (sh *serveHost) SetExpires(ctx context.Context, name string, at *time.Time) (serve.Box, error) {
-	b, err := sh.h.SetExpires(name, at)
+	b, err := sh.k.SetExpires(ctx, name, at)
 	if err != nil {
 		return serve.Box{}, serveErr(err)
 	}
@@ -182,7 +183,7 @@ func (sh *serveHost) Snapshot(ctx context.Context, box, name string, expires *ti
 	}
 	s := res.Snapshot
 	if expires != nil {
-		if s, err = sh.a.setSnapshotTTL(sh.h, name, *expires); err != nil {
+		if s, err = sh.k.SetSnapshotExpires(ctx, name, expires); err != nil {
 			return serve.Snapshot{}, fmt.Errorf("snapshot %s is saved but got no TTL: %w", name, err)
 		}
 	}
@@ -202,7 +203,7 @@ func (sh *serveHost) Snapshots(ctx context.Context) ([]serve.Snapshot, error) {
 }
 
 func (sh *serveHost) RemoveSnapshot(ctx context.Context, name string) error {
-	return serveErr(sh.a.removeSnapshot(ctx, sh.h, name))
+	return serveErr(sh.k.RemoveSnapshot(ctx, name))
 }
 
 // Dial joins one end of a socket pair (a UnixConn, which half-closes as

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"strings"
 	"time"
@@ -9,7 +8,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -80,7 +78,7 @@ boxes are still cloned from then is kept until the last of them is removed
 			}
 			s := res.Snapshot
 			if expires != nil {
-				if s, err = a.setSnapshotTTL(h, s.Name, *expires); err != nil {
+				if s, err = a.host.SetSnapshotExpires(c.Context(), s.Name, expires); err != nil {
 					return fmt.Errorf("snapshot %s is saved but got no TTL (kvbox snapshots rm %s): %w", name, name, err)
 				}
 			}
@@ -172,18 +170,18 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 		Example: "  kvbox snapshots rm warm",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
 			snaps := make([]snapshot.Snapshot, len(args))
 			for i, n := range args {
-				if snaps[i], err = a.snapshots().Get(n); err != nil {
+				if snaps[i], err = k.Snapshots().Get(n); err != nil {
 					return err
 				}
 			}
 			for _, s := range snaps {
-				if err := a.removeSnapshot(c.Context(), h, s.Name); err != nil {
+				if err := k.RemoveSnapshot(c.Context(), s.Name); err != nil {
 					return err
 				}
 				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", s.Name)
@@ -191,21 +189,6 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			return nil
 		},
 	}
-}
-
-// removeSnapshot removes a snapshot no box is cloned from, stops its
-// reaper, and prunes the image version it was the last user of.
-func (a *app) removeSnapshot(ctx context.Context, h *domain.Host, name string) error {
-	s, err := a.snapshots().Get(name)
-	if err != nil {
-		return err
-	}
-	if err := snapshot.Remove(h, a.snapshots(), name); err != nil {
-		return err
-	}
-	h.StopReaper(domain.ReapSnapshot, name)
-	a.pruneImageVersion(ctx, h, s.BaseDisk)
-	return nil
 }
 
 // copyProgressLine is the status line of a memory copy in progress.

@@ -21,14 +21,14 @@ func (e *env) warmSnapshot(ctx context.Context) (snapshot.Snapshot, error) {
 	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {
 		return snapshot.Snapshot{}, err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), src, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), src, true) })
 	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	name := "bench-warm"
 	res, err := snapshot.Create(ctx, e.h, st, src, name)
 	if err != nil {
 		return snapshot.Snapshot{}, err
 	}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, name) })
+	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), name) })
 	e.warmPause = res.Pause
 	snap, err := st.Get(name)
 	if err != nil {
@@ -49,7 +49,7 @@ func benchClone(ctx context.Context, e *env) error {
 			return err
 		}
 		boot = append(boot, time.Since(t0))
-		if err := e.h.Remove(ctx, name, true); err != nil {
+		if err := e.k.Remove(ctx, name, true); err != nil {
 			return err
 		}
 	}
@@ -93,7 +93,7 @@ func cloneSeries(ctx context.Context, e *env, snap snapshot.Snapshot, prefix str
 		walls = append(walls, time.Since(t0))
 		timings = append(timings, tm)
 		t0 = time.Now()
-		if err := e.h.Remove(ctx, name, true); err != nil {
+		if err := e.k.Remove(ctx, name, true); err != nil {
 			return nil, nil, nil, err
 		}
 		removes = append(removes, time.Since(t0))
@@ -109,12 +109,12 @@ func benchClone2(ctx context.Context, e *env) error {
 	if _, err := e.h.Create(ctx, e.spec(src, 2)); err != nil {
 		return err
 	}
-	defer e.h.Remove(context.Background(), src, true)
+	defer e.k.Remove(context.Background(), src, true)
 	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	if _, err := snapshot.Create(ctx, e.h, st, src, name); err != nil {
 		return err
 	}
-	defer snapshot.Remove(e.h, st, name)
+	defer e.k.RemoveSnapshot(context.Background(), name)
 	snap, err := st.Get(name)
 	if err != nil {
 		return err

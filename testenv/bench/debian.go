@@ -91,7 +91,7 @@ func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name st
 		return r, err
 	}
 	r.boot = time.Since(t0)
-	defer e.h.Remove(context.Background(), src, true)
+	defer e.k.Remove(context.Background(), src, true)
 	if _, err := e.kvboxCLI(ctx, "exec", src, "--", "sh", "-c", "yes kvbox-bench-touched-page | head -c 1200M > /dev/shm/fill && sync"); err != nil {
 		return r, err
 	}
@@ -100,7 +100,7 @@ func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name st
 	if err != nil {
 		return r, err
 	}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, name) })
+	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), name) })
 	r.snap, r.pause = res.Snapshot, res.Pause
 	for i := range debianClones {
 		clone := fmt.Sprintf("bench-deb-clone-%d-%d", cpus, i)
@@ -111,7 +111,7 @@ func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name st
 		}
 		r.walls, r.timings = append(r.walls, time.Since(t0)), append(r.timings, tm)
 		t0 = time.Now()
-		if err := e.h.Remove(ctx, clone, true); err != nil {
+		if err := e.k.Remove(ctx, clone, true); err != nil {
 			return r, err
 		}
 		r.removes = append(r.removes, time.Since(t0))
@@ -140,7 +140,7 @@ func debianPeer(ctx context.Context, e *env, snap snapshot.Snapshot) (peerRestor
 	if _, _, err := snapshot.Clone(ctx, e.h, snap, peer, 2*time.Minute); err != nil {
 		return r, err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), peer, true) })
 	sav := filepath.Join(e.stateDir, "bench-deb.sav")
 	defer os.Remove(sav)
 	if out, err := virsh(ctx, "save", peer, sav); err != nil {
@@ -195,7 +195,7 @@ func coldClone(ctx context.Context, e *env, snap snapshot.Snapshot) (time.Durati
 			return 0, err
 		}
 		walls = append(walls, time.Since(t0))
-		if err := e.h.Remove(ctx, name, true); err != nil {
+		if err := e.k.Remove(ctx, name, true); err != nil {
 			return 0, err
 		}
 	}

@@ -29,7 +29,7 @@ func benchLifecycle(ctx context.Context, e *env) error {
 	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), src, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), src, true) })
 	a, err := suspendRounds(ctx, e, src)
 	if err != nil {
 		return err
@@ -41,7 +41,7 @@ func benchLifecycle(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, snapName) })
+	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), snapName) })
 	cl := "bench-life-clone"
 	clones, err := warmClones(ctx, e, res.Snapshot, cl)
 	if err != nil {
@@ -109,9 +109,9 @@ func warmClones(ctx context.Context, e *env, snap snapshot.Snapshot, name string
 			return nil, err
 		}
 		clones = append(clones, time.Since(t0))
-		e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), n, true) })
+		e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), n, true) })
 		if i > 0 {
-			e.h.Remove(ctx, n, true)
+			e.k.Remove(ctx, n, true)
 		}
 	}
 	return clones, nil
@@ -124,7 +124,7 @@ func managedSaveRounds(ctx context.Context, e *env, peer string) (msave, mstart 
 	if err != nil {
 		return nil, nil, err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), peer, true) })
 	for range lifeRuns {
 		t0 := time.Now()
 		if out, err := virsh(ctx, "managedsave", peer); err != nil {

@@ -22,16 +22,17 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
-	"kvbox.dev/kvbox/templates"
 	"kvbox.dev/kvbox/testenv/benchstat"
 )
 
 // env is what every section gets: the host, the image to boot and the
 // sizes asked for on the command line.
 type env struct {
-	h        *domain.Host
+	k        *kvbox.Host  // what kvbox's commands call
+	h        *domain.Host // its libvirt side, for what the library does not do yet
 	conn     *libvirt.Connect
 	stateDir string
 	im       image.Image
@@ -120,14 +121,16 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 	if err != nil {
 		return err
 	}
-	conn, err := domain.Connect(domain.DefaultURI())
+	// The library's host, as kvbox's commands open it: the bench removes
+	// boxes the way kvbox rm does.
+	k, err := kvbox.Open(ctx, kvbox.Config{StateDir: stateDir, Network: nc, Notify: func(n kvbox.Notice) {
+		fmt.Fprintln(os.Stderr, "bench: kvbox:", n.Text)
+	}})
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	e := &env{conn: conn, stateDir: stateDir, n: n, boots: boots,
-		h: &domain.Host{URI: domain.DefaultURI(), StateDir: stateDir, Net: nc, Template: templates.Box}}
-	e.h.SetConn(conn)
+	defer k.Close()
+	e := &env{k: k, h: k.Domain(), conn: k.Domain().Conn(), stateDir: stateDir, n: n, boots: boots}
 	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}

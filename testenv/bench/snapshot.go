@@ -91,7 +91,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), src, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), src, true) })
 	if err := fill(src, sc.fill); err != nil {
 		return err
 	}
@@ -114,7 +114,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), cl, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), cl, true) })
 	if err := fill(cl, sc.cloneFill); err != nil {
 		return err
 	}
@@ -194,7 +194,7 @@ func benchSnapshotPeers(ctx context.Context, e *env, spec domain.Spec, fill func
 	if err != nil {
 		return r, err
 	}
-	e.cleanup = append(e.cleanup, func() { e.h.Remove(context.Background(), peer, true) })
+	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), peer, true) })
 	if err := fill(peer); err != nil {
 		return r, err
 	}
@@ -339,7 +339,7 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 	if err != nil {
 		return err
 	}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, name) })
+	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), name) })
 	k.pause = append(k.pause, res.Pause)
 	k.total = append(k.total, t1.Sub(t0))
 	k.gap = append(k.gap, gap)

@@ -547,8 +547,8 @@ func (x *host) RemoveSnapshot(ctx context.Context, name string) error {
 	if err := snapshot.Remove(x.h, x.snaps, name); err != nil {
 		return kind(err)
 	}
-	x.h.StopReaper(domain.ReapSnapshot, name)
-	// The base image version the snapshot brought goes with its last user.
+	// A snapshot the node pulled has no deadline, so no reaper to stop
+	// (the library's RemoveSnapshot stops one). The base image version the snapshot brought goes with its last user.
 	snapshot.PruneVersionOf(ctx, x.h, x.snaps, x.images, s.BaseDisk)
 	return nil
 }

@@ -1,37 +1,43 @@
-package domain
+package kvbox
 
 import (
+	"errors"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/statedir"
 )
 
-// A reaper holds its lock while it lives; StopReaper signals only a
+// A reaper holds its lock while it lives, stopReaper signals only a
 // process whose command line is that reaper's, and leaves no lock file.
 func TestReaperLockAndStop(t *testing.T) {
-	h := &Host{StateDir: t.TempDir()}
-	if h.ReaperAlive(ReapBox, "dev") {
+	h := &Host{layout: statedir.Layout{Root: t.TempDir()}}
+	lock := h.layout.ReaperLock(ReapBox, "dev")
+	if h.reaperAlive(ReapBox, "dev") {
 		t.Fatal("a reaper is alive before any ran")
 	}
-	held, ok, err := h.HoldReaper(ReapBox, "dev")
-	if err != nil || !ok {
-		t.Fatalf("HoldReaper: %v %v", ok, err)
+	os.MkdirAll(filepath.Dir(lock), 0o700)
+	held, err := base.Lock(lock, false)
+	if err != nil {
+		t.Fatalf("the reaper's lock: %v", err)
 	}
-	if !h.ReaperAlive(ReapBox, "dev") {
+	held.Note(itoa(os.Getpid()) + "\n")
+	if !h.reaperAlive(ReapBox, "dev") {
 		t.Error("the reaper holding its lock is not alive")
 	}
-	if _, ok, _ := h.HoldReaper(ReapBox, "dev"); ok {
-		t.Error("a second reaper of the same box got the lock")
+	if _, err := base.Lock(lock, false); !errors.Is(err, base.ErrLocked) {
+		t.Errorf("a second reaper of the same box got the lock: %v", err)
 	}
-	// The holder is this test process: StopReaper must not kill it.
-	h.StopReaper(ReapBox, "dev")
+	// The holder is this test process: stopReaper must not kill it.
+	h.stopReaper(ReapBox, "dev")
 	held.Release()
-	if _, err := os.Stat(h.reaperLockPath(ReapBox, "dev")); !os.IsNotExist(err) {
+	if _, err := os.Stat(lock); !os.IsNotExist(err) {
 		t.Errorf("lock file left after release: %v", err)
 	}
 
@@ -59,18 +65,17 @@ func TestReaperLockAndStop(t *testing.T) {
 		t.Error("isReaper does not read the command line")
 	}
 	// Its lock, with its pid, as a reaper writes it: StopReaper kills it.
-	os.MkdirAll(h.StateDir+"/reapers", 0o700)
-	l, err := base.Lock(h.reaperLockPath(ReapBox, "dev"), false)
+	l, err := base.Lock(lock, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	l.Note(itoa(fake.Process.Pid) + "\n")
 	go func() { <-done; l.Unlock() }() // the lock dies with the process
-	h.StopReaper(ReapBox, "dev")
+	h.stopReaper(ReapBox, "dev")
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):
-		t.Fatal("StopReaper did not end the reaper")
+		t.Fatal("stopReaper did not end the reaper")
 	}
 }
 
@@ -79,12 +84,12 @@ func itoa(n int) string { return strconv.Itoa(n) }
 // A reaper that ends leaves no zombie under the process that started it
 // (kvbox serve starts one per sandbox and runs for days).
 func TestReaperLeavesNoZombie(t *testing.T) {
-	h := &Host{StateDir: t.TempDir()}
-	h.ReaperCommand = func(kind, name, id string) *exec.Cmd {
+	h := &Host{layout: statedir.Layout{Root: t.TempDir()}}
+	h.cfg.ReaperCommand = func(kind, name, id string) *exec.Cmd {
 		return exec.Command("true")
 	}
-	os.MkdirAll(h.Layout().Box("dev"), 0o700)
-	if err := h.StartReaper(ReapBox, "dev", "uuid"); err != nil {
+	os.MkdirAll(h.layout.Box("dev"), 0o700)
+	if err := h.startReaper(ReapBox, "dev", "uuid"); err != nil {
 		t.Fatal(err)
 	}
 	// The child is the only one this test starts: find it among this

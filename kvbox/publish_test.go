@@ -1,7 +1,6 @@
-package main
+package kvbox
 
 import (
-	"bytes"
 	"encoding/json"
 	"net"
 	"os"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // fakeHolder starts a process whose command line is a port holder's of box
@@ -24,7 +24,7 @@ func fakeHolder(t *testing.T, name string) *exec.Cmd {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	for i := 0; i < 200 && !strings.Contains(cmdline(cmd.Process.Pid), name); i++ {
+	for i := 0; i < 200 && !strings.Contains(strings.Join(cmdline(cmd.Process.Pid), " "), name); i++ {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return cmd
@@ -60,8 +60,7 @@ func within(t *testing.T, what string, f func()) {
 // followed; and start would bind whatever ports the file lists.
 func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	state := t.TempDir()
-	var out bytes.Buffer
-	a := &app{io: IO{Out: &out, Err: &out}, stateDir: state}
+	a := &Host{layout: statedir.Layout{Root: state}}
 	b := domain.Box{Name: "web", UUID: "uuid-1", Meta: domain.Meta{Dir: filepath.Join(state, "boxes", "web")}}
 	if err := os.MkdirAll(b.Dir, 0o750); err != nil {
 		t.Fatal(err)
@@ -84,9 +83,9 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	writeRecord(t, legacy, publishRecord{UUID: b.UUID, Ports: []portSpec{{Addr: "127.0.0.1", HostPort: port, GuestPort: 22}}})
-	if err := a.republish(b); err != nil || out.Len() > 0 {
-		t.Errorf("start with ports planted in the box folder: %v, %q (want nothing done)", err, out.String())
+	writeRecord(t, legacy, publishRecord{UUID: b.UUID, Ports: []Port{{Addr: "127.0.0.1", HostPort: port, GuestPort: 22}}})
+	if ports, err := a.republish(b); err != nil || ports != nil {
+		t.Errorf("start with ports planted in the box folder: %v, %v (want nothing done)", err, ports)
 	}
 	if got := a.publishedPorts(b); got != nil {
 		t.Errorf("ls lists ports planted in the box folder: %v", got)
@@ -120,8 +119,8 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 
 	// kvbox's own record: root's, under the state dir, for this box only.
 	h2 := fakeHolder(t, b.Name)
-	spec := portSpec{Addr: "127.0.0.1", HostPort: port, GuestPort: 80}
-	writeRecord(t, a.publishPath(b.Name, ".json"), publishRecord{UUID: b.UUID, PID: h2.Process.Pid, Ports: []portSpec{spec}})
+	spec := Port{Addr: "127.0.0.1", HostPort: port, GuestPort: 80}
+	writeRecord(t, a.layout.Publish(b.Name, ".json"), publishRecord{UUID: b.UUID, PID: h2.Process.Pid, Ports: []Port{spec}})
 	if got := a.publishedPorts(b); len(got) != 1 || got[0] != spec {
 		t.Errorf("published ports %v, want %v", got, spec)
 	}
@@ -137,7 +136,33 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 		t.Errorf("stop did not end the box's holder: %v", err)
 	}
 	a.forgetPublish(b.Name)
-	if _, err := os.Stat(a.publishPath(b.Name, ".json")); !os.IsNotExist(err) {
+	if _, err := os.Stat(a.layout.Publish(b.Name, ".json")); !os.IsNotExist(err) {
 		t.Errorf("the record outlives the box: %v", err)
+	}
+}
+
+// holderAlive only takes a live process whose arguments are a port holder's
+// for that box: a reused pid of anything else is not one.
+func TestHolderAlive(t *testing.T) {
+	cmd := exec.Command("sh", "-c", "sleep 30", "port-forward", "--listen-fds", "box1")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	// Start returns once the child is forked; its command line is the
+	// test's own until it has exec'd sh.
+	for i := 0; i < 200 && !strings.Contains(strings.Join(cmdline(pid), " "), "box1"); i++ {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !holderAlive(pid, "box1") {
+		t.Error("a live holder of box1 not recognised")
+	}
+	if holderAlive(pid, "box2") || holderAlive(os.Getpid(), "box1") || holderAlive(0, "box1") {
+		t.Error("another process taken for a holder")
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	if holderAlive(pid, "box1") {
+		t.Error("a reaped holder is still alive")
 	}
 }

@@ -1,0 +1,20 @@
+// Package kvbox is kvbox: boxes, snapshots, warm clones and everything
+// they imply, callable from Go with a context and typed results. The CLI
+// (cmd/kvbox), kvbox serve and kvbox-node are fronts of it: they parse,
+// call this package and print, so that each does exactly what the others
+// do (kvbox rm unpublishes, removes the domain and the folder, reaps an
+// expired snapshot the box was the last clone of and prunes an image
+// version, whoever asks).
+//
+// Open a Host on a state directory; a Host is safe for concurrent use by
+// many goroutines, and two Hosts on one libvirt with different state
+// directories never see or touch each other's boxes, snapshots, group
+// networks or port-filter entries. Errors carry a kind (KindOf) beside
+// their message.
+//
+// What is here so far: Open (recovery and the TTL sweep, told to
+// Config.Notify), Remove and RemoveSnapshot with everything they imply,
+// Start and Stop with the box's published ports, the TTL (SetExpires,
+// Sweep, RunReaper). The commands that do not go through it yet reach
+// its libvirt side through Host.Domain.
+package kvbox
