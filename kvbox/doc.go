@@ -14,7 +14,8 @@
 //
 // What is here so far: Open (recovery and the TTL sweep, told to
 // Config.Notify), Remove and RemoveSnapshot with everything they imply,
-// Start and Stop with the box's published ports, the TTL (SetExpires,
-// Sweep, RunReaper). The commands that do not go through it yet reach
+// Start and Stop with the box's published ports, Suspend and Resume, the
+// TTL (SetExpires, Sweep, RunReaper). Long operations report to a
+// progress.Reporter (nil: nobody). The commands that do not go through it yet reach
 // its libvirt side through Host.Domain.
 package kvbox

@@ -308,16 +308,12 @@ func (a *app) newCmdStart() *cobra.Command {
 		Example: "  kvbox start dev",
 		Args:    exactArgs(1, "one box name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
-			if err != nil {
-				return err
-			}
-			if b, err := h.Get(args[0]); err == nil && (b.State == domain.StatePaused || b.State == domain.StateSuspended || b.State == domain.StatePMSuspended) {
-				return a.resumeBox(c, h, args[0], timeout, false)
-			}
 			k, err := a.lib()
 			if err != nil {
 				return err
+			}
+			if b, err := k.Box(c.Context(), args[0]); err == nil && kvbox.Resumable(b.State) {
+				return a.resumeBox(c, args[0], timeout, false)
 			}
 			stop := a.spin("booting " + args[0] + ", waiting for its agent")
 			b, err := k.Start(c.Context(), args[0], timeout)

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/progress"
 )
 
 // printJSON writes v for programs: indented JSON, a nil slice as [].
@@ -128,3 +130,33 @@ func (a *app) spinStatus(what string) (set func(status string), stop func()) {
 	}()
 	return set, func() { close(done); <-finished }
 }
+
+// reporter is the terminal's progress.Reporter: each stage is a spinner
+// line (spinStatus) while it runs, a log line goes to stderr.
+func (a *app) reporter() progress.Reporter { return spinReporter{a} }
+
+type spinReporter struct{ a *app }
+
+func (r spinReporter) Log(line string) { fmt.Fprintln(r.a.io.Err, line) }
+
+func (r spinReporter) Stage(name string) progress.Stage {
+	set, stop := r.a.spinStatus(name)
+	return spinStage{set: set, stop: stop}
+}
+
+type spinStage struct {
+	set  func(string)
+	stop func()
+}
+
+func (s spinStage) Status(v string) { s.set(v) }
+
+func (s spinStage) Bytes(done, total int64) {
+	if total < 0 {
+		s.set(base.FormatSize(done))
+		return
+	}
+	s.set(base.FormatSize(done) + " of " + base.FormatSize(total))
+}
+
+func (s spinStage) End() { s.stop() }

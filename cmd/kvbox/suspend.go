@@ -7,8 +7,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/suspend"
+	"kvbox.dev/kvbox/kvbox"
 )
 
 func (a *app) newCmdSuspend() *cobra.Command {
@@ -28,14 +27,12 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 		Example: "  kvbox suspend dev\n  kvbox resume dev",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
 			for _, n := range args {
-				stop := a.spin("saving " + n)
-				res, err := suspend.Suspend(c.Context(), h, n)
-				stop()
+				res, err := k.Suspend(c.Context(), n, a.reporter())
 				if err != nil {
 					return err
 				}
@@ -68,12 +65,8 @@ every process running on where it stopped, the disk as it was. A paused box
 		Example: "  kvbox resume dev",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
-			if err != nil {
-				return err
-			}
 			for _, n := range args {
-				if err := a.resumeBox(c, h, n, timeout, verbose); err != nil {
+				if err := a.resumeBox(c, n, timeout, verbose); err != nil {
 					return err
 				}
 			}
@@ -85,38 +78,27 @@ every process running on where it stopped, the disk as it was. A paused box
 	return c
 }
 
-// resumeBox wakes a suspended box or continues a paused one.
-func (a *app) resumeBox(c *cobra.Command, h *domain.Host, n string, timeout time.Duration, verbose bool) error {
-	b, err := h.Get(n)
+// resumeBox wakes a suspended box, continues a paused one or wakes a
+// sleeping guest.
+func (a *app) resumeBox(c *cobra.Command, n string, timeout time.Duration, verbose bool) error {
+	k, err := a.lib()
 	if err != nil {
 		return err
 	}
-	if b.State == domain.StatePaused {
-		if _, err := h.Unpause(n); err != nil {
-			return err
-		}
-		fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", b.Name, b.IP)
-		return nil
-	}
-	if b.State == domain.StatePMSuspended {
-		if _, err := h.Wake(n); err != nil {
-			return err
-		}
-		fmt.Fprintf(a.io.Out, "✓ box %s is awake (its guest was asleep) at %s\n", b.Name, b.IP)
-		return nil
-	}
-	if b.State != domain.StateSuspended {
-		return base.Errorf(base.Busy, "box %q is %s, neither suspended nor paused", n, b.State)
-	}
-	stop := a.spin("waking " + n)
-	res, err := suspend.Resume(c.Context(), h, n, timeout)
-	stop()
+	res, err := k.Resume(c.Context(), n, timeout, a.reporter())
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.io.Out, "✓ box %s is running again at %s, warm from its suspend (%.2fs)\n", n, res.Box.IP, res.Total.Seconds())
-	if verbose {
-		fmt.Fprintf(a.io.Err, "timing: %s, total %dms\n", res.Steps, res.Total.Milliseconds())
+	switch res.How {
+	case kvbox.Unpaused:
+		fmt.Fprintf(a.io.Out, "✓ box %s is resumed (it was paused) at %s\n", res.Box.Name, res.Box.IP)
+	case kvbox.Woken:
+		fmt.Fprintf(a.io.Out, "✓ box %s is awake (its guest was asleep) at %s\n", res.Box.Name, res.Box.IP)
+	default:
+		fmt.Fprintf(a.io.Out, "✓ box %s is running again at %s, warm from its suspend (%.2fs)\n", n, res.Box.IP, res.Total.Seconds())
+		if verbose {
+			fmt.Fprintf(a.io.Err, "timing: %s, total %dms\n", res.Steps, res.Total.Milliseconds())
+		}
 	}
 	return nil
 }

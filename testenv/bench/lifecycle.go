@@ -8,7 +8,6 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/snapshot"
-	"kvbox.dev/kvbox/suspend"
 )
 
 // lifeRuns is how many suspend/resume rounds are timed per box.
@@ -82,12 +81,12 @@ type rounds struct{ pause, suspend, resume []time.Duration }
 func suspendRounds(ctx context.Context, e *env, name string) (rounds, error) {
 	var r rounds
 	for range lifeRuns {
-		s, err := suspend.Suspend(ctx, e.h, name)
+		s, err := e.k.Suspend(ctx, name, nil)
 		if err != nil {
 			return r, err
 		}
 		r.pause, r.suspend = append(r.pause, s.Pause), append(r.suspend, s.Total)
-		res, err := suspend.Resume(ctx, e.h, name, 2*time.Minute)
+		res, err := e.k.Resume(ctx, name, 2*time.Minute, nil)
 		if err != nil {
 			return r, err
 		}
