@@ -13,7 +13,9 @@
 // their message.
 //
 // What is here so far: Open (recovery and the TTL sweep, told to
-// Config.Notify), Remove and RemoveSnapshot with everything they imply,
+// Config.Notify), Create, Clone, CreateMany and CloneMany (a box with its
+// deadline and published ports, or nothing), Remove and RemoveSnapshot
+// with everything they imply,
 // Start and Stop with the box's published ports, Suspend and Resume, the
 // TTL (SetExpires, Sweep, RunReaper). Long operations report to a
 // progress.Reporter (nil: nobody). The commands that do not go through it yet reach

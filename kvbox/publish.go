@@ -20,7 +20,6 @@ package kvbox
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -106,23 +105,6 @@ func (h *Host) publishedPorts(b domain.Box) []Port {
 		return nil
 	}
 	return r.Ports
-}
-
-// Publish hands the listeners bound for ports (Listen) to a detached port
-// holder that forwards them to box b until it stops or is removed. A box
-// whose ports cannot be published is removed: a box made with ports has
-// them, or is not there.
-func (h *Host) Publish(ctx context.Context, b domain.Box, ports []Port, ls []*net.TCPListener) error {
-	if len(ports) == 0 {
-		return nil
-	}
-	if err := h.startPublish(b, ports, ls); err != nil {
-		if rerr := h.Remove(context.WithoutCancel(ctx), b.Name, true); rerr != nil {
-			return fmt.Errorf("%w (and removing the box failed: %v)", err, rerr)
-		}
-		return fmt.Errorf("%w: box %s removed", err, b.Name)
-	}
-	return nil
 }
 
 // startPublish hands the bound listeners to a detached holder that

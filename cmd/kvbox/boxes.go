@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"sort"
 	"strings"
 	"sync"
@@ -17,7 +16,6 @@ import (
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 type newOptions struct {
@@ -35,11 +33,8 @@ type newOptions struct {
 	asJSON       bool
 	publish      []string
 
-	// ports are the bound --publish listeners (publish.go).
-	ports     []kvbox.Port
-	listeners []*net.TCPListener
-	network   string
-	ttl       string
+	network string
+	ttl     string
 	// expires is the deadline --ttl gives, from the command's start.
 	expires *time.Time
 }
@@ -110,27 +105,19 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if err := o.checkNetwork(c); err != nil {
 		return err
 	}
-	if len(o.publish) > 0 {
-		// Bound before the box exists: a taken port creates nothing.
-		specs, err := kvbox.ParsePorts(o.publish)
-		if err != nil {
-			return err
-		}
-		if o.listeners, err = kvbox.Listen(specs); err != nil {
-			return err
-		}
-		o.ports = specs
-		defer closeListeners(o.listeners)
+	ports, err := kvbox.ParsePorts(o.publish)
+	if err != nil {
+		return err
 	}
 	if o.from != "" {
-		return a.runNewFrom(c, o)
+		return a.runNewFrom(c, o, ports)
 	}
-	return a.runNewImage(c, o)
+	return a.runNewImage(c, o, ports)
 }
 
 // runNewImage boots a box from an image (the default one is built first
 // if it is missing).
-func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
+func (a *app) runNewImage(c *cobra.Command, o *newOptions, ports []kvbox.Port) error {
 	mem, err := base.ParseSize(o.memory)
 	if err != nil {
 		return err
@@ -139,43 +126,22 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 	if err != nil {
 		return err
 	}
-	h, err := a.Host()
+	k, err := a.lib()
 	if err != nil {
 		return err
 	}
-	im, err := a.images().Get(o.image)
-	if errors.Is(err, base.ErrNotFound) && o.image == image.DefaultImage {
-		// The default image is built on first use, once.
-		fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", o.image, o.image)
-		im, err = image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
-	}
-	if err != nil {
+	if err := a.ensureImage(c, o.image); err != nil {
 		return err
-	}
-	if im.Agent == "no" {
-		return base.Errorf(base.Invalid, "image %q has no kvbox-agent; install bin/kvbox-agent in it as a service and import it again with --agent yes", im.Name)
 	}
 	start := time.Now()
-	stop := a.spin(fmt.Sprintf("booting %s from image %s, waiting for its agent", o.name, im.Name))
-	b, tm, err := h.CreateTimed(c.Context(), domain.Spec{
-		Name: o.name, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk, AgentTimeout: o.timeout, NoNetwork: o.network == "none", Group: o.group(),
-		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
-			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline},
-	})
-	stop()
+	b, tm, err := k.Create(c.Context(), kvbox.CreateRequest{Name: o.name, Image: o.image, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk,
+		Network: o.network, Expires: o.expires, Publish: ports, AgentTimeout: o.timeout, Progress: a.reporter()})
 	if err != nil {
 		return err
 	}
-	if o.expires != nil {
-		if b, err = a.setBoxTTL(c.Context(), b.Name, *o.expires); err != nil {
-			return err
-		}
-	}
 	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from %s: %d vCPU, %s RAM, %s disk (%.1fs)%s\n",
-		b.Name, b.IP, b.From(), b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
-	if err := a.publish(c.Context(), b, o); err != nil {
-		return err
-	}
+		b.Name, b.IP, b.From(), b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b.Box))
+	a.printPublished(b)
 	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s\n", b.Name)
 	if o.verbose {
 		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
@@ -183,43 +149,59 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions) error {
 	return nil
 }
 
+// ensureImage builds the default image on first use, once; any other
+// image must be there (Create says so if it is not).
+func (a *app) ensureImage(c *cobra.Command, name string) error {
+	if name != image.DefaultImage {
+		return nil
+	}
+	if _, err := a.images().Get(name); !errors.Is(err, base.ErrNotFound) {
+		return nil
+	}
+	fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", name, name)
+	_, err := image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: printable}})
+	return err
+}
+
+// printPublished says which host ports forward to box b.
+func (a *app) printPublished(b kvbox.Box) {
+	for _, p := range b.Published {
+		fmt.Fprintf(a.io.Out, "✓ published %s -> %s:%d (until the box stops or is removed)\n", p.ListenAddr(), b.Name, p.GuestPort)
+	}
+}
+
 // runNewFrom starts a warm clone of a snapshot. Size flags do not apply: a
 // clone has its snapshot's vCPUs, RAM and disk.
-func (a *app) runNewFrom(c *cobra.Command, o *newOptions) error {
+func (a *app) runNewFrom(c *cobra.Command, o *newOptions, ports []kvbox.Port) error {
 	start := time.Now()
+	if err := o.noSizeFlags(c); err != nil {
+		return err
+	}
+	k, err := a.lib()
+	if err != nil {
+		return err
+	}
+	b, tm, err := k.Clone(c.Context(), kvbox.CloneRequest{Snapshot: o.from, Name: o.name, Expires: o.expires, Publish: ports,
+		AgentTimeout: o.timeout, HooksTimeout: o.hooksTimeout})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)%s\n",
+		b.Name, b.IP, o.from, b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b.Box))
+	a.printPublished(b)
+	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
+	if o.verbose {
+		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
+	}
+	return nil
+}
+
+// noSizeFlags refuses the flags of an image's box with --from.
+func (o *newOptions) noSizeFlags(c *cobra.Command) error {
 	for _, f := range []string{"image", "cpus", "memory", "disk"} {
 		if c.Flags().Changed(f) {
 			return fmt.Errorf("%w: --%s does not apply to --from: a clone has its snapshot's image, vCPUs, RAM and disk", errUsage, f)
 		}
-	}
-	h, err := a.Host()
-	if err != nil {
-		return err
-	}
-	snap, err := a.snapshots().Get(o.from)
-	if err != nil {
-		return err
-	}
-	if err := checkHostFor(h, snap); err != nil {
-		return err
-	}
-	b, tm, err := snapshot.CloneWith(c.Context(), h, snap, o.name, snapshot.CloneOptions{AgentTimeout: o.timeout, HooksDeadline: o.hooksTimeout})
-	if err != nil {
-		return err
-	}
-	if o.expires != nil {
-		if b, err = a.setBoxTTL(c.Context(), b.Name, *o.expires); err != nil {
-			return err
-		}
-	}
-	fmt.Fprintf(a.io.Out, "✓ box %s is running at %s from snapshot %s: %d vCPU, %s RAM, %s disk (%.2fs)%s\n",
-		b.Name, b.IP, snap.Name, b.CPUs, base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), time.Since(start).Seconds(), ttlNote(b))
-	if err := a.publish(c.Context(), b, o); err != nil {
-		return err
-	}
-	fmt.Fprintf(a.io.Out, "connect with: kvbox connect %s (already up: everything that ran in the snapshot is running)\n", b.Name)
-	if o.verbose {
-		fmt.Fprintf(a.io.Err, "timing: %s\n", tm)
 	}
 	return nil
 }

@@ -2,19 +2,16 @@ package main
 
 // Published ports (kvbox new --publish) are held by a detached
 // `kvbox port-forward --listen-fds` child per box (kvbox.Config's
-// HolderCommand, the library's publish.go says how): `new` binds the
-// sockets itself before it creates the box, so a taken port fails the
-// command with nothing created.
+// HolderCommand, the library's publish.go says how): Create and Clone bind
+// the sockets before they make the box, so a taken port fails `new` with
+// nothing created.
 
 import (
-	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"strconv"
 
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/kvbox"
 )
 
@@ -45,29 +42,4 @@ func signalReady(fd int, err error) {
 		return
 	}
 	fmt.Fprintln(f, "ok")
-}
-
-func closeListeners(ls []*net.TCPListener) {
-	for _, l := range ls {
-		l.Close()
-	}
-}
-
-// publish starts box b's --publish holder; if it cannot, the box is removed
-// (new --publish gives the box with its ports or nothing).
-func (a *app) publish(ctx context.Context, b domain.Box, o *newOptions) error {
-	if len(o.ports) == 0 {
-		return nil
-	}
-	k, err := a.lib()
-	if err != nil {
-		return err
-	}
-	if err := k.Publish(ctx, b, o.ports, o.listeners); err != nil {
-		return err
-	}
-	for _, p := range o.ports {
-		fmt.Fprintf(a.io.Out, "✓ published %s -> %s:%d (until the box stops or is removed)\n", p.ListenAddr(), b.Name, p.GuestPort)
-	}
-	return nil
 }

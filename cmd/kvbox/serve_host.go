@@ -90,7 +90,7 @@ func (sh *serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.B
 	ok := sh.checked[key]
 	sh.mu.Unlock()
 	if !ok {
-		if err := checkHostFor(sh.h, snap); err != nil {
+		if err := sh.k.CheckHostFor(snap); err != nil {
 			return serve.Box{}, serveErr(err)
 		}
 		sh.mu.Lock()

@@ -286,21 +286,3 @@ func retireCopiedToken(ctx context.Context, h *domain.Host, s snapshot.Snapshot)
 func verString(v uint64) string {
 	return fmt.Sprintf("%d.%d.%d", v/1000000, v/1000%1000, v%1000)
 }
-
-// checkHostFor refuses, in one line, a snapshot this host cannot restore
-// (domain type, machine type, QEMU version, CPU), before a clone starts
-// and fails halfway.
-func checkHostFor(h *domain.Host, s snapshot.Snapshot) error {
-	compat, err := snapshot.LoadCompat(h.Conn(), s.Dir)
-	if err != nil {
-		return err
-	}
-	typ, err := h.DomainType()
-	if err != nil {
-		return err
-	}
-	if err := compat.Check(h.Conn(), typ); err != nil {
-		return fmt.Errorf("snapshot %q: %w", s.Name, err)
-	}
-	return nil
-}
