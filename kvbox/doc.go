@@ -14,7 +14,8 @@
 //
 // What is here so far: Open (recovery and the TTL sweep, told to
 // Config.Notify), Create, Clone, CreateMany and CloneMany (a box with its
-// deadline and published ports, or nothing), Remove and RemoveSnapshot
+// deadline and published ports, or nothing), Snapshot, Snapshots and
+// GetSnapshot, Remove and RemoveSnapshot
 // with everything they imply,
 // Start and Stop with the box's published ports, Suspend and Resume, the
 // TTL (SetExpires, Sweep, RunReaper). Long operations report to a

@@ -175,9 +175,3 @@ func (h *Host) notify(warning bool, format string, a ...any) {
 // Domain is the Host's libvirt side, for the commands of a front that do
 // not go through the library yet (issue 34 moves them one by one).
 func (h *Host) Domain() *domain.Host { return h.d }
-
-// Snapshots is the Host's snapshot store.
-func (h *Host) Snapshots() snapshot.Store { return h.snaps }
-
-// Images is the Host's image store.
-func (h *Host) Images() image.Store { return h.images }

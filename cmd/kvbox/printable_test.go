@@ -11,6 +11,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -107,7 +108,7 @@ func TestCLIOutputPrintable(t *testing.T) {
 			t.Errorf("snapshots ls does not show %q as %q:\n%s", c.in, cell, table)
 		}
 	}
-	var rows []snapshotRow
+	var rows []kvbox.SnapshotInfo
 	if err := json.Unmarshal([]byte(kv("snapshots", "ls", "--json")), &rows); err != nil {
 		t.Fatalf("snapshots ls --json is not JSON: %v", err)
 	}

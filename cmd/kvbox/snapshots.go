@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -48,7 +49,7 @@ boxes are still cloned from then is kept until the last of them is removed
   kvbox new --from warm agent-1`,
 		Args: exactArgs(2, "a box name and a snapshot name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
@@ -57,19 +58,7 @@ boxes are still cloned from then is kept until the last of them is removed
 			if err != nil {
 				return err
 			}
-			booting := func() func() {
-				fmt.Fprintf(a.io.Err, "box %s is stopped: booting it for the snapshot, it is stopped again afterwards\n", boxName)
-				return a.spin("booting " + boxName)
-			}
-			var status func(string)
-			saving := func() func() {
-				var stop func()
-				status, stop = a.spinStatus("saving " + boxName + " as " + name)
-				return stop
-			}
-			copying := func(p snapshot.CopyProgress) { status(copyProgressLine(p)) }
-			res, err := snapshot.CreateOf(c.Context(), h, a.snapshots(), boxName, name,
-				snapshot.Phases{Booting: booting, Saving: saving, Copying: copying})
+			res, err := k.Snapshot(c.Context(), boxName, name, kvbox.SnapshotOptions{Expires: expires, Progress: a.reporter()})
 			if err != nil {
 				return err
 			}
@@ -77,11 +66,6 @@ boxes are still cloned from then is kept until the last of them is removed
 				fmt.Fprintf(a.io.Err, "kvbox: note: %s\n", res.Note)
 			}
 			s := res.Snapshot
-			if expires != nil {
-				if s, err = a.host.SetSnapshotExpires(c.Context(), s.Name, expires); err != nil {
-					return fmt.Errorf("snapshot %s is saved but got no TTL (kvbox snapshots rm %s): %w", name, name, err)
-				}
-			}
 			kind := "full"
 			if s.Incremental {
 				kind = "incremental"
@@ -106,17 +90,11 @@ boxes are still cloned from then is kept until the last of them is removed
 
 // snapshotTTL is the TTL column of a snapshot: the time left, or, once
 // passed, that it waits for its clones.
-func snapshotTTL(r snapshotRow) string {
+func snapshotTTL(r kvbox.SnapshotInfo) string {
 	if r.Expires != nil && !time.Now().Before(*r.Expires) && len(r.Clones) > 0 {
 		return fmt.Sprintf("expired, kept until its %d clone(s) are gone", len(r.Clones))
 	}
 	return ttlLeft(r.Expires)
-}
-
-// snapshotRow is an element of `kvbox snapshots ls --json`.
-type snapshotRow struct {
-	snapshot.Snapshot
-	Clones []string `json:"clones"`
 }
 
 func (a *app) newCmdSnapshotsLs() *cobra.Command {
@@ -127,23 +105,13 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 		Example: "  kvbox snapshots ls\n  kvbox snapshots ls --json",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			boxes, err := a.boxes()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			snaps, err := a.snapshots().List()
+			rows, err := k.Snapshots(c.Context())
 			if err != nil {
 				return err
-			}
-			rows := []snapshotRow{}
-			for _, s := range snaps {
-				r := snapshotRow{Snapshot: s, Clones: []string{}}
-				for _, b := range boxes {
-					if b.Snapshot == s.Name {
-						r.Clones = append(r.Clones, b.Name)
-					}
-				}
-				rows = append(rows, r)
 			}
 			if asJSON {
 				return a.printJSON(rows)
@@ -176,7 +144,7 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			}
 			snaps := make([]snapshot.Snapshot, len(args))
 			for i, n := range args {
-				if snaps[i], err = k.Snapshots().Get(n); err != nil {
+				if snaps[i], err = k.GetSnapshot(c.Context(), n); err != nil {
 					return err
 				}
 			}
@@ -189,16 +157,6 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			return nil
 		},
 	}
-}
-
-// copyProgressLine is the status line of a memory copy in progress.
-func copyProgressLine(p snapshot.CopyProgress) string {
-	how := "live while it runs"
-	if p.Paused {
-		how = "while it is paused (TCG)"
-	}
-	return fmt.Sprintf("memory copied %s: %s written, %d%% of its RAM gone through",
-		how, base.FormatSize(p.Written), p.Scanned*100/max(p.RAM, 1))
 }
 
 // newSnapshotExpiry is when a new snapshot given --ttl is removed (nil
