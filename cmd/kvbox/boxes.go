@@ -85,17 +85,17 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 			return err
 		}
 		if !ok {
-			return fmt.Errorf("%w: --ttl %s: a new box has no TTL unless given one; leave --ttl out", errUsage, o.ttl)
+			return usage("--ttl %s: a new box has no TTL unless given one; leave --ttl out", o.ttl)
 		}
 		t := time.Now().Add(d)
 		o.expires = &t
 	}
 	if o.hooksTimeout <= 0 {
-		return fmt.Errorf("%w: --hooks-timeout %s: give a positive duration", errUsage, o.hooksTimeout)
+		return usage("--hooks-timeout %s: give a positive duration", o.hooksTimeout)
 	}
 	if c.Flags().Changed("count") || o.asJSON {
 		if len(o.publish) > 0 {
-			return fmt.Errorf("%w: --publish starts one box's forwards: it does not go with --count or --json", errUsage)
+			return usage("--publish starts one box's forwards: it does not go with --count or --json")
 		}
 		return a.runNewMany(c, o)
 	}
@@ -200,7 +200,7 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions, ports []kvbox.Port) er
 func (o *newOptions) noSizeFlags(c *cobra.Command) error {
 	for _, f := range []string{"image", "cpus", "memory", "disk"} {
 		if c.Flags().Changed(f) {
-			return fmt.Errorf("%w: --%s does not apply to --from: a clone has its snapshot's image, vCPUs, RAM and disk", errUsage, f)
+			return usage("--%s does not apply to --from: a clone has its snapshot's image, vCPUs, RAM and disk", f)
 		}
 	}
 	return nil
@@ -398,7 +398,7 @@ func (a *app) removeBoxes(ctx context.Context, k *kvbox.Host, names []string, fo
 			case force && errors.As(err, &nb):
 			default:
 				if len(seen) > 1 { // one name: its error is the one line
-					fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
+					fmt.Fprintf(a.io.Err, "kvbox: %s\n", err.Error())
 				}
 				failed = append(failed, n)
 				if first == nil {

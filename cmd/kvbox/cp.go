@@ -64,7 +64,7 @@ BOX:DST; DST - writes BOX:SRC to stdout as a tar stream, as the box sends it
 		RunE: func(c *cobra.Command, args []string) error {
 			maxBytes, err := base.ParseSize(maxSize)
 			if err != nil {
-				return fmt.Errorf("%w: --max-size %q is not a size like 16G", errUsage, maxSize)
+				return usage("--max-size %q is not a size like 16G", maxSize)
 			}
 			return a.runCp(c.Context(), args[0], args[1], maxBytes)
 		},
@@ -92,11 +92,11 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 	dbox, dpath, dremote := splitBoxPath(dst)
 	switch {
 	case sremote == dremote:
-		return fmt.Errorf("%w: one of SRC and DST must be BOX:PATH, the other a local path or - (kvbox cp ./repo dev:/srv/)", errUsage)
+		return usage("one of SRC and DST must be BOX:PATH, the other a local path or - (kvbox cp ./repo dev:/srv/)")
 	case sremote && spath == "", dremote && dpath == "":
-		return fmt.Errorf("%w: BOX:PATH needs a path after the colon (dev:/srv)", errUsage)
+		return usage("BOX:PATH needs a path after the colon (dev:/srv)")
 	case sremote && !strings.HasPrefix(spath, "/"), dremote && !strings.HasPrefix(dpath, "/"):
-		return fmt.Errorf("%w: the path in a box must be absolute (dev:/srv, not dev:srv)", errUsage)
+		return usage("the path in a box must be absolute (dev:/srv, not dev:srv)")
 	}
 	boxName := sbox
 	if dremote {

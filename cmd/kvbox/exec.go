@@ -34,7 +34,7 @@ when the command cannot be run / is not found.`,
   kvbox exec --env CI=1 --workdir /srv/app --user app --timeout 5m dev -- make test`,
 		Args: func(c *cobra.Command, args []string) error {
 			if len(args) < 2 {
-				return fmt.Errorf("%w: kvbox exec takes a box name and a command (kvbox exec dev -- uname -a)", errUsage)
+				return usage("kvbox exec takes a box name and a command (kvbox exec dev -- uname -a)")
 			}
 			return nil
 		},
@@ -88,7 +88,7 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	if req.TTY {
 		in, ok := a.io.In.(*os.File)
 		if !ok || !term.IsTerminal(int(in.Fd())) {
-			return fmt.Errorf("%w: a terminal session needs a terminal on standard input", errUsage)
+			return usage("a terminal session needs a terminal on standard input")
 		}
 		fd := int(in.Fd())
 		if w, h, err := term.GetSize(fd); err == nil {

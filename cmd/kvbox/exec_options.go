@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"time"
 
@@ -38,14 +37,14 @@ func (o *execOptions) flags(c *cobra.Command) {
 func (o *execOptions) apply(req *agent.ExecRequest) error {
 	for _, kv := range o.env {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" || strings.ContainsAny(k, " \t\n") {
-			return fmt.Errorf("%w: --env %q: want NAME=VALUE", errUsage, kv)
+			return usage("--env %q: want NAME=VALUE", kv)
 		}
 	}
 	if o.timeout < 0 {
-		return fmt.Errorf("%w: --timeout %s: must be positive", errUsage, o.timeout)
+		return usage("--timeout %s: must be positive", o.timeout)
 	}
 	if o.workdir != "" && !strings.HasPrefix(o.workdir, "/") {
-		return fmt.Errorf("%w: --workdir %q: must be an absolute path in the box", errUsage, o.workdir)
+		return usage("--workdir %q: must be an absolute path in the box", o.workdir)
 	}
 	req.EnvAdd, req.Dir, req.User, req.Timeout = o.env, o.workdir, o.user, o.timeout
 	return nil

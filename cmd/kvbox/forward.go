@@ -157,7 +157,7 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
   kvbox port-forward dev 0.0.0.0:8080:8000 2222:22`,
 		Args: func(c *cobra.Command, args []string) error {
 			if len(args) < 2 {
-				return fmt.Errorf("%w: kvbox port-forward takes a box name and at least one [ADDR:]HOSTPORT:GUESTPORT", errUsage)
+				return usage("kvbox port-forward takes a box name and at least one [ADDR:]HOSTPORT:GUESTPORT")
 			}
 			return nil
 		},
@@ -236,7 +236,7 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 		Args: exactArgs(1, "one box name"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if port < 1 || port > 65535 {
-				return fmt.Errorf("%w: --port must be 1-65535", errUsage)
+				return usage("--port must be 1-65535")
 			}
 			ctx := c.Context()
 			var before func(*agent.Client) error

@@ -61,7 +61,7 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 		Args: exactArgs(2, "an image name and a disk file"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if o.Agent != "" && o.Agent != "yes" && o.Agent != "no" && o.Agent != "unknown" {
-				return fmt.Errorf("%w: --agent takes yes, no or unknown", errUsage)
+				return usage("--agent takes yes, no or unknown")
 			}
 			o.Disk = args[1]
 			im, err := a.images().Import(args[0], o)

@@ -34,7 +34,7 @@ unless the whole build succeeds.`,
 		Args: exactArgs(1, "the image to build: debian"),
 		RunE: func(c *cobra.Command, args []string) error {
 			if args[0] != "debian" {
-				return fmt.Errorf("%w: kvbox images build knows one image, debian (got %q); bring others with kvbox images import", errUsage, args[0])
+				return usage("kvbox images build knows one image, debian (got %q); bring others with kvbox images import", args[0])
 			}
 			o.Progress = &image.Progress{W: a.raw.Out, TTY: a.io.TTY, Text: printable}
 			im, built, err := image.BuildDebian(c.Context(), a.images(), o)

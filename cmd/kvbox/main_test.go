@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
 
@@ -88,20 +87,24 @@ func TestUnknownCommandIsUsage(t *testing.T) {
 	}
 }
 
-// The sentinel that picks the exit code is not printed after a sentence
-// that already says it.
-func TestMessageDropsSentinel(t *testing.T) {
+// An error's kind picks the exit code and is not in its text: what kvbox
+// prints is the sentence, and nothing is cut out of it.
+func TestErrorKindsNotInText(t *testing.T) {
 	for _, tc := range []struct {
 		err  error
 		want string
+		code int
 	}{
-		{domain.NoBoxError{Name: "nonexist"}, `box "nonexist" does not exist (kvbox ls lists boxes)`},
-		{base.Errorf(base.Busy, "box %q is paused", "a"), `box "a" is paused`},
-		{fmt.Errorf("%w: kvbox exec takes a box name", errUsage), "kvbox exec takes a box name"},
-		{errors.New("plain"), "plain"},
+		{domain.NoBoxError{Name: "nonexist"}, `box "nonexist" does not exist (kvbox ls lists boxes)`, exitNotFound},
+		{base.Errorf(base.Busy, "box %q is paused", "a"), `box "a" is paused`, exitBusy},
+		{usage("kvbox exec takes a box name"), "kvbox exec takes a box name", exitUsage},
+		{errors.New("plain"), "plain", exitError},
 	} {
-		if got := message(tc.err); got != tc.want {
-			t.Errorf("message(%q) = %q, want %q", tc.err, got, tc.want)
+		if got := tc.err.Error(); got != tc.want {
+			t.Errorf("%q prints %q, want %q", tc.err, got, tc.want)
+		}
+		if got := exitCode(tc.err); got != tc.code {
+			t.Errorf("%q exits %d, want %d", tc.err, got, tc.code)
 		}
 	}
 	if exitCode(domain.NoBoxError{Name: "x"}) != exitNotFound {

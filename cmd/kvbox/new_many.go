@@ -79,7 +79,7 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
 			r.timing = oc.Timings.String()
 		}
 		if oc.Err != nil {
-			r.Error = message(oc.Err)
+			r.Error = oc.Err.Error()
 		} else {
 			r.OK, r.IP, r.MAC, r.Expires = true, oc.Box.IP, oc.Box.MAC, oc.Box.Expires
 		}

@@ -38,7 +38,7 @@ func signalReady(fd int, err error) {
 	f := os.NewFile(uintptr(fd), "ready")
 	defer f.Close()
 	if err != nil {
-		fmt.Fprintf(f, "error: %s\n", message(err))
+		fmt.Fprintf(f, "error: %s\n", err.Error())
 		return
 	}
 	fmt.Fprintln(f, "ok")

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -90,7 +89,7 @@ func run(ctx context.Context, args []string, ios IO) int {
 	if errors.As(err, &ec) {
 		return ec.code
 	}
-	fmt.Fprintf(a.io.Err, "kvbox: %s\n", message(err))
+	fmt.Fprintf(a.io.Err, "kvbox: %s\n", err.Error())
 	return exitCode(err)
 }
 
@@ -99,7 +98,7 @@ func exitCode(err error) int {
 	switch {
 	case errors.Is(err, base.ErrInterrupted), errors.Is(err, context.Canceled):
 		return exitInterrupted
-	case errors.Is(err, base.ErrInvalid), errors.Is(err, errUsage):
+	case errors.Is(err, base.ErrInvalid):
 		return exitUsage
 	case errors.Is(err, base.ErrNotFound):
 		return exitNotFound
@@ -113,23 +112,10 @@ func exitCode(err error) int {
 	return exitError
 }
 
-var errUsage = errors.New("usage")
-
-// message is err's text for a person: without the sentinel that ends it
-// (": not found", ": busy"), which only picks the exit code and would
-// repeat what the sentence already says.
-func message(err error) string {
-	s := err.Error()
-	for _, e := range []error{base.ErrNotFound, base.ErrExists, base.ErrBusy, base.ErrInvalid, base.ErrUnavailable, errUsage} {
-		if t, ok := strings.CutSuffix(s, ": "+e.Error()); ok && t != "" {
-			return t
-		}
-		if t, ok := strings.CutPrefix(s, e.Error()+": "); ok && t != "" && e == errUsage {
-			return t
-		}
-	}
-	return s
-}
+// usage is an error in how kvbox was called: kind Invalid (exit 2), the
+// message as given. No error carries its kind in its text: the kind picks
+// the exit code, the text is printed as it is.
+func usage(format string, a ...any) error { return base.Errorf(base.Invalid, format, a...) }
 
 // rejectUnknown makes every command group (a command with subcommands)
 // fail with a usage error on a word it does not know, instead of printing
@@ -145,7 +131,7 @@ func rejectUnknown(c *cobra.Command) {
 	c.Args = cobra.ArbitraryArgs
 	c.RunE = func(c *cobra.Command, args []string) error {
 		if len(args) > 0 {
-			return fmt.Errorf("%w: unknown command %q for %q (see %s --help)", errUsage, args[0], c.CommandPath(), c.CommandPath())
+			return usage("unknown command %q for %q (see %s --help)", args[0], c.CommandPath(), c.CommandPath())
 		}
 		return c.Help()
 	}
@@ -167,7 +153,7 @@ and disk) while it runs on, and cloned warm from it.`,
 		SilenceErrors: true,
 	}
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
-		return fmt.Errorf("%w: %v (see %s --help)", errUsage, err, c.CommandPath())
+		return usage("%v (see %s --help)", err, c.CommandPath())
 	})
 	pf := root.PersistentFlags()
 	pf.StringVarP(&a.uri, "connect", "c", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
@@ -233,7 +219,7 @@ func (a *app) absPaths() error {
 		}
 		abs, err := filepath.Abs(*p.v)
 		if err != nil {
-			return fmt.Errorf("%w: %s %q is relative and the working directory cannot be read (%v): give an absolute path", errUsage, p.flag, *p.v, err)
+			return usage("%s %q is relative and the working directory cannot be read (%v): give an absolute path", p.flag, *p.v, err)
 		}
 		*p.v = abs
 	}
@@ -278,7 +264,7 @@ func (a *app) lib() (*kvbox.Host, error) {
 	switch a.domType {
 	case "auto", "", "kvm", "qemu":
 	default:
-		return nil, fmt.Errorf("%w: --domain-type %q: give auto, kvm or qemu", errUsage, a.domType)
+		return nil, usage("--domain-type %q: give auto, kvm or qemu", a.domType)
 	}
 	ctx := a.ctx
 	if ctx == nil {
@@ -318,7 +304,7 @@ func (a *app) images() image.Store {
 func exactArgs(n int, what string) cobra.PositionalArgs {
 	return func(c *cobra.Command, args []string) error {
 		if len(args) != n {
-			return fmt.Errorf("%w: %s takes %s (see %s --help)", errUsage, c.CommandPath(), what, c.CommandPath())
+			return usage("%s takes %s (see %s --help)", c.CommandPath(), what, c.CommandPath())
 		}
 		return nil
 	}

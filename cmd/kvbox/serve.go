@@ -83,7 +83,7 @@ var apiKeyRe = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
 // SDK version's check takes it) root's only; made says it was made now.
 func (a *app) serveKey() (key string, made bool, err error) {
 	if os.Geteuid() != 0 {
-		return "", false, fmt.Errorf("%w: kvbox serve's key is root's: run it as root", base.ErrUnavailable)
+		return "", false, base.Errorf(base.Unavailable, "kvbox serve's key is root's: run it as root")
 	}
 	dir := a.serveDir()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -105,7 +105,7 @@ func (a *app) serveKey() (key string, made bool, err error) {
 		}
 		key := strings.TrimSpace(string(b))
 		if !apiKeyRe.MatchString(key) {
-			return "", false, fmt.Errorf("%w: %s does not hold an API key (e2b_ and 40 hex digits): remove it and kvbox serve key makes one", base.ErrInvalid, path)
+			return "", false, base.Errorf(base.Invalid, "%s does not hold an API key (e2b_ and 40 hex digits): remove it and kvbox serve key makes one", path)
 		}
 		return key, false, nil
 	}
@@ -138,12 +138,12 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 	}
 	lock, err := base.Lock(filepath.Join(a.serveDir(), "lock"), false)
 	if err != nil {
-		return fmt.Errorf("%w: another kvbox serve runs on state dir %s (%v)", base.ErrBusy, a.stateDir, err)
+		return base.Errorf(base.Busy, "another kvbox serve runs on state dir %s (%v)", a.stateDir, err)
 	}
 	defer lock.Unlock()
 	l, err := net.Listen("tcp", o.listen)
 	if err != nil {
-		return fmt.Errorf("%w: --listen %s: %v", errUsage, o.listen, err)
+		return usage("--listen %s: %v", o.listen, err)
 	}
 	defer l.Close()
 	addr := l.Addr().(*net.TCPAddr)

@@ -44,7 +44,7 @@ type kindError struct {
 	kind error
 }
 
-func (e kindError) Error() string   { return message(e.err) }
+func (e kindError) Error() string   { return e.err.Error() }
 func (e kindError) Unwrap() []error { return []error{e.err, e.kind} }
 
 // serveErr gives err the kind serve tells its clients apart by.

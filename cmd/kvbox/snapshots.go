@@ -170,7 +170,7 @@ func newSnapshotExpiry(given bool, ttl string) (*time.Time, error) {
 		return nil, err
 	}
 	if !ok {
-		return nil, fmt.Errorf("%w: --ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", errUsage, ttl)
+		return nil, usage("--ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", ttl)
 	}
 	t := time.Now().Add(d)
 	return &t, nil

@@ -43,7 +43,7 @@ func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 	}
 	if f.passwordStdin {
 		if f.username == "" {
-			return o, fmt.Errorf("--password-stdin needs --username: %w", errUsage)
+			return o, usage("--password-stdin needs --username")
 		}
 		line, err := bufio.NewReader(a.io.In).ReadString('\n')
 		if err != nil && err != io.EOF {
@@ -51,7 +51,7 @@ func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 		}
 		o.Password = strings.TrimRight(line, "\r\n")
 	} else if f.username != "" {
-		return o, fmt.Errorf("--username needs --password-stdin: %w", errUsage)
+		return o, usage("--username needs --password-stdin")
 	}
 	return o, nil
 }

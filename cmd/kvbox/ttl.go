@@ -29,10 +29,10 @@ func parseTTL(s string) (d time.Duration, ok bool, err error) {
 	}
 	d, err = time.ParseDuration(s)
 	if err != nil || d <= 0 {
-		return 0, false, fmt.Errorf("%w: TTL %q: give a positive duration like 20s, 30m, 2h or 3d, or none", errUsage, s)
+		return 0, false, usage("TTL %q: give a positive duration like 20s, 30m, 2h or 3d, or none", s)
 	}
 	if d < time.Second {
-		return 0, false, fmt.Errorf("%w: TTL %q: give at least 1s", errUsage, s)
+		return 0, false, usage("TTL %q: give at least 1s", s)
 	}
 	return d, true, nil
 }

@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/base"
 )
 
 func TestParseTTL(t *testing.T) {
@@ -29,7 +31,7 @@ func TestParseTTL(t *testing.T) {
 	} {
 		d, ok, err := parseTTL(c.in)
 		if c.bad {
-			if !errors.Is(err, errUsage) {
+			if !errors.Is(err, base.ErrInvalid) {
 				t.Errorf("parseTTL(%q) = %v, %v, %v; want a usage error", c.in, d, ok, err)
 			}
 			continue
