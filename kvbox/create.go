@@ -33,6 +33,8 @@ type CreateRequest struct {
 	// Publish forwards host ports to the box while it lives; a host port
 	// 0 gets the one the kernel picks, written back here.
 	Publish []Port
+	// Labels are kept with the box (Box.Labels), root's alone.
+	Labels map[string]string
 	// AgentTimeout bounds the wait for the box's agent (90s when 0).
 	AgentTimeout time.Duration
 	Progress     progress.Reporter
@@ -43,6 +45,7 @@ type CloneRequest struct {
 	Snapshot, Name string
 	Expires        *time.Time
 	Publish        []Port
+	Labels         map[string]string
 	// AgentTimeout bounds the wait for the agent and the identity (90s
 	// when 0); HooksTimeout the after-clone hooks, all of them
 	// (agent.DefaultHooksDeadline when 0).
@@ -51,7 +54,7 @@ type CloneRequest struct {
 }
 
 // Create boots a new box from an image, waits for its agent and gives it
-// its deadline and published ports: the box with all of them, or nothing
+// its deadline, labels and published ports: the box with all of them, or nothing
 // (everything made is removed). The ports are bound before the box is
 // made: a taken one makes nothing.
 func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings, error) {
@@ -70,7 +73,7 @@ func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings
 	if err != nil {
 		return Box{}, tm, err
 	}
-	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
+	out, err := h.finish(ctx, b, req.Expires, req.Labels, req.Publish, ls)
 	return out, tm, err
 }
 
@@ -149,7 +152,7 @@ func (h *Host) Clone(ctx context.Context, req CloneRequest) (Box, step.Timings, 
 	if err != nil {
 		return Box{}, tm, err
 	}
-	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
+	out, err := h.finish(ctx, b, req.Expires, req.Labels, req.Publish, ls)
 	return out, tm, err
 }
 
@@ -195,7 +198,10 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 
 // finish gives a box just made what the request asked for besides the box
 // itself; a box that cannot have it all is removed.
-func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, ports []Port, ls []*net.TCPListener) (Box, error) {
+func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, labels map[string]string, ports []Port, ls []*net.TCPListener) (Box, error) {
+	if err := h.setLabels(b, labels); err != nil {
+		return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not keep its labels, so it is removed: %w", b.Name, err))
+	}
 	if expires != nil {
 		var err error
 		if b, err = h.SetExpires(ctx, b.Name, expires); err != nil {
@@ -207,7 +213,7 @@ func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, por
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("%w: box %s removed", err, b.Name))
 		}
 	}
-	return Box{Box: b, Published: ports}, nil
+	return Box{Box: b, Published: ports, Labels: h.labels(b)}, nil
 }
 
 // undo removes box name, which could not be made whole, and returns why
