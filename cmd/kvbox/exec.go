@@ -70,19 +70,15 @@ func (a *app) newCmdConnect() *cobra.Command {
 // runExec runs req in the box. With a TTY, the local terminal goes to raw
 // mode and follows window size changes.
 func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) error {
-	h, err := a.Host()
+	k, err := a.lib()
 	if err != nil {
 		return err
 	}
-	b, err := h.Get(name)
+	s, err := k.Session(c.Context(), name)
 	if err != nil {
 		return err
 	}
-	client, err := a.dial(c.Context(), h, b)
-	if err != nil {
-		return err
-	}
-	defer client.Close()
+	defer s.Close()
 
 	var resize chan agent.WinSize
 	if req.TTY {
@@ -122,11 +118,8 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 			}
 		}()
 	}
-	if err := execCompat(c.Context(), client, &req); err != nil {
-		return fmt.Errorf("exec in box %q: %w", name, err)
-	}
 	// The command's bytes, raw: exec and connect are a terminal's own.
-	code, err := client.Exec(c.Context(), req, a.raw.In, a.raw.Out, a.raw.Err, resize)
+	code, err := s.Exec(c.Context(), req, a.raw.In, a.raw.Out, a.raw.Err, resize)
 	var re *agent.RemoteError
 	var te *agent.TimeoutError
 	if errors.As(err, &te) {

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"strings"
 	"time"
 
@@ -47,33 +46,6 @@ func (o *execOptions) apply(req *agent.ExecRequest) error {
 		return usage("--workdir %q: must be an absolute path in the box", o.workdir)
 	}
 	req.EnvAdd, req.Dir, req.User, req.Timeout = o.env, o.workdir, o.user, o.timeout
-	return nil
-}
-
-// execCompat makes req work with the agent behind client: an agent that
-// predates --user is refused (it would ignore the field and run the
-// command as root), and for one that predates --env the variables are sent
-// on top of the defaults as a whole environment, which every agent honours.
-func execCompat(ctx context.Context, client *agent.Client, req *agent.ExecRequest) error {
-	if req.User == "" && len(req.EnvAdd) == 0 {
-		return nil
-	}
-	in, err := client.Ping(ctx)
-	if err != nil {
-		return err
-	}
-	if in.Has(agent.FeatureExecUser) {
-		return nil
-	}
-	if req.User != "" {
-		return in.Require("--user", agent.FeatureExecUser)
-	}
-	base := req.Env
-	if len(base) == 0 {
-		base = agent.DefaultEnv(req.TTY, "")
-	}
-	req.Env = agent.MergeEnv(base, req.EnvAdd)
-	req.EnvAdd = nil
 	return nil
 }
 
