@@ -129,12 +129,13 @@ func (h *Host) Start(ctx context.Context, name string, agentTimeout time.Duratio
 }
 
 // Stop shuts box name down through ACPI and pulls the plug after timeout,
-// or at once with force. Its port holder ends first.
+// or at once with force. Its port holder and agent streams end first.
 func (h *Host) Stop(ctx context.Context, name string, force bool, timeout time.Duration) error {
 	if b, err := h.d.Get(name); err == nil {
 		if err := h.stopPublish(b); err != nil {
 			return err
 		}
 	}
+	h.dropForwarder(name)
 	return h.d.Stop(ctx, name, timeout, force)
 }

@@ -17,7 +17,9 @@
 // deadline and published ports, or nothing), Snapshot, Snapshots and
 // GetSnapshot, Remove and RemoveSnapshot
 // with everything they imply,
-// Start and Stop with the box's published ports, Suspend and Resume, the
+// Start and Stop with the box's published ports, Suspend and Resume,
+// Exec, Dial, Connect and ServePorts (streams into a box through its
+// agent, one shared connection per box), the
 // TTL (SetExpires, Sweep, RunReaper). Long operations report to a
 // progress.Reporter (nil: nobody). The commands that do not go through it yet reach
 // its libvirt side through Host.Domain.

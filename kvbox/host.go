@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"time"
 
@@ -67,6 +68,9 @@ type Host struct {
 	layout statedir.Layout
 	snaps  snapshot.Store
 	images image.Store
+
+	fwdMu sync.Mutex
+	fwds  map[string]*sharedForwarder // by box name (forward.go)
 }
 
 // Open checks cfg, connects to libvirt, secures the state directory,
@@ -119,7 +123,8 @@ func newHost(ctx context.Context, cfg Config) (*Host, error) {
 		DomainTypeOverride: cfg.DomainType, Interrupt: ctx.Done()}
 	d.SetConn(conn)
 	l := d.Layout()
-	return &Host{cfg: cfg, d: d, layout: l, snaps: snapshot.Store{Dir: l.Snapshots()}, images: image.Store{Dir: l.Images()}}, nil
+	return &Host{cfg: cfg, d: d, layout: l, snaps: snapshot.Store{Dir: l.Snapshots()}, images: image.Store{Dir: l.Images()},
+		fwds: map[string]*sharedForwarder{}}, nil
 }
 
 // fill puts the defaults in and checks what is given.
@@ -156,8 +161,16 @@ func (c *Config) fill() error {
 	return nil
 }
 
-// Close ends the Host's libvirt connection.
-func (h *Host) Close() error { return h.d.Close() }
+// Close ends the Host's agent connections and its libvirt connection.
+func (h *Host) Close() error {
+	h.fwdMu.Lock()
+	for name, f := range h.fwds {
+		f.close()
+		delete(h.fwds, name)
+	}
+	h.fwdMu.Unlock()
+	return h.d.Close()
+}
 
 // StateDir is the Host's state directory, absolute.
 func (h *Host) StateDir() string { return h.cfg.StateDir }

@@ -42,6 +42,7 @@ func (h *Host) removeIf(ctx context.Context, name string, force bool, check func
 			return err
 		}
 		h.stopReaper(ReapBox, name)
+		h.dropForwarder(name)
 		return nil
 	})
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 func (h *Host) Suspend(ctx context.Context, name string, p progress.Reporter) (suspend.SuspendResult, error) {
 	st := progress.Of(p).Stage("saving " + name)
 	defer st.End()
+	h.dropForwarder(name)
 	return suspend.Suspend(ctx, h.d, name)
 }
 

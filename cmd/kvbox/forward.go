@@ -1,146 +1,20 @@
 package main
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
-	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/kvbox"
+	"kvbox.dev/kvbox/statedir"
 )
-
-// openForwarder reaches the box's agent and makes its connection a stream
-// carrier.
-func (a *app) openForwarder(ctx context.Context, name string, before func(*agent.Client) error) (*domain.Host, *agent.Forwarder, error) {
-	h, err := a.Host()
-	if err != nil {
-		return nil, nil, err
-	}
-	b, err := h.Get(name)
-	if err != nil {
-		return nil, nil, err
-	}
-	client, err := a.dial(ctx, h, b)
-	if err != nil {
-		return nil, nil, err
-	}
-	if before != nil {
-		if err := before(client); err != nil {
-			client.Close()
-			return nil, nil, fmt.Errorf("box %q: %w", name, err)
-		}
-	}
-	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
-	defer cancel()
-	f, err := client.Forward(dctx)
-	if err == nil {
-		// A connection the guest never answers ends, and with it its
-		// goroutine and socket (a port holder lives as long as the box).
-		f.DialDeadline = a.dialTimeout
-		// A snapshot of the box changes its agent token, which ends this
-		// connection's rights: the forwarder presents the new one.
-		f.Tokens = func() [][]byte { return domain.AgentTokens(b.Dir) }
-	}
-	if err != nil {
-		client.Close()
-		if errors.Is(err, agent.ErrNoForward) {
-			return nil, nil, base.Errorf(base.Unavailable, "box %q: %v", name, err)
-		}
-		return nil, nil, fmt.Errorf("box %q: %w", name, err)
-	}
-	return h, f, nil
-}
-
-// serveForwards accepts on every listener and carries each connection to
-// its guest port until ctx ends or the box's agent connection ends. A
-// connection the guest refuses is closed and reported on one line.
-func (a *app) serveForwards(ctx context.Context, name string, f *agent.Forwarder, specs []kvbox.Port, ls []*net.TCPListener) {
-	var wg sync.WaitGroup
-	var emu sync.Mutex
-	for i, l := range ls {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				c, err := l.AcceptTCP()
-				if err != nil {
-					return
-				}
-				go func() {
-					if _, err := f.Connect(ctx, specs[i].GuestAddr(), c); err != nil {
-						c.SetLinger(0)
-						c.Close()
-						if ctx.Err() == nil {
-							emu.Lock()
-							fmt.Fprintf(a.io.Err, "kvbox: %s -> %s:%d: %s\n", specs[i].ListenAddr(), name, specs[i].GuestPort, remoteMessage(err))
-							emu.Unlock()
-						}
-					}
-				}()
-			}
-		}()
-	}
-	select {
-	case <-ctx.Done():
-	case <-f.Done():
-	}
-	for _, l := range ls {
-		l.Close()
-	}
-	wg.Wait()
-}
-
-func remoteMessage(err error) string {
-	var re *agent.RemoteError
-	if errors.As(err, &re) {
-		return re.Message
-	}
-	return err.Error()
-}
-
-// boxGone says how a forward to name ended when the agent connection went
-// away.
-func (a *app) boxGone(h *domain.Host, name string, f *agent.Forwarder) error {
-	why := f.Err()
-	// The channel closes as QEMU ends, a moment before libvirt says so.
-	// A removed box is stopped first, then undefined: a box seen stopped
-	// is said stopped only if it is still there a second later.
-	deadline := time.Now().Add(5 * time.Second)
-	var stoppedAt time.Time
-	var state domain.State
-	for {
-		b, err := h.Get(name)
-		switch {
-		case errors.Is(err, base.ErrNotFound):
-			return fmt.Errorf("box %q was removed: port forwarding ended", name)
-		case err == nil && b.State != domain.StateRunning:
-			if stoppedAt.IsZero() {
-				stoppedAt, state = time.Now(), b.State
-			}
-		}
-		if !stoppedAt.IsZero() && time.Since(stoppedAt) > time.Second {
-			return fmt.Errorf("box %q is %s: port forwarding ended", name, state)
-		}
-		if time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return fmt.Errorf("box %q: the agent connection ended (%v): port forwarding ended", name, why)
-}
 
 func (a *app) newCmdPortForward() *cobra.Command {
 	var listenFDs bool
@@ -175,24 +49,29 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 			if err != nil {
 				return err
 			}
-			ctx := c.Context()
-			h, f, err := a.openForwarder(ctx, args[0], nil)
-			signalReady(readyFD, err)
+			k, err := a.lib()
 			if err != nil {
-				for _, l := range ls {
-					l.Close()
-				}
+				signalReady(readyFD, err)
+				closeAll(ls)
 				return err
 			}
-			defer f.Close()
-			for _, p := range specs {
-				fmt.Fprintf(a.io.Out, "forwarding %s -> %s:%d\n", p.ListenAddr(), args[0], p.GuestPort)
+			var mu sync.Mutex
+			ready := func(err error) {
+				signalReady(readyFD, err)
+				if err != nil {
+					return
+				}
+				for _, p := range specs {
+					fmt.Fprintf(a.io.Out, "forwarding %s -> %s:%d\n", p.ListenAddr(), args[0], p.GuestPort)
+				}
 			}
-			a.serveForwards(ctx, args[0], f, specs, ls)
-			if ctx.Err() != nil {
-				return nil // Ctrl-C is how it is meant to end
+			refused := func(p kvbox.Port, err error) {
+				mu.Lock()
+				defer mu.Unlock()
+				fmt.Fprintf(a.io.Err, "kvbox: %s -> %s:%d: %s\n", p.ListenAddr(), args[0], p.GuestPort, kvbox.RemoteMessage(err))
 			}
-			return a.boxGone(h, args[0], f)
+			// Ctrl-C is how it is meant to end: ServePorts returns nil then.
+			return k.ServePorts(c.Context(), args[0], specs, ls, ready, refused)
 		},
 	}
 	c.Flags().BoolVar(&listenFDs, "listen-fds", false, "use listeners inherited as fds 3.. (one per port, for new --publish)")
@@ -239,31 +118,16 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 				return usage("--port must be 1-65535")
 			}
 			ctx := c.Context()
-			var before func(*agent.Client) error
-			if installKey {
-				pub, err := a.sshKey()
-				if err != nil {
-					return err
-				}
-				before = func(cl *agent.Client) error { return authorizeKey(ctx, cl, pub) }
-			}
-			h, f, err := a.openForwarder(ctx, args[0], before)
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			defer f.Close()
-			ended, err := f.Connect(ctx, "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.raw.In, a.raw.Out})
-			if err != nil {
-				return fmt.Errorf("box %q port %d: %s", args[0], port, remoteMessage(err))
+			if installKey {
+				if err := k.AuthorizeSSHKey(ctx, args[0]); err != nil {
+					return err
+				}
 			}
-			select {
-			case <-ended:
-				return nil
-			case <-ctx.Done():
-				return nil
-			case <-f.Done():
-				return a.boxGone(h, args[0], f)
-			}
+			return k.Connect(ctx, args[0], "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.raw.In, a.raw.Out})
 		},
 	}
 	c.Flags().IntVar(&port, "port", 22, "the guest port to connect to")
@@ -327,38 +191,12 @@ changed key.`,
 	return c
 }
 
-func (a *app) sshKeyPath() string { return filepath.Join(a.stateDir, "ssh", "id_ed25519") }
+// sshKeyPath is kvbox's SSH key of the state dir (kvbox.Host.SSHKey makes
+// it).
+func (a *app) sshKeyPath() string { return statedir.Layout{Root: a.stateDir}.SSHKey() }
 
-// sshKey returns kvbox's SSH public key, making the pair on first use.
-func (a *app) sshKey() (string, error) {
-	k := a.sshKeyPath()
-	if _, err := os.Stat(k + ".pub"); err != nil {
-		if err := os.MkdirAll(filepath.Dir(k), 0o700); err != nil {
-			return "", err
-		}
-		out, err := exec.Command("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvbox", "-f", k).CombinedOutput()
-		if err != nil {
-			return "", fmt.Errorf("make kvbox's SSH key %s: %v: %s", k, err, strings.TrimSpace(string(out)))
-		}
+func closeAll(ls []*net.TCPListener) {
+	for _, l := range ls {
+		l.Close()
 	}
-	b, err := os.ReadFile(k + ".pub")
-	return strings.TrimSpace(string(b)), err
-}
-
-// authorizeKeyScript adds $1 to root's authorized_keys once, in a box with
-// sshd.
-const authorizeKeyScript = `[ -x /usr/sbin/sshd ] || exit 0
-umask 077; mkdir -p /root/.ssh; touch /root/.ssh/authorized_keys
-grep -qxF "$1" /root/.ssh/authorized_keys || printf '%s\n' "$1" >>/root/.ssh/authorized_keys`
-
-func authorizeKey(ctx context.Context, c *agent.Client, pub string) error {
-	var stderr strings.Builder
-	code, err := c.Exec(ctx, agent.ExecRequest{Argv: []string{"/bin/sh", "-c", authorizeKeyScript, "sh", pub}}, nil, nil, &stderr, nil)
-	if err == nil && code != 0 {
-		err = fmt.Errorf("exit %d: %s", code, strings.TrimSpace(stderr.String()))
-	}
-	if err != nil {
-		return fmt.Errorf("add kvbox's SSH key to root's authorized_keys: %w", err)
-	}
-	return nil
 }
