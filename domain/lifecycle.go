@@ -49,6 +49,8 @@ type Spec struct {
 	// group's bridge, made with its first box, where its boxes reach each
 	// other and nothing else that isolated boxes cannot reach.
 	Group string
+	// Labels go in the box's metadata from its definition on (Meta.Labels).
+	Labels []Label
 }
 
 // Validate checks a spec before anything is created.
@@ -197,7 +199,7 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 	meta := Meta{
 		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: nc.Subnet.Bits(), Gateway: nc.Gateway().String(),
 		MAC: network.NewMAC(), Bridge: nc.Bridge, Group: s.Group, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
-		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second),
+		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second), Labels: s.Labels,
 	}
 	if s.NoNetwork {
 		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge = "", 0, "", "", ""

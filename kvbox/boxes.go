@@ -2,15 +2,9 @@ package kvbox
 
 import (
 	"context"
-	"encoding/json"
-	"os"
-	"path/filepath"
 	"time"
 
-	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/overlay"
-	"kvbox.dev/kvbox/statedir"
 )
 
 // Box is a box as kvbox lists it (kvbox ls --json).
@@ -19,10 +13,12 @@ type Box struct {
 	// Published are the host ports forwarded to it (kvbox new --publish)
 	// while its port holder lives.
 	Published []Port `json:"published,omitempty"`
-	// Labels are what its creator attached to it (a sandbox's metadata,
-	// a pod's namespace, name and uid). They are kept root's alone in the
-	// state dir, never in the domain XML, which libvirt's read-only
-	// connection shows to every local user: their values may be secrets.
+	// Labels are what its creator attached to it (a sandbox's template
+	// and metadata, a pod's namespace, name and uid), in the domain's
+	// metadata from its definition on (domain.Meta.Labels): a box is never
+	// seen without them. libvirt's read-only connection shows them to
+	// local users: never a secret (a front keeps its secrets elsewhere, as
+	// kvbox serve does in its folder of the state dir).
 	Labels map[string]string `json:"labels,omitempty"`
 }
 
@@ -64,51 +60,19 @@ func (h *Host) Box(ctx context.Context, name string) (Box, error) {
 
 // box is b with what kvbox keeps of it besides libvirt.
 func (h *Host) box(b domain.Box) Box {
-	return Box{Box: b, Published: h.publishedPorts(b), Labels: h.labels(b)}
+	return Box{Box: b, Published: h.publishedPorts(b), Labels: domain.LabelMap(b.Labels)}
 }
 
-// labelsRecord is a box's labels file: its UUID (the labels of an earlier
-// box of its name are not this one's) and its labels.
-type labelsRecord struct {
-	UUID   string            `json:"uuid"`
-	Labels map[string]string `json:"labels"`
-}
-
-// maxLabels bounds what is read of a labels file.
-const maxLabels = 1 << 20
-
-// labels are box b's labels (nil without any).
-func (h *Host) labels(b domain.Box) map[string]string {
-	data, err := readBounded(h.layout.Labels(b.Name), maxLabels)
-	var r labelsRecord
-	if err != nil || json.Unmarshal(data, &r) != nil || r.UUID == "" || r.UUID != b.UUID {
-		return nil
-	}
-	return r.Labels
-}
-
-// setLabels keeps box b's labels, root's alone (0600 in a 0700 folder).
-func (h *Host) setLabels(b domain.Box, labels map[string]string) error {
-	if len(labels) == 0 {
-		return nil
-	}
-	for k := range labels {
-		if k == "" {
-			return base.Errorf(base.Invalid, "a label needs a name")
+// labels checks labels and returns them as the domain keeps them: a label
+// that could not be kept as given refuses the request before anything is
+// made.
+func labels(m map[string]string) ([]domain.Label, error) {
+	for k, v := range m {
+		if err := domain.ValidLabel(k, v); err != nil {
+			return nil, err
 		}
 	}
-	data, err := json.Marshal(labelsRecord{UUID: b.UUID, Labels: labels})
-	if err != nil {
-		return err
-	}
-	if len(data) > maxLabels {
-		return base.Errorf(base.Invalid, "labels of box %q: %d bytes, at most %d", b.Name, len(data), maxLabels)
-	}
-	path := h.layout.Labels(b.Name)
-	if err := os.MkdirAll(filepath.Dir(path), statedir.PrivateDirMode); err != nil {
-		return err
-	}
-	return overlay.WriteFileAtomic(path, data, 0o600)
+	return domain.Labels(m), nil
 }
 
 // Start boots a stopped box, waits until its agent answers (agentTimeout,

@@ -33,7 +33,8 @@ type CreateRequest struct {
 	// Publish forwards host ports to the box while it lives; a host port
 	// 0 gets the one the kernel picks, written back here.
 	Publish []Port
-	// Labels are kept with the box (Box.Labels), root's alone.
+	// Labels are kept with the box (Box.Labels), in its definition:
+	// never a secret.
 	Labels map[string]string
 	// AgentTimeout bounds the wait for the box's agent (90s when 0).
 	AgentTimeout time.Duration
@@ -73,13 +74,17 @@ func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings
 	if err != nil {
 		return Box{}, tm, err
 	}
-	out, err := h.finish(ctx, b, req.Expires, req.Labels, req.Publish, ls)
+	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
 	return out, tm, err
 }
 
 // spec checks req and finds its image: nothing is made when req is wrong.
 func (h *Host) spec(req CreateRequest) (domain.Spec, error) {
 	group, noNet, err := parseNetwork(req.Network)
+	if err != nil {
+		return domain.Spec{}, err
+	}
+	ls, err := labels(req.Labels)
 	if err != nil {
 		return domain.Spec{}, err
 	}
@@ -95,7 +100,7 @@ func (h *Host) spec(req CreateRequest) (domain.Spec, error) {
 		timeout = 90 * time.Second
 	}
 	return domain.Spec{Name: req.Name, CPUs: req.CPUs, MemoryBytes: req.MemoryBytes, DiskBytes: req.DiskBytes,
-		AgentTimeout: timeout, NoNetwork: noNet, Group: group,
+		AgentTimeout: timeout, NoNetwork: noNet, Group: group, Labels: ls,
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}, nil
 }
@@ -152,7 +157,7 @@ func (h *Host) Clone(ctx context.Context, req CloneRequest) (Box, step.Timings, 
 	if err != nil {
 		return Box{}, tm, err
 	}
-	out, err := h.finish(ctx, b, req.Expires, req.Labels, req.Publish, ls)
+	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
 	return out, tm, err
 }
 
@@ -160,6 +165,9 @@ func (h *Host) Clone(ctx context.Context, req CloneRequest) (Box, step.Timings, 
 // able to restore.
 func (h *Host) cloneable(req CloneRequest) (snapshot.Snapshot, error) {
 	if err := base.ValidName(req.Name); err != nil {
+		return snapshot.Snapshot{}, err
+	}
+	if _, err := labels(req.Labels); err != nil {
 		return snapshot.Snapshot{}, err
 	}
 	snap, err := h.snaps.Get(req.Snapshot)
@@ -193,15 +201,17 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 	if timeout <= 0 {
 		timeout = 90 * time.Second
 	}
-	return snapshot.CloneWith(ctx, h.d, snap, req.Name, snapshot.CloneOptions{AgentTimeout: timeout, HooksDeadline: req.HooksTimeout})
+	ls, err := labels(req.Labels)
+	if err != nil {
+		return domain.Box{}, nil, err
+	}
+	return snapshot.CloneWith(ctx, h.d, snap, req.Name, snapshot.CloneOptions{AgentTimeout: timeout, HooksDeadline: req.HooksTimeout,
+		Labels: ls})
 }
 
 // finish gives a box just made what the request asked for besides the box
 // itself; a box that cannot have it all is removed.
-func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, labels map[string]string, ports []Port, ls []*net.TCPListener) (Box, error) {
-	if err := h.setLabels(b, labels); err != nil {
-		return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not keep its labels, so it is removed: %w", b.Name, err))
-	}
+func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, ports []Port, ls []*net.TCPListener) (Box, error) {
 	if expires != nil {
 		var err error
 		if b, err = h.SetExpires(ctx, b.Name, expires); err != nil {
@@ -213,7 +223,7 @@ func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, lab
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("%w: box %s removed", err, b.Name))
 		}
 	}
-	return Box{Box: b, Published: ports, Labels: h.labels(b)}, nil
+	return Box{Box: b, Published: ports, Labels: domain.LabelMap(b.Labels)}, nil
 }
 
 // undo removes box name, which could not be made whole, and returns why

@@ -2,14 +2,17 @@ package kvbox
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"reflect"
 	"testing"
+	"time"
+
+	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/domain"
 )
 
-// A box's labels are root's alone, listed with that box only (not with a
-// later box of its name), and go with it.
+// A box's labels are in its definition: listed with it (and with a later
+// box of its name only if that box has them too); a label the domain could
+// not keep as given refuses a request before anything is made.
 func TestLabels(t *testing.T) {
 	k, d := testDriverHost(t)
 	ctx := context.Background()
@@ -20,45 +23,49 @@ func TestLabels(t *testing.T) {
 			dom.Free()
 		}
 	})
-	defineTestBox(t, d, name, nil)
-	b, err := d.Get(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := map[string]string{"e2b.sandbox": "sb-1", "env.TOKEN": "secret"}
-	if err := k.setLabels(b, want); err != nil {
-		t.Fatal(err)
-	}
+	want := map[string]string{"e2b.template": "base", "kubernetes.pod": "default/web-0"}
+	defineLabelledBox(t, d, name, domain.Labels(want))
 	got, err := k.Box(ctx, name)
 	if err != nil || !reflect.DeepEqual(got.Labels, want) {
 		t.Fatalf("labels %v, %v; want %v", got.Labels, err, want)
 	}
-	path := k.layout.Labels(name)
-	for p, mode := range map[string]os.FileMode{path: 0o600, filepath.Dir(path): 0o700 | os.ModeDir} {
-		if fi, err := os.Stat(p); err != nil || fi.Mode() != mode {
-			t.Errorf("%s: %v, %v; want mode %v", p, fi.Mode(), err, mode)
-		}
-	}
-	if err := k.setLabels(b, map[string]string{"": "x"}); err == nil {
-		t.Error("a label without a name was kept")
+	all, err := k.Boxes(ctx)
+	if err != nil || len(all) != 1 || !reflect.DeepEqual(all[0].Labels, want) {
+		t.Fatalf("Boxes: %+v, %v; want one box with %v", all, err, want)
 	}
 
 	// A new box of the name does not get the old one's labels.
 	undefineTestBox(t, d, name)
-	defineTestBox(t, d, name, nil)
+	defineLabelledBox(t, d, name, nil)
 	if got, err := k.Box(ctx, name); err != nil || got.Labels != nil {
 		t.Errorf("a new box of the name lists the old one's labels: %v, %v", got.Labels, err)
 	}
 
-	// Remove takes them with the box.
-	b, _ = d.Get(name)
-	if err := k.setLabels(b, want); err != nil {
+	// Refused before anything is looked up or made.
+	for _, bad := range []map[string]string{{"": "x"}, {"k": "a\x00b"}, {"k\n": "v"}, {"k": "\xff"}} {
+		_, _, err := k.Create(ctx, CreateRequest{Name: "kvbox-unit-labels-new", Labels: bad})
+		if base.KindOf(err) != base.Invalid {
+			t.Errorf("Create with labels %q: %v, want an Invalid error", bad, err)
+		}
+		_, _, err = k.Clone(ctx, CloneRequest{Name: "kvbox-unit-labels-new", Snapshot: "none", Labels: bad})
+		if base.KindOf(err) != base.Invalid {
+			t.Errorf("Clone with labels %q: %v, want an Invalid error", bad, err)
+		}
+	}
+}
+
+// defineLabelledBox defines a stopped box called name on the test driver
+// with labels in its metadata.
+func defineLabelledBox(t *testing.T, h *domain.Host, name string, labels []domain.Label) {
+	t.Helper()
+	md, err := domain.MarshalMeta(domain.Meta{Dir: h.Layout().Box(name), Created: time.Now().UTC(), Transport: "virtio-serial", Labels: labels})
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := k.Remove(ctx, name, true); err != nil {
-		t.Fatal(err)
+	dom, err := h.Conn().DomainDefineXML(`<domain type='test'><name>` + name + `</name><memory unit='KiB'>65536</memory><vcpu>1</vcpu>
+<os><type>hvm</type></os><metadata>` + md + `</metadata></domain>`)
+	if err != nil {
+		t.Fatalf("define %s: %v", name, err)
 	}
-	if _, err := os.Stat(path); !os.IsNotExist(err) {
-		t.Errorf("the labels outlive the box: %v", err)
-	}
+	dom.Free()
 }

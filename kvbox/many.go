@@ -61,7 +61,7 @@ func (h *Host) CreateMany(ctx context.Context, req CreateRequest, names []string
 		s := spec
 		s.Name = name
 		return h.d.CreateTimed(ctx, s)
-	}, req.Expires, req.Labels), nil
+	}, req.Expires), nil
 }
 
 // CloneMany starts one warm clone of req per name, in parallel, as
@@ -84,7 +84,7 @@ func (h *Host) CloneMany(ctx context.Context, req CloneRequest, names []string) 
 		r := req
 		r.Name = name
 		return h.clone(ctx, snap, r)
-	}, req.Expires, req.Labels), nil
+	}, req.Expires), nil
 }
 
 // allFree refuses the names if any is taken, before anything starts.
@@ -111,7 +111,7 @@ func (h *Host) allFree(names []string) error {
 
 // startAll starts the boxes in parallel, each with its own outcome.
 func (h *Host) startAll(ctx context.Context, names []string, start func(context.Context, string) (domain.Box, step.Timings, error),
-	expires *time.Time, labels map[string]string) []Outcome {
+	expires *time.Time) []Outcome {
 	// A clone spends much of its time waiting (libvirt, QEMU's start, the
 	// agent): twice the cores keeps the host busy without a storm of boots.
 	slots := make(chan struct{}, min(len(names), max(2, 2*runtime.NumCPU())))
@@ -127,7 +127,7 @@ func (h *Host) startAll(ctx context.Context, names []string, start func(context.
 			o := Outcome{Name: n}
 			var b domain.Box
 			if b, o.Timings, o.Err = start(ctx, n); o.Err == nil {
-				o.Box, o.Err = h.finish(ctx, b, expires, labels, nil, nil)
+				o.Box, o.Err = h.finish(ctx, b, expires, nil, nil)
 			}
 			o.Took = time.Since(t0)
 			out[i] = o

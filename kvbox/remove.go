@@ -3,7 +3,6 @@ package kvbox
 import (
 	"context"
 	"errors"
-	"os"
 	"time"
 
 	"kvbox.dev/kvbox/base"
@@ -13,7 +12,7 @@ import (
 )
 
 // Remove deletes a box: its port holder and reaper, its domain, folder
-// (disk, saved state) and address, its labels; then the snapshot it was
+// (disk, saved state) and address; then the snapshot it was
 // cloned from, if that snapshot's own TTL has passed and this was its last
 // clone, and the old version of its image it was the last to build on. A
 // running box is only removed with force. This is every box's removal:
@@ -49,7 +48,6 @@ func (h *Host) removeIf(ctx context.Context, name string, force bool, check func
 		return err
 	}
 	h.forgetPublish(name)
-	os.Remove(h.layout.Labels(name))
 	if b.Snapshot != "" {
 		h.reapSnapshotIfDue(ctx, b.Snapshot, "")
 	}

@@ -41,7 +41,7 @@ func (l Layout) Shared() []string { return []string{l.Boxes(), l.Snapshots(), l.
 
 // Private are the folders that are root's alone.
 func (l Layout) Private() []string {
-	return []string{l.join("locks"), l.Logs(), l.RegistryCache(), l.join("publish"), l.join("labels"),
+	return []string{l.join("locks"), l.Logs(), l.RegistryCache(), l.join("publish"),
 		l.join("reapers"), l.join("suspend"), l.join("ssh")}
 }
 
@@ -105,9 +105,6 @@ func (l Layout) SuspendFiles() string { return l.join("suspend", "*."+SuspendBoo
 // Publish is box name's publish record (ext ".json") or its port holder's
 // log (".log").
 func (l Layout) Publish(name, ext string) string { return l.join("publish", name+ext) }
-
-// Labels is box name's labels, root's alone.
-func (l Layout) Labels(name string) string { return l.join("labels", name+".json") }
 
 // RegistryCache holds what push and pull keep between runs.
 func (l Layout) RegistryCache() string { return l.join("registry-cache") }
