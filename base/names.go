@@ -28,6 +28,25 @@ func ValidName(name string) error {
 	return nil
 }
 
+// ValidHostname checks a guest hostname as the agent takes it: labels of
+// letters, digits and '-' (none first or last) joined by dots, at most 64
+// characters in all.
+func ValidHostname(h string) error {
+	bad := len(h) == 0 || len(h) > 64
+	for _, label := range strings.Split(h, ".") {
+		if bad {
+			break
+		}
+		bad = label == "" || label[0] == '-' || label[len(label)-1] == '-' || !hostLabelRE.MatchString(label)
+	}
+	if bad {
+		return Errorf(Invalid, "hostname %q: want letters, digits, '-' and '.', at most 64 characters", h)
+	}
+	return nil
+}
+
+var hostLabelRE = regexp.MustCompile(`^[a-zA-Z0-9-]+$`)
+
 // ParseSize reads a size like 512M, 4G, 4GiB, 1.5G or plain bytes.
 // Suffixes are binary (K = 1024).
 func ParseSize(s string) (int64, error) {

@@ -55,3 +55,21 @@ func TestFormatSize(t *testing.T) {
 		}
 	}
 }
+
+// A hostname is checked as the guest's agent checks it, so a clone is
+// refused before it is made, not by its agent halfway.
+func TestValidHostname(t *testing.T) {
+	for h, ok := range map[string]bool{
+		"web-0": true, "a.b-c.d": true, "A1": true, strings.Repeat("a", 64): true,
+		"": false, strings.Repeat("a", 65): false, "-web": false, "web-": false, "a..b": false, ".a": false,
+		"web_0": false, "web 0": false, "wéb": false, "a\nb": false,
+	} {
+		err := ValidHostname(h)
+		if (err == nil) != ok {
+			t.Errorf("ValidHostname(%q) = %v, want ok %v", h, err, ok)
+		}
+		if err != nil && KindOf(err) != Invalid {
+			t.Errorf("ValidHostname(%q): kind %v, want Invalid", h, KindOf(err))
+		}
+	}
+}

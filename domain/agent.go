@@ -2,6 +2,7 @@ package domain
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -204,7 +205,7 @@ func silent(c *agent.Client, b Box) error {
 // Identity is what the host tells a box's agent about who the box is.
 func (h *Host) Identity(b Box) agent.Identity {
 	id := agent.Identity{
-		Hostname:  b.Name,
+		Hostname:  cmp.Or(b.Hostname, b.Name),
 		MAC:       b.MAC,
 		Address:   fmt.Sprintf("%s/%d", b.IP, b.Prefix),
 		Gateway:   b.Gateway,

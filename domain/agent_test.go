@@ -13,3 +13,15 @@ func TestNameservers(t *testing.T) {
 		t.Errorf("nameservers = %v", got)
 	}
 }
+
+// A box whose metadata names a hostname gets it in its identity (each
+// start's too); any other box is called by its name.
+func TestIdentityHostname(t *testing.T) {
+	h := &Host{}
+	if got := h.Identity(Box{Name: "default-web-0-1a2b", Meta: Meta{Hostname: "web-0"}}).Hostname; got != "web-0" {
+		t.Errorf("hostname %q, want web-0", got)
+	}
+	if got := h.Identity(Box{Name: "dev"}).Hostname; got != "dev" {
+		t.Errorf("hostname %q, want dev", got)
+	}
+}

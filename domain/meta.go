@@ -56,6 +56,9 @@ type Meta struct {
 	// libvirt shows to whoever may read domains (on many hosts every local
 	// user, read-only): never a secret.
 	Labels []Label `xml:"labels>label,omitempty" json:"labels,omitempty"`
+	// Hostname is the guest's hostname when it is not the box's name (a
+	// pod's name, while its box is named to be unique on the host).
+	Hostname string `xml:"hostname,omitempty" json:"hostname,omitempty"`
 }
 
 // ExpirySuspend is Meta.OnExpiry of a box its deadline suspends.

@@ -9,6 +9,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/guest-agent/envd"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/progress"
 	"kvbox.dev/kvbox/snapshot"
@@ -44,9 +45,23 @@ type CreateRequest struct {
 // CloneRequest is a warm clone of a snapshot.
 type CloneRequest struct {
 	Snapshot, Name string
-	Expires        *time.Time
-	Publish        []Port
-	Labels         map[string]string
+	// Expires is the clone's deadline (nil: none), in its definition from
+	// the start; SuspendAtExpiry makes it suspend the clone (and take
+	// itself away) instead of removing it.
+	Expires         *time.Time
+	SuspendAtExpiry bool
+	Publish         []Port
+	Labels          map[string]string
+	// Hostname is the guest's hostname ("": Name), given with its
+	// identity and again at each start.
+	Hostname string
+	// NoInternet gives the clone no route out of the host (boxes of its
+	// group still reach it).
+	NoInternet bool
+	// Envd, when set, configures the envd of the clone's agent (a
+	// sandbox's token, variables, ids) in its identify round trip: the
+	// clone is up only once its envd serves.
+	Envd *envd.Config
 	// AgentTimeout bounds the wait for the agent and the identity (90s
 	// when 0); HooksTimeout the after-clone hooks, all of them
 	// (agent.DefaultHooksDeadline when 0).
@@ -170,6 +185,16 @@ func (h *Host) cloneable(req CloneRequest) (snapshot.Snapshot, error) {
 	if _, err := labels(req.Labels); err != nil {
 		return snapshot.Snapshot{}, err
 	}
+	if req.Hostname != "" {
+		if err := base.ValidHostname(req.Hostname); err != nil {
+			return snapshot.Snapshot{}, err
+		}
+	}
+	if req.Envd != nil {
+		if err := req.Envd.Validate(); err != nil {
+			return snapshot.Snapshot{}, base.Errorf(base.Invalid, "%v", err)
+		}
+	}
 	snap, err := h.snaps.Get(req.Snapshot)
 	if err != nil {
 		return snapshot.Snapshot{}, err
@@ -205,14 +230,25 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 	if err != nil {
 		return domain.Box{}, nil, err
 	}
-	return snapshot.CloneWith(ctx, h.d, snap, req.Name, snapshot.CloneOptions{AgentTimeout: timeout, HooksDeadline: req.HooksTimeout,
-		Labels: ls})
+	o := snapshot.CloneOptions{AgentTimeout: timeout, HooksDeadline: req.HooksTimeout,
+		Expires: req.Expires, Labels: ls, Hostname: req.Hostname, NoInternet: req.NoInternet, Envd: req.Envd}
+	if req.SuspendAtExpiry {
+		o.OnExpiry = domain.ExpirySuspend
+	}
+	return snapshot.CloneWith(ctx, h.d, snap, req.Name, o)
 }
 
 // finish gives a box just made what the request asked for besides the box
 // itself; a box that cannot have it all is removed.
 func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, ports []Port, ls []*net.TCPListener) (Box, error) {
-	if expires != nil {
+	switch {
+	case b.Expires != nil:
+		// A clone's deadline is in its definition: its reaper starts
+		// now (a kvbox killed before leaves it to the next sweep).
+		if err := h.startReaper(ReapBox, b.Name, b.UUID); err != nil {
+			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not get its TTL's reaper, so it is removed: %w", b.Name, err))
+		}
+	case expires != nil:
 		var err error
 		if b, err = h.SetExpires(ctx, b.Name, expires); err != nil {
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not get its TTL, so it is removed: %w", b.Name, err))

@@ -8,6 +8,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
 // A box's labels are in its definition: listed with it (and with a later
@@ -68,4 +69,22 @@ func defineLabelledBox(t *testing.T, h *domain.Host, name string, labels []domai
 		t.Fatalf("define %s: %v", name, err)
 	}
 	dom.Free()
+}
+
+// A clone's hostname and envd configuration are checked before its
+// snapshot is looked up: nothing is made for a bad one.
+func TestCloneRequestChecked(t *testing.T) {
+	k, _ := testDriverHost(t)
+	ctx := context.Background()
+	for _, req := range []CloneRequest{
+		{Name: "kvbox-unit-c", Snapshot: "none", Hostname: "web_0"},
+		{Name: "kvbox-unit-c", Snapshot: "none", Envd: &envd.Config{EnvVars: map[string]string{"A=B": "x"}}},
+	} {
+		if _, _, err := k.Clone(ctx, req); base.KindOf(err) != base.Invalid {
+			t.Errorf("Clone %+v: %v, want an Invalid error", req, err)
+		}
+	}
+	if _, _, err := k.Clone(ctx, CloneRequest{Name: "kvbox-unit-c", Snapshot: "none", Hostname: "web-0"}); base.KindOf(err) != base.NotFound {
+		t.Errorf("Clone of a missing snapshot: %v, want NotFound", err)
+	}
 }

@@ -53,6 +53,10 @@ type CloneOptions struct {
 	OnExpiry string
 	// Labels are kept in the clone's metadata (domain.Meta.Labels).
 	Labels []domain.Label
+	// Hostname is the guest's hostname ("": the clone's name), kept in
+	// its metadata (domain.Meta.Hostname) and given in its identify round
+	// trip, so its after-clone hooks already see it.
+	Hostname string
 	// NoInternet gives the clone no route out of the host
 	// (domain.Meta.NoInternet), from its first frame.
 	NoInternet bool
@@ -79,6 +83,11 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 	// one of its own.
 	for _, l := range o.Labels {
 		if err := domain.ValidLabel(l.Key, l.Value); err != nil {
+			return domain.Box{}, nil, err
+		}
+	}
+	if o.Hostname != "" {
+		if err := base.ValidHostname(o.Hostname); err != nil {
 			return domain.Box{}, nil, err
 		}
 	}
@@ -176,7 +185,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
 		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: src.Group, Dir: dir,
 		DiskBytes: snap.DiskBytes, Transport: domain.Transport(), Created: time.Now().UTC().Truncate(time.Second),
-		Labels: cl.opts.Labels, NoInternet: cl.opts.NoInternet, OnExpiry: cl.opts.OnExpiry,
+		Labels: cl.opts.Labels, NoInternet: cl.opts.NoInternet, OnExpiry: cl.opts.OnExpiry, Hostname: cl.opts.Hostname,
 	}
 	if at := cl.opts.Expires; at != nil {
 		t := at.UTC().Truncate(time.Second)
