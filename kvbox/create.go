@@ -204,8 +204,29 @@ func (h *Host) cloneable(req CloneRequest) (snapshot.Snapshot, error) {
 
 // CheckHostFor refuses, in one line, a snapshot this host cannot restore
 // (domain type, machine type, QEMU version, CPU), before a clone starts
-// and fails halfway.
+// and fails halfway. A snapshot it passed once (by name and creation) is
+// not checked again: a front that clones it many times asks libvirt once.
 func (h *Host) CheckHostFor(s snapshot.Snapshot) error {
+	key := s.Name + "@" + snapshotID(s)
+	h.checkedMu.Lock()
+	ok := h.checked[key]
+	h.checkedMu.Unlock()
+	if ok {
+		return nil
+	}
+	if err := h.checkHostFor(s); err != nil {
+		return err
+	}
+	h.checkedMu.Lock()
+	if h.checked == nil {
+		h.checked = map[string]bool{}
+	}
+	h.checked[key] = true
+	h.checkedMu.Unlock()
+	return nil
+}
+
+func (h *Host) checkHostFor(s snapshot.Snapshot) error {
 	compat, err := snapshot.LoadCompat(h.d.Conn(), s.Dir)
 	if err != nil {
 		return err

@@ -115,22 +115,29 @@ func (h *Host) openForwarder(ctx context.Context, name string) (*agent.Forwarder
 // Dial opens a stream to target in box name through its agent (no network
 // route to the box is needed): "127.0.0.1:PORT" (or "PORT") in the guest,
 // or "envd", the agent's own envd (agent.EnvdDialAddress). The stream is
-// half-closed as TCP is (CloseWrite).
+// half-closed as TCP is (CloseWrite). A box's agent connection that ended
+// since its last stream (its QEMU stopped and started again, a resume) is
+// made again, once.
 func (h *Host) Dial(ctx context.Context, name, target string) (net.Conn, error) {
-	f, err := h.forwarder(ctx, name)
-	if err != nil {
-		return nil, err
+	for try := 0; ; try++ {
+		f, err := h.forwarder(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		mine, theirs, err := streamPair()
+		if err != nil {
+			return nil, err
+		}
+		if _, err := f.Connect(ctx, target, theirs); err != nil {
+			mine.Close()
+			theirs.Close()
+			if try == 0 && isDone(f) {
+				continue
+			}
+			return nil, fmt.Errorf("box %q %s: %w", name, target, err)
+		}
+		return mine, nil
 	}
-	mine, theirs, err := streamPair()
-	if err != nil {
-		return nil, err
-	}
-	if _, err := f.Connect(ctx, target, theirs); err != nil {
-		mine.Close()
-		theirs.Close()
-		return nil, fmt.Errorf("box %q %s: %w", name, target, err)
-	}
-	return mine, nil
 }
 
 // streamPair is two connected unix stream sockets: one for the caller, one

@@ -71,6 +71,9 @@ type Host struct {
 
 	fwdMu sync.Mutex
 	fwds  map[string]*sharedForwarder // by box name (forward.go)
+
+	checkedMu sync.Mutex
+	checked   map[string]bool // snapshots CheckHostFor passed, by name@creation
 }
 
 // Open checks cfg, connects to libvirt, secures the state directory,
