@@ -2,6 +2,7 @@ package snapshot
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -102,16 +103,30 @@ func CompatOf(conn *libvirt.Connect, domainXML string) (Compat, error) {
 	return c, nil
 }
 
+// ErrIncompatible is what Check's refusals are (errors.Is): this host
+// cannot restore the snapshot, and waiting does not help.
+var ErrIncompatible = errors.New("incompatible host")
+
+// incompatible is a refusal of Check: one line, ErrIncompatible beneath.
+func incompatible(format string, a ...any) error {
+	return &incompatibleError{"incompatible host: " + fmt.Sprintf(format, a...)}
+}
+
+type incompatibleError struct{ msg string }
+
+func (e *incompatibleError) Error() string        { return e.msg }
+func (e *incompatibleError) Is(target error) bool { return target == ErrIncompatible }
+
 // Check says in one line what this host lacks to restore a snapshot that
 // needs c, or nil when it has everything. hostType is the domain type
 // kvbox uses on this host ("kvm" or "qemu"; "" if unknown): libvirt lists
 // kvm in its capabilities even where /dev/kvm cannot be used.
 func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 	if c.Agent != "" && major(c.Agent) != major(agent.Version) {
-		return fmt.Errorf("incompatible host: the snapshot's kvbox-agent speaks protocol %s, this kvbox speaks %s (major versions differ)", c.Agent, agent.Version)
+		return incompatible("the snapshot's kvbox-agent speaks protocol %s, this kvbox speaks %s (major versions differ)", c.Agent, agent.Version)
 	}
 	if c.DomainType == "kvm" && hostType != "" && hostType != "kvm" {
-		return fmt.Errorf("incompatible host: the snapshot needs domain type kvm (hardware virtualization), this host runs %s only", hostType)
+		return incompatible("the snapshot needs domain type kvm (hardware virtualization), this host runs %s only", hostType)
 	}
 	capsXML, err := conn.GetCapabilities()
 	if err != nil {
@@ -123,17 +138,17 @@ func (c Compat) Check(conn *libvirt.Connect, hostType string) error {
 	}
 	types, machines := offered(caps, c.Arch)
 	if !slices.Contains(types, c.DomainType) {
-		return fmt.Errorf("incompatible host: the snapshot needs domain type %s on %s, this host offers %s", c.DomainType, c.Arch, orNone(types))
+		return incompatible("the snapshot needs domain type %s on %s, this host offers %s", c.DomainType, c.Arch, orNone(types))
 	}
 	if !slices.Contains(machines, c.Machine) {
-		return fmt.Errorf("incompatible host: the snapshot needs machine type %s, this host's QEMU does not offer it", c.Machine)
+		return incompatible("the snapshot needs machine type %s, this host's QEMU does not offer it", c.Machine)
 	}
 	q, err := conn.GetVersion()
 	if err != nil {
 		return err
 	}
 	if uint64(q) < c.QEMU {
-		return fmt.Errorf("incompatible host: the snapshot was written by QEMU %s, this host has the older QEMU %s", version(c.QEMU), version(uint64(q)))
+		return incompatible("the snapshot was written by QEMU %s, this host has the older QEMU %s", version(c.QEMU), version(uint64(q)))
 	}
 	return c.checkCPU(conn)
 }
@@ -226,7 +241,7 @@ func (c Compat) checkCPU(conn *libvirt.Connect) error {
 			return fmt.Errorf("compare CPU: %w", err)
 		}
 		if r == libvirt.CPU_COMPARE_INCOMPATIBLE {
-			return fmt.Errorf("incompatible host: its CPU lacks features of the CPU that took the snapshot (%s mode)", c.CPUMode)
+			return incompatible("its CPU lacks features of the CPU that took the snapshot (%s mode)", c.CPUMode)
 		}
 	}
 	if c.CPUMode != "custom" || c.CPUModel == "" {
@@ -246,7 +261,7 @@ func (c Compat) checkCPU(conn *libvirt.Connect) error {
 		}
 		for _, mod := range m.Models {
 			if mod.Name == c.CPUModel && mod.Usable == "no" {
-				return fmt.Errorf("incompatible host: CPU model %s is not usable here", c.CPUModel)
+				return incompatible("CPU model %s is not usable here", c.CPUModel)
 			}
 		}
 	}

@@ -1,6 +1,8 @@
 package snapshot
 
 import (
+	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -14,6 +16,18 @@ func TestCompatRefusesAnotherAgentProtocol(t *testing.T) {
 	err := Compat{DomainType: "qemu", Agent: "9.0.0"}.Check(nil, "qemu")
 	if err == nil || !strings.Contains(err.Error(), "protocol 9.0.0") {
 		t.Fatalf("Check of an agent 9.0.0 snapshot: %v", err)
+	}
+	// A front tells the refusal apart (kvbox-node: the pod fails,
+	// waiting does not help), wrapped or not, and the text is one line.
+	if !errors.Is(fmt.Errorf("snapshot %q: %w", "warm", err), ErrIncompatible) {
+		t.Errorf("%v is not ErrIncompatible", err)
+	}
+	if !strings.HasPrefix(err.Error(), "incompatible host: ") || strings.Contains(err.Error(), "\n") {
+		t.Errorf("refusal %q", err)
+	}
+	kvm := Compat{DomainType: "kvm", Agent: agent.Version}.Check(nil, "qemu")
+	if !errors.Is(kvm, ErrIncompatible) {
+		t.Errorf("a kvm snapshot on a TCG host: %v, want ErrIncompatible", kvm)
 	}
 }
 

@@ -149,18 +149,12 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 			if err := base.ValidName(args[1]); err != nil {
 				return err
 			}
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			if o.DomainType, err = h.DomainType(); err != nil {
-				return err
-			}
-			if o.Emulator, err = h.Emulator(); err != nil {
-				return err
-			}
 			done := a.progress(&o)
-			res, err := registry.Pull(c.Context(), h.Conn(), a.stateDir, args[0], args[1], o)
+			res, err := k.Pull(c.Context(), args[0], args[1], o)
 			done()
 			if err != nil {
 				return err
