@@ -22,6 +22,10 @@ type Box struct {
 	Labels map[string]string `json:"labels,omitempty"`
 }
 
+// SuspendsAtExpiry says the box's deadline suspends it (and takes itself
+// away) instead of removing it (CloneRequest.SuspendAtExpiry).
+func (b Box) SuspendsAtExpiry() bool { return b.OnExpiry == domain.ExpirySuspend }
+
 // State is what a box is doing (domain.State).
 type State = domain.State
 

@@ -270,10 +270,11 @@ func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, por
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not get its TTL's reaper, so it is removed: %w", b.Name, err))
 		}
 	case expires != nil:
-		var err error
-		if b, err = h.SetExpires(ctx, b.Name, expires); err != nil {
+		nb, err := h.SetExpires(ctx, b.Name, expires)
+		if err != nil {
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not get its TTL, so it is removed: %w", b.Name, err))
 		}
+		b = nb.Box
 	}
 	if len(ports) > 0 {
 		if err := h.startPublish(b, ports, ls); err != nil {

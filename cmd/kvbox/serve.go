@@ -152,9 +152,7 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 		dom = fmt.Sprintf("kvbox.localhost:%d", addr.Port)
 	}
 	logger := log.New(a.io.Err, "kvbox serve: ", log.LstdFlags)
-	sh := newServeHost(a, k)
-	defer sh.close()
-	srv, err := serve.New(ctx, serve.Config{Host: sh, APIKey: key, Domain: dom, SecretsDir: filepath.Join(a.serveDir(), "sandboxes"), Log: logger})
+	srv, err := serve.New(ctx, serve.Config{Host: serveHost{k}, APIKey: key, Domain: dom, SecretsDir: filepath.Join(a.serveDir(), "sandboxes"), Log: logger})
 	if err != nil {
 		return err
 	}

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/kvbox"
 )
 
@@ -94,21 +92,6 @@ deadline is kept in the box's libvirt metadata (virsh dumpxml shows
 			return nil
 		},
 	}
-}
-
-// setBoxTTL gives a box just created its deadline; a box whose deadline
-// cannot be set is removed (it would never expire).
-func (a *app) setBoxTTL(ctx context.Context, name string, at time.Time) (domain.Box, error) {
-	k, err := a.lib()
-	if err != nil {
-		return domain.Box{}, err
-	}
-	b, err := k.SetExpires(ctx, name, &at)
-	if err != nil {
-		k.Remove(context.WithoutCancel(ctx), name, true)
-		return domain.Box{}, fmt.Errorf("box %q could not get its TTL, so it is removed: %w", name, err)
-	}
-	return b, nil
 }
 
 // reaperCommand re-runs this kvbox, with the global flags it was given, as
