@@ -9,9 +9,10 @@ import (
 	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
-// Host is what serve needs of kvbox: the library calls of
-// LIBRARY-CONTRACT.md it uses, and nothing of how they are done. The
-// command wires it to the kvbox library; the tests to a fake.
+// Host is what serve needs of kvbox: the calls of the kvbox library
+// (package kvbox) it uses, and nothing of how they are done. The command
+// wires it to the library's Host (cmd/kvbox/serve_host.go); the tests to a
+// fake.
 //
 // Its errors wrap ErrNotFound, ErrExists, ErrBusy or ErrInvalid where the
 // caller can tell the client what to do; anything else is the host's fault.

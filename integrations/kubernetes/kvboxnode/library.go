@@ -13,8 +13,8 @@ import (
 )
 
 // Library is what kvbox-node asks of kvbox on this host: the calls of the
-// kvbox library (LIBRARY-CONTRACT.md) the provider uses, and nothing of
-// the CLI. Run opens one once the node's subnet is known; the unit tests
+// kvbox library (package kvbox; libadapter wires it) the provider uses,
+// and nothing of the CLI. Run opens one once the node's subnet is known; the unit tests
 // drive the provider with a fake. Every method is safe for concurrent use.
 type Library interface {
 	// Facts is what the node says about the host: its restore class,
