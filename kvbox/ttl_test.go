@@ -164,3 +164,44 @@ func TestSnapshotTTLRemovesByIdentity(t *testing.T) {
 		t.Errorf("the expired snapshot is still there: %v", err)
 	}
 }
+
+// A box whose deadline suspends it (a sandbox with onTimeout pause) is
+// never removed by its reaper or the sweep: its reaper suspends it, and
+// one that cannot be suspended (here a stopped box; the test driver runs
+// no QEMU) stays as it is.
+func TestTTLSuspendsNeverRemoves(t *testing.T) {
+	a, h := testDriverHost(t)
+	ctx := context.Background()
+	name := "kvbox-unit-ttl-suspend"
+	t.Cleanup(func() {
+		if d, err := h.Conn().LookupDomainByName(name); err == nil {
+			d.Undefine()
+			d.Free()
+		}
+	})
+	past := time.Now().Add(-time.Minute).UTC().Truncate(time.Second)
+	md, err := domain.MarshalMeta(domain.Meta{Dir: h.Layout().Box(name), Created: time.Now().UTC(), Expires: &past,
+		OnExpiry: domain.ExpirySuspend, Transport: "virtio-serial"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := h.Conn().DomainDefineXML(`<domain type='test'><name>` + name + `</name><memory unit='KiB'>65536</memory><vcpu>1</vcpu>
+<os><type>hvm</type></os><metadata>` + md + `</metadata></domain>`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	uuid, _ := d.GetUUIDString()
+	d.Free()
+	logf := func(format string, v ...any) { t.Logf(format, v...) }
+	if err := a.reap(ctx, ReapBox, name, uuid, logf); base.KindOf(err) != base.Busy {
+		t.Errorf("reaper of a stopped box whose deadline suspends it: %v, want Busy (only a running box is suspended)", err)
+	}
+	a.Sweep(ctx)
+	b, err := h.Get(name)
+	if err != nil {
+		t.Fatalf("a box whose deadline suspends it was removed: %v", err)
+	}
+	if b.Expires == nil || b.OnExpiry != domain.ExpirySuspend {
+		t.Errorf("the box lost its deadline (%v) or what it does (%q) without being suspended", b.Expires, b.OnExpiry)
+	}
+}
