@@ -8,7 +8,6 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 // Stats is one reading of what a running box uses.
@@ -60,21 +59,6 @@ func (h *Host) ConsoleLog(name string) (io.ReadCloser, error) {
 func (h *Host) Ping(ctx context.Context, name string) error {
 	_, err := h.forwarder(ctx, name)
 	return err
-}
-
-// HostCompat is this host's side of a snapshot's compatibility (domain
-// type, arch, machine types, QEMU, agent protocol): what a scheduler
-// matches snapshots against.
-func (h *Host) HostCompat(ctx context.Context) (snapshot.HostCompat, error) {
-	typ, err := h.d.DomainType()
-	if err != nil {
-		return snapshot.HostCompat{}, err
-	}
-	hc, err := snapshot.HostCompatOf(h.d.Conn(), typ)
-	if err != nil {
-		return snapshot.HostCompat{}, base.Errorf(base.Unavailable, "read this host's restore class from libvirt: %s", domain.LibvirtMessage(err))
-	}
-	return hc, nil
 }
 
 // Capacity is this host's CPUs and memory (bytes), as libvirt sees them.
