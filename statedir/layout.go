@@ -106,6 +106,10 @@ func (l Layout) SuspendFiles() string { return l.join("suspend", "*."+SuspendBoo
 // log (".log").
 func (l Layout) Publish(name, ext string) string { return l.join("publish", name+ext) }
 
+// Serve is kvbox serve's folder: its API key, its lock, the sandboxes'
+// secrets. Root's alone (serve makes it).
+func (l Layout) Serve() string { return l.join("serve") }
+
 // RegistryCache holds what push and pull keep between runs.
 func (l Layout) RegistryCache() string { return l.join("registry-cache") }
 

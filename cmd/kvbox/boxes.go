@@ -245,11 +245,11 @@ func (a *app) newCmdIP() *cobra.Command {
 		Example: "  curl http://$(kvbox ip dev):8000/",
 		Args:    exactArgs(1, "one box name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			b, err := h.Get(args[0])
+			b, err := k.Box(c.Context(), args[0])
 			if err != nil {
 				return err
 			}

@@ -177,11 +177,11 @@ changed key.`,
 					b.Name, b.Name, user, strings.Join(proxy, " "), b.UUID, a.sshKeyPath())
 			}
 			for n := range want {
-				h, err := a.Host()
+				k, err := a.lib()
 				if err != nil {
 					return err
 				}
-				_, err = h.Get(n)
+				_, err = k.Box(c.Context(), n)
 				return err
 			}
 			return nil

@@ -17,6 +17,7 @@ import (
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // IO is where a command reads and writes; tests pass their own.
@@ -266,11 +267,7 @@ func (a *app) lib() (*kvbox.Host, error) {
 	default:
 		return nil, usage("--domain-type %q: give auto, kvm or qemu", a.domType)
 	}
-	ctx := a.ctx
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	a.host, err = kvbox.Open(ctx, kvbox.Config{URI: a.uri, StateDir: a.stateDir, Template: a.template, DomainType: a.domType,
+	a.host, err = kvbox.Open(a.context(), kvbox.Config{URI: a.uri, StateDir: a.stateDir, Template: a.template, DomainType: a.domType,
 		Network: nc, DialTimeout: a.dialTimeout, Notify: a.notify, ReaperCommand: a.reaperCommand, HolderCommand: a.holderCommand,
 		NoSweep: a.reaper})
 	return a.host, err
@@ -286,18 +283,29 @@ func (a *app) notify(n kvbox.Notice) {
 	fmt.Fprintf(a.io.Err, "kvbox: %s\n", n.Text)
 }
 
-// boxes connects and lists every box.
-func (a *app) boxes() ([]domain.Box, error) {
-	h, err := a.Host()
+// boxes connects and lists this state dir's boxes.
+func (a *app) boxes() ([]kvbox.Box, error) {
+	k, err := a.lib()
 	if err != nil {
 		return nil, err
 	}
-	return h.Boxes()
+	return k.Boxes(a.context())
+}
+
+// context is the command's context (Ctrl-C, SIGTERM end it).
+func (a *app) context() context.Context {
+	if a.ctx == nil {
+		return context.Background()
+	}
+	return a.ctx
 }
 
 func (a *app) images() image.Store {
-	return image.Store{Dir: a.stateDir + "/images"}
+	return image.Store{Dir: a.layout().Images()}
 }
+
+// layout is the state dir's layout.
+func (a *app) layout() statedir.Layout { return statedir.Layout{Root: a.stateDir} }
 
 // args checks positional arguments with a usage error that says what is
 // expected.

@@ -75,7 +75,7 @@ at their timeout all the same. docs/e2b.md says what is supported.`,
 
 // serveDir is kvbox serve's folder under the state dir: its API key, its
 // lock, the sandboxes' secrets. Root's only.
-func (a *app) serveDir() string { return filepath.Join(a.stateDir, "serve") }
+func (a *app) serveDir() string { return a.layout().Serve() }
 
 var apiKeyRe = regexp.MustCompile(`^e2b_[0-9a-f]{40}$`)
 
@@ -128,8 +128,8 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return err
 	}
-	// Read once, before requests run in parallel.
-	if _, err := k.Domain().DomainType(); err != nil {
+	// A host libvirt cannot describe fails here, not at the first request.
+	if _, err := k.HostCompat(ctx); err != nil {
 		return err
 	}
 	key, made, err := a.serveKey()

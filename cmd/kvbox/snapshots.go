@@ -13,7 +13,7 @@ import (
 )
 
 func (a *app) snapshots() snapshot.Store {
-	return snapshot.Store{Dir: a.stateDir + "/snapshots"}
+	return snapshot.Store{Dir: a.layout().Snapshots()}
 }
 
 func (a *app) newCmdSnapshots() *cobra.Command {
