@@ -100,16 +100,16 @@ func Labels(m map[string]string) []Label {
 // UTF-8), which would not read back as it was written.
 func ValidLabel(key, value string) error {
 	if key == "" {
-		return fmt.Errorf("%w: a label needs a key", base.ErrInvalid)
+		return base.Errorf(base.Invalid, "a label needs a key")
 	}
 	for i, s := range []string{key, value} {
 		if !utf8.ValidString(s) {
-			return fmt.Errorf("%w: label %q: not UTF-8", base.ErrInvalid, key)
+			return base.Errorf(base.Invalid, "label %q: not UTF-8", key)
 		}
 		for _, r := range s {
 			// A value may span lines; a key (an XML attribute) may not.
 			if r < 0x20 && (i == 0 || r != '\t' && r != '\n') || r == 0x7f || r == 0xFFFE || r == 0xFFFF {
-				return fmt.Errorf("%w: label %q: holds control characters", base.ErrInvalid, key)
+				return base.Errorf(base.Invalid, "label %q: holds control characters", key)
 			}
 		}
 	}

@@ -95,15 +95,15 @@ func CloneWith(ctx context.Context, h *domain.Host, snap Snapshot, name string, 
 		c: &domain.Creation{Host: h, Name: name, AgentTimeout: agentTimeout, NewToken: true, BootID: snap.GuestBootID}}
 	if o.Envd != nil {
 		if err := o.Envd.Validate(); err != nil {
-			return domain.Box{}, nil, fmt.Errorf("%w: %v", base.ErrInvalid, err)
+			return domain.Box{}, nil, base.Errorf(base.Invalid, "%v", err)
 		}
 		cl.c.Extra = []agent.Call{agent.EnvdInitCall(*o.Envd)}
 	}
 	b, tm, err := cl.c.Run(ctx, cl.plan())
 	var re *agent.RemoteError
 	if o.Envd != nil && errors.As(err, &re) && strings.Contains(re.Message, "unknown method") {
-		err = fmt.Errorf("snapshot %q: its agent has no envd (the feature %q: it was made from an image with an older kvbox-agent; build the image and the snapshot again with this kvbox): %w (%v)",
-			snap.Name, agent.FeatureEnvd, base.ErrInvalid, err)
+		err = base.Errorf(base.Invalid, "snapshot %q: its agent has no envd (the feature %q: it was made from an image with an older kvbox-agent; build the image and the snapshot again with this kvbox): %v",
+			snap.Name, agent.FeatureEnvd, err)
 	}
 	return b, tm, err
 }

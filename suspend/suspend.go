@@ -44,7 +44,7 @@ func Suspend(ctx context.Context, h *domain.Host, name string) (SuspendResult, e
 type SuspendOptions struct {
 	// Check, when set, is run on the box under its lock before anything
 	// is done: an error refuses the suspend (a TTL's suspend checks the
-	// box is the one whose deadline passed: domain.DueBox).
+	// box is the one whose deadline passed).
 	Check func(domain.Box) error
 	// ClearExpires takes the box's deadline away with the suspend (a TTL
 	// that suspends: the box then waits, suspended, until resumed).
