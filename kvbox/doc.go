@@ -14,13 +14,16 @@
 //
 // What is here so far: Open (recovery and the TTL sweep, told to
 // Config.Notify), Create, Clone, CreateMany and CloneMany (a box with its
-// deadline and published ports, or nothing), Snapshot, Snapshots and
-// GetSnapshot, Remove and RemoveSnapshot
-// with everything they imply,
-// Start and Stop with the box's published ports, Suspend and Resume,
-// Exec, Dial, Connect and ServePorts (streams into a box through its
-// agent, one shared connection per box), the
-// TTL (SetExpires, Sweep, RunReaper). Long operations report to a
-// progress.Reporter (nil: nobody). The commands that do not go through it yet reach
-// its libvirt side through Host.Domain.
+// deadline, labels, hostname and published ports, or nothing), Snapshot,
+// Snapshots and GetSnapshot, Pull and Resolve, Remove and RemoveSnapshot
+// with everything they imply, Start and Stop with the box's published
+// ports, Suspend and Resume, Exec, Dial, Connect, ServePorts and Ping
+// (into a box through its agent, one shared connection per box),
+// ConsoleLog and Stats, the host's HostCompat, Capacity and Healthy, the
+// TTL (SetExpires, Sweep, RunReaper; a deadline removes its box or, when
+// asked, suspends it). Long operations report to a progress.Reporter
+// (nil: nobody). The CLI's commands that do not go through it yet (images,
+// networks, cp, push) reach its libvirt side through Host.Domain; kvbox
+// serve (cmd/kvbox/serve_host.go) and kvbox-node
+// (integrations/kubernetes/libadapter) call nothing else.
 package kvbox
