@@ -113,20 +113,17 @@ func serveTemplate(t *testing.T, page string, flags ...string) string {
 func cleanupSandboxes(t *testing.T, template string) {
 	t.Cleanup(func() {
 		var bs []struct {
-			Name     string `json:"name"`
-			Snapshot string `json:"snapshot"`
-			Labels   []struct {
-				Key   string `json:"key"`
-				Value string `json:"value"`
-			} `json:"labels"`
+			Name     string            `json:"name"`
+			Snapshot string            `json:"snapshot"`
+			Labels   map[string]string `json:"labels"`
 		}
-		json.Unmarshal([]byte(kvbox(t, "ls", "--json").stdout), &bs)
+		if err := json.Unmarshal([]byte(kvbox(t, "ls", "--json").stdout), &bs); err != nil {
+			t.Errorf("kvbox ls --json: %v", err)
+		}
 		var names []string
 		for _, b := range bs {
-			for _, l := range b.Labels {
-				if l.Key == "e2b.template" && (l.Value == template || strings.HasPrefix(b.Snapshot, "e2bfork-") || strings.HasPrefix(b.Snapshot, "snap-")) {
-					names = append(names, b.Name)
-				}
+			if v, ok := b.Labels["e2b.template"]; ok && (v == template || strings.HasPrefix(b.Snapshot, "e2bfork-") || strings.HasPrefix(b.Snapshot, "snap-")) {
+				names = append(names, b.Name)
 			}
 		}
 		if len(names) > 0 {
