@@ -6,9 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"sync"
-	"syscall"
 	"time"
 
 	"kvbox.dev/kvbox/base"
@@ -124,7 +122,7 @@ func (h *Host) Dial(ctx context.Context, name, target string) (net.Conn, error) 
 		if err != nil {
 			return nil, err
 		}
-		mine, theirs, err := streamPair()
+		mine, theirs, err := agent.SocketPair()
 		if err != nil {
 			return nil, err
 		}
@@ -138,30 +136,6 @@ func (h *Host) Dial(ctx context.Context, name, target string) (net.Conn, error) 
 		}
 		return mine, nil
 	}
-}
-
-// streamPair is two connected unix stream sockets: one for the caller, one
-// for the forwarder.
-func streamPair() (net.Conn, net.Conn, error) {
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, nil, err
-	}
-	var cs [2]net.Conn
-	for i, fd := range fds {
-		f := os.NewFile(uintptr(fd), "stream")
-		c, err := net.FileConn(f)
-		f.Close()
-		if err != nil {
-			if i == 1 {
-				cs[0].Close()
-			}
-			syscall.Close(fds[1])
-			return nil, nil, err
-		}
-		cs[i] = c
-	}
-	return cs[0], cs[1], nil
 }
 
 // Connect joins conn to a stream to target in box name (as Dial) until
