@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -11,8 +10,6 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
-	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
 	agent "kvbox.dev/kvbox/guest-agent"
 )
 
@@ -153,19 +150,4 @@ func guestExit(code int) error {
 		return fmt.Errorf("the agent reported exit code %d, which no process exits with", code)
 	}
 	return exitCodeError{code}
-}
-
-// dial reaches a box's agent, giving up after a.dialTimeout: a hung agent
-// must not hang the CLI.
-func (a *app) dial(ctx context.Context, h *domain.Host, b domain.Box) (*agent.Client, error) {
-	dctx, cancel := context.WithTimeout(ctx, a.dialTimeout)
-	defer cancel()
-	client, err := h.Dial(dctx, b)
-	if err != nil {
-		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
-			return nil, base.Errorf(base.Unavailable, "the agent of box %q did not answer within %s (--dial-timeout)", b.Name, a.dialTimeout)
-		}
-		return nil, fmt.Errorf("reach the agent of box %q: %w", b.Name, err)
-	}
-	return client, nil
 }
