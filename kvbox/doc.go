@@ -24,6 +24,6 @@
 // asked, suspends it). Long operations report to a progress.Reporter
 // (nil: nobody). The CLI's commands that do not go through it yet (images,
 // networks, cp, push) reach its libvirt side through Host.Domain; kvbox
-// serve (cmd/kvbox/serve_host.go) and kvbox-node
+// serve (package kvbox/e2b) and kvbox-node
 // (integrations/kubernetes/libadapter) call nothing else.
 package kvbox

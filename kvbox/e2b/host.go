@@ -1,4 +1,4 @@
-package main
+package e2b
 
 // The serve.Host of `kvbox serve`: the kvbox library's Host, its types and
 // error kinds put in serve's words. Nothing is done here that the library
@@ -13,6 +13,9 @@ import (
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/serve"
 )
+
+// Host is serve.Host over the library's host k.
+func Host(k *kvbox.Host) serve.Host { return serveHost{k} }
 
 // serveHost is serve.Host over the library.
 type serveHost struct{ k *kvbox.Host }
