@@ -3,6 +3,10 @@ package kvbox
 import (
 	"context"
 	"errors"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
 	"time"
 
 	"kvbox.dev/kvbox/base"
@@ -105,4 +109,57 @@ func (h *Host) RemoveSnapshot(ctx context.Context, name string) error {
 	h.stopReaper(ReapSnapshot, s.Name)
 	h.pruneImageVersion(ctx, s.BaseDisk)
 	return nil
+}
+
+// RemoveMany removes every named box (each name once), several at a time,
+// and tells done (one call at a time) each box's outcome as it ends. With
+// force a name that is no box is skipped quietly, as rm -f does: it has no
+// outcome. The error is nil when nothing failed, the only failure's for
+// one name, else a ManyError naming the boxes that failed (its kind that
+// of the first failure).
+func (h *Host) RemoveMany(ctx context.Context, names []string, force bool, done func(Outcome)) error {
+	var (
+		mu     sync.Mutex
+		failed []string
+		first  error
+		wg     sync.WaitGroup
+		slots  = make(chan struct{}, 8)
+	)
+	var unique []string
+	for _, n := range names {
+		if !slices.Contains(unique, n) {
+			unique = append(unique, n)
+		}
+	}
+	for _, n := range unique {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			slots <- struct{}{}
+			t0 := time.Now()
+			err := h.Remove(ctx, n, force)
+			<-slots
+			mu.Lock()
+			defer mu.Unlock()
+			var nb domain.NoBoxError
+			if force && errors.As(err, &nb) {
+				return
+			}
+			if err != nil {
+				failed = append(failed, n)
+				if first == nil {
+					first = err
+				}
+			}
+			if done != nil {
+				done(Outcome{Name: n, Took: time.Since(t0), Err: err})
+			}
+		}()
+	}
+	wg.Wait()
+	if first == nil || len(unique) == 1 {
+		return first
+	}
+	sort.Strings(failed)
+	return &ManyError{"could not remove " + strings.Join(failed, ", "), first}
 }

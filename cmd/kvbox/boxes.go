@@ -4,9 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
+	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -366,67 +365,18 @@ and a name that is no box is skipped quietly (as rm -f does).`,
 }
 
 // removeBoxes removes every named box, several at a time: each name is
-// handled and each failure reported, and the error (whose exit code is the
-// first failure's) comes only if one failed. With force a box that does not
-// exist is no failure, as with rm -f.
+// handled and each failure reported (one name: its error is the one line).
 func (a *app) removeBoxes(ctx context.Context, k *kvbox.Host, names []string, force bool) error {
-	var (
-		mu     sync.Mutex
-		failed []string
-		first  error
-		wg     sync.WaitGroup
-		slots  = make(chan struct{}, 8)
-	)
-	seen := map[string]bool{}
-	for _, n := range names {
-		if seen[n] {
-			continue
+	many := len(slices.Compact(slices.Sorted(slices.Values(names)))) > 1
+	return k.RemoveMany(ctx, names, force, func(o kvbox.Outcome) {
+		switch {
+		case o.Err == nil:
+			fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", o.Name)
+		case many:
+			fmt.Fprintf(a.io.Err, "kvbox: %s\n", o.Err.Error())
 		}
-		seen[n] = true
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			slots <- struct{}{}
-			err := k.Remove(ctx, n, force)
-			<-slots
-			mu.Lock()
-			defer mu.Unlock()
-			var nb domain.NoBoxError
-			switch {
-			case err == nil:
-				fmt.Fprintf(a.io.Out, "✓ box %s is removed\n", n)
-			case force && errors.As(err, &nb):
-			default:
-				if len(seen) > 1 { // one name: its error is the one line
-					fmt.Fprintf(a.io.Err, "kvbox: %s\n", err.Error())
-				}
-				failed = append(failed, n)
-				if first == nil {
-					first = err
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	if first == nil {
-		return nil
-	}
-	if len(seen) == 1 {
-		return first
-	}
-	sort.Strings(failed)
-	return failedError{fmt.Sprintf("could not remove %s", strings.Join(failed, ", ")), first}
+	})
 }
-
-// failedError reports several failures, each already printed, in one line;
-// its exit code is that of cause.
-type failedError struct {
-	msg   string
-	cause error
-}
-
-func (e failedError) Error() string { return e.msg }
-func (e failedError) Unwrap() error { return e.cause }
 
 // group is the box group --network names, if any.
 func (o *newOptions) group() string {

@@ -9,6 +9,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/kvbox"
 )
 
 func runTest(args ...string) (code int, stdout, stderr string) {
@@ -110,7 +111,7 @@ func TestErrorKindsNotInText(t *testing.T) {
 	if exitCode(domain.NoBoxError{Name: "x"}) != exitNotFound {
 		t.Error("a missing box does not exit with exitNotFound")
 	}
-	if exitCode(failedError{"could not remove a", domain.NoBoxError{Name: "a"}}) != exitNotFound {
+	if exitCode(&kvbox.ManyError{Msg: "could not remove a", Cause: domain.NoBoxError{Name: "a"}}) != exitNotFound {
 		t.Error("a failed rm does not keep its first failure's exit code")
 	}
 	if exitCode(base.Errorf(base.Interrupted, "x")) != exitInterrupted {
