@@ -2,23 +2,16 @@ package main
 
 import (
 	"bufio"
-	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"slices"
 	"strings"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
-	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/registry"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 // registryFlags are the flags every command that talks to a registry has.
@@ -71,6 +64,22 @@ func (a *app) progress(o *registry.Options) (done func()) {
 	return p.Done
 }
 
+// transfer runs a push or a pull with its parts drawn on a terminal and,
+// when asked, prints its result as JSON: done says nothing is left to
+// print.
+func transfer[R any](a *app, o registry.Options, asJSON bool, run func(registry.Options) (R, error)) (res R, done bool, err error) {
+	stop := a.progress(&o)
+	res, err = run(o)
+	stop()
+	if err != nil {
+		return res, true, err
+	}
+	if asJSON {
+		return res, true, a.printJSON(res)
+	}
+	return res, false, nil
+}
+
 func (a *app) newCmdSnapshotsPush() *cobra.Command {
 	var rf registryFlags
 	var asJSON bool
@@ -90,26 +99,19 @@ addressed: pushing a snapshot again sends only the parts that changed.`,
 			if err != nil {
 				return err
 			}
-			s, err := a.snapshots().Get(args[0])
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			h, err := a.Host()
-			if err != nil {
+			if _, err := k.GetSnapshot(c.Context(), args[0]); err != nil {
 				return err
 			}
-			if err := retireCopiedToken(c.Context(), h, s); err != nil {
+			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", args[0], args[1])
+			res, done, err := transfer(a, o, asJSON, func(o registry.Options) (registry.PushResult, error) {
+				return k.Push(c.Context(), args[0], args[1], o)
+			})
+			if done {
 				return err
-			}
-			done := a.progress(&o)
-			fmt.Fprintf(a.io.Err, "pushing snapshot %s to %s\n", s.Name, args[1])
-			res, err := registry.Push(c.Context(), h.Conn(), a.stateDir, s, args[1], o)
-			done()
-			if err != nil {
-				return err
-			}
-			if asJSON {
-				return a.printJSON(res)
 			}
 			fmt.Fprintf(a.io.Out, "✓ pushed %s@%s: %s sent, %s on disk (encode %.1fs, transfer %.1fs)\n",
 				res.Ref, res.Digest, base.FormatSize(res.Sent), base.FormatSize(res.OnDisk), res.Encode.Seconds(), res.Transfer.Seconds())
@@ -153,14 +155,11 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 			if err != nil {
 				return err
 			}
-			done := a.progress(&o)
-			res, err := k.Pull(c.Context(), args[0], args[1], o)
-			done()
-			if err != nil {
+			res, done, err := transfer(a, o, asJSON, func(o registry.Options) (registry.PullResult, error) {
+				return k.Pull(c.Context(), args[0], args[1], o)
+			})
+			if done {
 				return err
-			}
-			if asJSON {
-				return a.printJSON(res)
 			}
 			fmt.Fprintf(a.io.Out, "✓ snapshot %s pulled from %s@%s: %s received, %s on disk (transfer %.1fs, unpack %.1fs); start a warm clone with: kvbox new --from %s NAME\n",
 				res.Snapshot.Name, args[0], res.Digest, base.FormatSize(res.Received), base.FormatSize(res.Snapshot.SizeBytes),
@@ -173,21 +172,6 @@ refused in one line, leaving nothing behind. Its clones join no box group.`,
 	return c
 }
 
-// inspection is `kvbox snapshots inspect --json`.
-type inspection struct {
-	Name        string          `json:"name"`
-	Box         string          `json:"box"`
-	Parent      string          `json:"parent,omitempty"`
-	Image       string          `json:"image"`
-	BaseDisk    string          `json:"base_disk"`
-	SizeBytes   int64           `json:"size_bytes"`
-	BaseBytes   int64           `json:"base_bytes"`
-	MemoryBytes int64           `json:"memory_bytes"`
-	Clones      []string        `json:"clones"`
-	Needs       snapshot.Compat `json:"needs"`
-	HostOK      string          `json:"host_ok"` // "yes", or what this host lacks
-}
-
 func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 	var asJSON bool
 	c := &cobra.Command{
@@ -197,37 +181,15 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 		Args:              exactArgs(1, "a snapshot name"),
 		ValidArgsFunction: a.completeSnapshots,
 		RunE: func(c *cobra.Command, args []string) error {
-			s, err := a.snapshots().Get(args[0])
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			h, err := a.Host()
+			in, err := k.Inspect(c.Context(), args[0])
 			if err != nil {
 				return err
 			}
-			compat, err := snapshot.LoadCompat(h.Conn(), s.Dir)
-			if err != nil {
-				return err
-			}
-			boxes, err := a.boxes()
-			if err != nil {
-				return err
-			}
-			in := inspection{Name: s.Name, Box: s.Box, Parent: s.Parent, Image: s.Image, BaseDisk: s.BaseDisk,
-				SizeBytes: s.SizeBytes, MemoryBytes: s.MemoryBytes, Clones: []string{}, Needs: compat, HostOK: "yes"}
-			in.BaseBytes, _ = overlay.Du(s.BaseDisk)
-			for _, b := range boxes {
-				if b.Snapshot == s.Name {
-					in.Clones = append(in.Clones, b.Name)
-				}
-			}
-			typ, err := h.DomainType()
-			if err != nil {
-				return err
-			}
-			if err := compat.Check(h.Conn(), typ); err != nil {
-				in.HostOK = err.Error()
-			}
+			compat := in.Needs
 			if asJSON {
 				return a.printJSON(in)
 			}
@@ -251,30 +213,6 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 	}
 	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON object")
 	return c
-}
-
-// retireCopiedToken: a snapshot takes an agent token minted for it, which
-// no box keeps; one an older kvbox took holds its source's own token. Before
-// such a snapshot leaves this host, every box that still has that token gets
-// a new one (a box that is not running, at its next start).
-func retireCopiedToken(ctx context.Context, h *domain.Host, s snapshot.Snapshot) error {
-	tok, err := domain.ReadAgentToken(s.Dir)
-	if err != nil || tok == nil {
-		return err
-	}
-	boxes, err := h.Boxes()
-	if err != nil {
-		return err
-	}
-	for _, b := range boxes {
-		if filepath.Dir(b.Dir) != h.Layout().Boxes() || !slices.ContainsFunc(domain.AgentTokens(b.Dir), func(t []byte) bool { return bytes.Equal(t, tok) }) {
-			continue
-		}
-		if err := h.RetireAgentToken(ctx, b.Name, tok); err != nil {
-			return fmt.Errorf("snapshot %q holds the agent token of box %s (an older kvbox took it), which must get a new one before the snapshot leaves this host: %w", s.Name, b.Name, err)
-		}
-	}
-	return nil
 }
 
 func verString(v uint64) string {
