@@ -21,9 +21,11 @@
 // (into a box through its agent, one shared connection per box),
 // ConsoleLog and Stats, the host's HostCompat, Capacity and Healthy, the
 // TTL (SetExpires, Sweep, RunReaper; a deadline removes its box or, when
-// asked, suspends it). Long operations report to a progress.Reporter
-// (nil: nobody). The CLI's commands that do not go through it yet (images,
-// networks, cp, push) reach its libvirt side through Host.Domain; kvbox
-// serve (package kvbox/e2b) and kvbox-node
-// (integrations/kubernetes/libadapter) call nothing else.
+// asked, suspends it), CopyIn and CopyOut (files into and out of a box),
+// Push, Pull and Inspect (snapshots through a registry), RemoveImage and
+// PruneImage, NetworkUp and RemoveNetwork. Long operations report to a
+// progress.Reporter (nil: nobody). The CLI, kvbox serve (package
+// kvbox/e2b) and kvbox-node (integrations/kubernetes/libadapter) call it
+// for what they do beyond parsing and printing; the CLI's images ls,
+// import and build use package image's store, which needs no Host.
 package kvbox

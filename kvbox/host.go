@@ -188,6 +188,6 @@ func (h *Host) notify(warning bool, format string, a ...any) {
 	}
 }
 
-// Domain is the Host's libvirt side, for the commands of a front that do
-// not go through the library yet (issue 34 moves them one by one).
+// Domain is the Host's libvirt side, for what measures it beneath the
+// library (the bench); no front uses it.
 func (h *Host) Domain() *domain.Host { return h.d }

@@ -7,7 +7,6 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 func (a *app) newCmdImages() *cobra.Command {
@@ -70,11 +69,11 @@ func (a *app) newCmdImagesImport() *cobra.Command {
 			}
 			// Older versions stay while boxes or snapshots build on them.
 			if o.Replace {
-				h, err := a.Host()
+				k, err := a.lib()
 				if err != nil {
 					return err
 				}
-				if err := snapshot.PruneImage(c.Context(), h, a.snapshots(), a.images(), im.Name); err != nil {
+				if err := k.PruneImage(c.Context(), im.Name); err != nil {
 					return err
 				}
 			}
@@ -98,11 +97,11 @@ func (a *app) newCmdImagesRm() *cobra.Command {
 		Example: "  kvbox images rm old",
 		Args:    exactArgs(1, "one image name"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			if err := snapshot.RemoveImage(c.Context(), h, a.snapshots(), a.images(), args[0]); err != nil {
+			if err := k.RemoveImage(c.Context(), args[0]); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ image %s removed\n", args[0])

@@ -7,7 +7,6 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 func (a *app) newCmdImagesBuild() *cobra.Command {
@@ -43,9 +42,9 @@ unless the whole build succeeds.`,
 			}
 			if built {
 				// Older versions stay while boxes or snapshots build on them.
-				h, err := a.Host()
+				k, err := a.lib()
 				if err == nil {
-					err = snapshot.PruneImage(c.Context(), h, a.snapshots(), a.images(), im.Name)
+					err = k.PruneImage(c.Context(), im.Name)
 				}
 				if err != nil {
 					fmt.Fprintf(a.io.Err, "kvbox: warning: older versions of image %s not pruned: %v\n", im.Name, err)

@@ -20,26 +20,16 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up --nat",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			nc, err := a.network()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			ensure := nc.Ensure
-			if nat, _ := c.Flags().GetBool("nat"); nat {
-				ensure = nc.EnsureNAT
-			}
-			if err := ensure(); err != nil {
-				return err
-			}
-			h, err := a.Host()
+			nat, _ := c.Flags().GetBool("nat")
+			st, err := k.NetworkUp(nat)
 			if err != nil {
 				return err
 			}
-			if err := h.EnsurePortFilter(); err != nil {
-				return err
-			}
-			asJSON, _ := c.Flags().GetBool("json")
-			return a.printNetwork(nc, asJSON)
+			return a.printNetwork(c, st)
 		},
 	}
 	up.Flags().Bool("nat", false, "NAT even without a default route (the uplink is reached through other routes); kept until network rm")
@@ -53,8 +43,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			asJSON, _ := c.Flags().GetBool("json")
-			return a.printNetwork(nc, asJSON)
+			return a.printNetwork(c, nc.Status())
 		},
 	}, &cobra.Command{
 		Use:     "rm",
@@ -62,14 +51,14 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Example: "  kvbox network rm",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error {
-			h, err := a.Host()
+			k, err := a.lib()
 			if err != nil {
 				return err
 			}
-			if err := h.RemoveNetwork(); err != nil {
+			if err := k.RemoveNetwork(); err != nil {
 				return err
 			}
-			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", h.Net.Bridge)
+			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", k.Network().Bridge)
 			return nil
 		},
 	})
@@ -85,9 +74,9 @@ func (a *app) network() (network.Config, error) {
 	return nc, nil
 }
 
-func (a *app) printNetwork(nc network.Config, asJSON bool) error {
-	st := nc.Status()
-	if asJSON {
+// printNetwork prints the bridge's status (--json: for programs).
+func (a *app) printNetwork(c *cobra.Command, st network.Status) error {
+	if asJSON, _ := c.Flags().GetBool("json"); asJSON {
 		return a.printJSON(st)
 	}
 	fmt.Fprintf(a.io.Out, "bridge %s (%s), gateway %s, present %v, NAT %v\n", st.Bridge, st.Subnet, st.Gateway, st.Present, st.NAT)

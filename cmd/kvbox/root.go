@@ -238,16 +238,6 @@ func absOr(p string) string {
 	return p
 }
 
-// Host is the libvirt side of the library's host, for the commands that
-// do not go through the library yet.
-func (a *app) Host() (*domain.Host, error) {
-	k, err := a.lib()
-	if err != nil {
-		return nil, err
-	}
-	return k.Domain(), nil
-}
-
 // lib opens the library's host on first use: every command first finishes
 // what a killed kvbox left half-done and removes what expired (after a
 // reboot no reaper runs), and says what it did on stderr.
