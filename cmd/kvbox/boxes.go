@@ -213,11 +213,7 @@ func (a *app) newCmdLs() *cobra.Command {
 		Short:   "List boxes",
 		Example: "  kvbox ls\n  kvbox ls --json | jq -r '.[].ip'",
 		Args:    exactArgs(0, "no arguments"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			boxes, err := k.Boxes(c.Context())
 			if err != nil {
 				return err
@@ -231,7 +227,7 @@ func (a *app) newCmdLs() *cobra.Command {
 					base.FormatSize(b.MemoryBytes), base.FormatSize(b.DiskBytes), age(b.Created), ttlLeft(b.Expires))
 			}
 			return w.Flush()
-		},
+		}),
 	}
 	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
 	return c
@@ -243,18 +239,14 @@ func (a *app) newCmdIP() *cobra.Command {
 		Short:   "Print a box's address (for scripts)",
 		Example: "  curl http://$(kvbox ip dev):8000/",
 		Args:    exactArgs(1, "one box name"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			b, err := k.Box(c.Context(), args[0])
 			if err != nil {
 				return err
 			}
 			fmt.Fprintln(a.io.Out, b.IP)
 			return nil
-		},
+		}),
 	}
 }
 
@@ -288,11 +280,7 @@ func (a *app) newCmdStart() *cobra.Command {
 		Short:   "Boot a stopped box and wait for its agent, or resume a paused or suspended one",
 		Example: "  kvbox start dev",
 		Args:    exactArgs(1, "one box name"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			if b, err := k.Box(c.Context(), args[0]); err == nil && kvbox.Resumable(b.State) {
 				return a.resumeBox(c, args[0], timeout, false)
 			}
@@ -307,7 +295,7 @@ func (a *app) newCmdStart() *cobra.Command {
 				fmt.Fprintf(a.io.Out, "✓ published %s -> %s:%d again\n", p.ListenAddr(), b.Name, p.GuestPort)
 			}
 			return err
-		},
+		}),
 	}
 	c.Flags().DurationVar(&timeout, "timeout", 90*time.Second, "how long to wait for the guest agent")
 	return c
@@ -321,11 +309,7 @@ func (a *app) newCmdStop() *cobra.Command {
 		Short:   "Shut boxes down (ACPI, then power off after --timeout)",
 		Example: "  kvbox stop dev\n  kvbox stop --force dev",
 		Args:    cobra.MinimumNArgs(1),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			for _, n := range args {
 				if err := k.Stop(c.Context(), n, force, timeout); err != nil {
 					return err
@@ -333,7 +317,7 @@ func (a *app) newCmdStop() *cobra.Command {
 				fmt.Fprintf(a.io.Out, "✓ box %s is stopped\n", n)
 			}
 			return nil
-		},
+		}),
 	}
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Second, "how long the guest may take to shut down")
 	c.Flags().BoolVarP(&force, "force", "f", false, "power off at once")
@@ -352,13 +336,9 @@ non-zero only if one failed. With --force running boxes are powered off first,
 and a name that is no box is skipped quietly (as rm -f does).`,
 		Example: "  kvbox rm dev\n  kvbox rm --force agent-1 agent-2",
 		Args:    cobra.MinimumNArgs(1),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			return a.removeBoxes(c.Context(), k, args, force)
-		},
+		}),
 	}
 	c.Flags().BoolVarP(&force, "force", "f", false, "remove running boxes too")
 	return c

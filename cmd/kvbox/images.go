@@ -7,6 +7,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/kvbox"
 )
 
 func (a *app) newCmdImages() *cobra.Command {
@@ -96,16 +97,12 @@ func (a *app) newCmdImagesRm() *cobra.Command {
 		Short:   "Delete a base image no box or snapshot builds on",
 		Example: "  kvbox images rm old",
 		Args:    exactArgs(1, "one image name"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			if err := k.RemoveImage(c.Context(), args[0]); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ image %s removed\n", args[0])
 			return nil
-		},
+		}),
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
 )
 
@@ -19,18 +20,14 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Short:   "Create the bridge and its firewall (and NAT where the host has a default route); kvbox new does this too",
 		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up --nat",
 		Args:    exactArgs(0, "no arguments"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			nat, _ := c.Flags().GetBool("nat")
 			st, err := k.NetworkUp(nat)
 			if err != nil {
 				return err
 			}
 			return a.printNetwork(c, st)
-		},
+		}),
 	}
 	up.Flags().Bool("nat", false, "NAT even without a default route (the uplink is reached through other routes); kept until network rm")
 	c.AddCommand(up, &cobra.Command{
@@ -50,17 +47,13 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Short:   "Remove the bridge and kvbox's firewall rules (no box may use them)",
 		Example: "  kvbox network rm",
 		Args:    exactArgs(0, "no arguments"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			if err := k.RemoveNetwork(); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", k.Network().Bridge)
 			return nil
-		},
+		}),
 	})
 	c.PersistentFlags().Bool("json", false, "print JSON")
 	return c

@@ -263,6 +263,17 @@ func (a *app) lib() (*kvbox.Host, error) {
 	return a.host, err
 }
 
+// withHost is a command's RunE that opens the library's host (lib) first.
+func (a *app) withHost(run func(c *cobra.Command, k *kvbox.Host, args []string) error) func(*cobra.Command, []string) error {
+	return func(c *cobra.Command, args []string) error {
+		k, err := a.lib()
+		if err != nil {
+			return err
+		}
+		return run(c, k, args)
+	}
+}
+
 // notify prints what the library's host did on its own (recovery, the
 // sweep) on stderr.
 func (a *app) notify(n kvbox.Notice) {

@@ -48,11 +48,7 @@ boxes are still cloned from then is kept until the last of them is removed
   kvbox snapshots new --ttl 2h dev warm-today
   kvbox new --from warm agent-1`,
 		Args: exactArgs(2, "a box name and a snapshot name"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			boxName, name := args[0], args[1]
 			expires, err := newSnapshotExpiry(c.Flags().Changed("ttl"), ttl)
 			if err != nil {
@@ -81,7 +77,7 @@ boxes are still cloned from then is kept until the last of them is removed
 				}
 			}
 			return nil
-		},
+		}),
 	}
 	c.Flags().BoolVarP(&verbose, "verbose", "v", false, "print the time of each step")
 	c.Flags().StringVar(&ttl, "ttl", "", "remove the snapshot this long after it is taken (20s, 30m, 2h, 3d); kept while boxes are cloned from it")
@@ -104,11 +100,7 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 		Short:   "List snapshots",
 		Example: "  kvbox snapshots ls\n  kvbox snapshots ls --json",
 		Args:    exactArgs(0, "no arguments"),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			rows, err := k.Snapshots(c.Context())
 			if err != nil {
 				return err
@@ -125,7 +117,7 @@ func (a *app) newCmdSnapshotsLs() *cobra.Command {
 				w.row(r.Name, r.Box, base.FormatSize(r.SizeBytes), age(r.Created)+" ago", clones, snapshotTTL(r))
 			}
 			return w.Flush()
-		},
+		}),
 	}
 	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON array")
 	return c
@@ -137,25 +129,20 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 		Short:   "Delete snapshots no box depends on",
 		Example: "  kvbox snapshots rm warm",
 		Args:    cobra.MinimumNArgs(1),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
-			snaps := make([]snapshot.Snapshot, len(args))
-			for i, n := range args {
-				if snaps[i], err = k.GetSnapshot(c.Context(), n); err != nil {
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
+			for _, n := range args { // every one there, or none removed
+				if _, err := k.GetSnapshot(c.Context(), n); err != nil {
 					return err
 				}
 			}
-			for _, s := range snaps {
-				if err := k.RemoveSnapshot(c.Context(), s.Name); err != nil {
+			for _, n := range args {
+				if err := k.RemoveSnapshot(c.Context(), n); err != nil {
 					return err
 				}
-				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", s.Name)
+				fmt.Fprintf(a.io.Out, "✓ snapshot %s removed\n", n)
 			}
 			return nil
-		},
+		}),
 	}
 }
 

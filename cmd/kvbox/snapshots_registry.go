@@ -11,6 +11,7 @@ import (
 	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/registry"
 )
 
@@ -180,11 +181,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 		Example:           "  kvbox snapshots inspect warm\n  kvbox snapshots inspect --json warm",
 		Args:              exactArgs(1, "a snapshot name"),
 		ValidArgsFunction: a.completeSnapshots,
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			in, err := k.Inspect(c.Context(), args[0])
 			if err != nil {
 				return err
@@ -209,7 +206,7 @@ func (a *app) newCmdSnapshotsInspect() *cobra.Command {
 				verString(compat.QEMU), verString(compat.Libvirt))
 			fmt.Fprintf(w, "this host  %s\n", in.HostOK)
 			return nil
-		},
+		}),
 	}
 	c.Flags().BoolVar(&asJSON, "json", false, "print a JSON object")
 	return c

@@ -26,11 +26,7 @@ an operator's virsh start fails and says to run kvbox resume (it would boot
 over the saved memory). kvbox rm deletes a suspended box with its state.`,
 		Example: "  kvbox suspend dev\n  kvbox resume dev",
 		Args:    cobra.MinimumNArgs(1),
-		RunE: func(c *cobra.Command, args []string) error {
-			k, err := a.lib()
-			if err != nil {
-				return err
-			}
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			for _, n := range args {
 				res, err := k.Suspend(c.Context(), n, a.reporter())
 				if err != nil {
@@ -47,7 +43,7 @@ over the saved memory). kvbox rm deletes a suspended box with its state.`,
 				}
 			}
 			return nil
-		},
+		}),
 	}
 	c.Flags().BoolVarP(&verbose, "verbose", "v", false, "print where the time went")
 	return c
