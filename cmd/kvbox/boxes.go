@@ -78,16 +78,9 @@ non-zero if any failed; the boxes that started keep running.`,
 }
 
 func (a *app) runNew(c *cobra.Command, o *newOptions) error {
-	if c.Flags().Changed("ttl") {
-		d, ok, err := parseTTL(o.ttl)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			return usage("--ttl %s: a new box has no TTL unless given one; leave --ttl out", o.ttl)
-		}
-		t := time.Now().Add(d)
-		o.expires = &t
+	var err error
+	if o.expires, err = newExpiry(c.Flags().Changed("ttl"), o.ttl, "box"); err != nil {
+		return err
 	}
 	if o.hooksTimeout <= 0 {
 		return usage("--hooks-timeout %s: give a positive duration", o.hooksTimeout)

@@ -9,7 +9,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/spf13/cobra"
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/progress"
 )
@@ -45,46 +44,6 @@ func (t *table) row(cells ...any) {
 }
 
 func (t *table) Flush() error { return t.w.Flush() }
-
-// completeBoxes completes box names for the shell.
-func (a *app) completeBoxes(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-	var names []string
-	boxes, _ := a.boxes()
-	for _, b := range boxes {
-		names = append(names, b.Name)
-	}
-	return names, cobra.ShellCompDirectiveNoFileComp
-}
-
-// completeSnapshots completes snapshot names for the shell.
-func (a *app) completeSnapshots(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-	var names []string
-	snaps, _ := a.snapshots().List()
-	for _, s := range snaps {
-		names = append(names, s.Name)
-	}
-	return names, cobra.ShellCompDirectiveNoFileComp
-}
-
-// completeImages completes image names for the shell.
-func (a *app) completeImages(c *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
-	var names []string
-	ims, _ := a.images().List()
-	for _, im := range ims {
-		names = append(names, im.Name)
-	}
-	return names, cobra.ShellCompDirectiveNoFileComp
-}
-
-// firstArg limits a completion to the first argument.
-func firstArg(f cobra.CompletionFunc) cobra.CompletionFunc {
-	return func(c *cobra.Command, args []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
-		if len(args) > 0 {
-			return nil, cobra.ShellCompDirectiveNoFileComp
-		}
-		return f(c, args, toComplete)
-	}
-}
 
 // spin shows what kvbox is waiting for, with a spinner and the time spent,
 // on a terminal only; stop clears the line.

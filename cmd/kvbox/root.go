@@ -178,29 +178,6 @@ and disk) while it runs on, and cloned warm from it.`,
 	return root
 }
 
-// addCompletions teaches the shell completion (kvbox completion bash) the
-// names of boxes, snapshots and images.
-func (a *app) addCompletions(root *cobra.Command) {
-	find := func(path ...string) *cobra.Command {
-		c, _, err := root.Find(path)
-		if err != nil {
-			panic(err)
-		}
-		return c
-	}
-	for _, p := range [][]string{{"exec"}, {"connect"}, {"start"}, {"ip"}, {"snapshots", "new"}, {"port-forward"}, {"ssh-proxy"}, {"ttl"}} {
-		find(p...).ValidArgsFunction = firstArg(a.completeBoxes)
-	}
-	for _, p := range [][]string{{"stop"}, {"rm"}, {"ssh-config"}, {"suspend"}, {"resume"}} {
-		find(p...).ValidArgsFunction = a.completeBoxes
-	}
-	find("snapshots", "rm").ValidArgsFunction = a.completeSnapshots
-	find("images", "rm").ValidArgsFunction = firstArg(a.completeImages)
-	newCmd := find("new")
-	newCmd.RegisterFlagCompletionFunc("from", a.completeSnapshots)
-	newCmd.RegisterFlagCompletionFunc("image", a.completeImages)
-}
-
 func envOr(k, def string) string {
 	if v := os.Getenv(k); v != "" {
 		return v
@@ -225,17 +202,6 @@ func (a *app) absPaths() error {
 		*p.v = abs
 	}
 	return nil
-}
-
-// absOr is p made absolute, or p when that fails (absPaths has said so).
-func absOr(p string) string {
-	if p == "" || filepath.IsAbs(p) {
-		return p
-	}
-	if abs, err := filepath.Abs(p); err == nil {
-		return abs
-	}
-	return p
 }
 
 // lib opens the library's host on first use: every command first finishes

@@ -50,7 +50,7 @@ boxes are still cloned from then is kept until the last of them is removed
 		Args: exactArgs(2, "a box name and a snapshot name"),
 		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
 			boxName, name := args[0], args[1]
-			expires, err := newSnapshotExpiry(c.Flags().Changed("ttl"), ttl)
+			expires, err := newExpiry(c.Flags().Changed("ttl"), ttl, "snapshot")
 			if err != nil {
 				return err
 			}
@@ -144,21 +144,4 @@ func (a *app) newCmdSnapshotsRm() *cobra.Command {
 			return nil
 		}),
 	}
-}
-
-// newSnapshotExpiry is when a new snapshot given --ttl is removed (nil
-// without the flag).
-func newSnapshotExpiry(given bool, ttl string) (*time.Time, error) {
-	if !given {
-		return nil, nil
-	}
-	d, ok, err := parseTTL(ttl)
-	if err != nil {
-		return nil, err
-	}
-	if !ok {
-		return nil, usage("--ttl %s: a new snapshot has no TTL unless given one; leave --ttl out", ttl)
-	}
-	t := time.Now().Add(d)
-	return &t, nil
 }

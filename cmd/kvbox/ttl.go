@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -33,6 +34,29 @@ func parseTTL(s string) (d time.Duration, ok bool, err error) {
 		return 0, false, usage("TTL %q: give at least 1s", s)
 	}
 	return d, true, nil
+}
+
+// expiry is the deadline a TTL sets from now, nil for none.
+func expiry(ttl string) (*time.Time, error) {
+	d, ok, err := parseTTL(ttl)
+	if err != nil || !ok {
+		return nil, err
+	}
+	t := time.Now().Add(d)
+	return &t, nil
+}
+
+// newExpiry is the deadline of a new box or snapshot (what) given --ttl
+// (nil without the flag): none is refused, as it has none anyway.
+func newExpiry(given bool, ttl, what string) (*time.Time, error) {
+	if !given {
+		return nil, nil
+	}
+	at, err := expiry(ttl)
+	if err == nil && at == nil {
+		return nil, usage("--ttl %s: a new %s has no TTL unless given one; leave --ttl out", ttl, what)
+	}
+	return at, err
 }
 
 // ttlLeft is the TTL column: the time left, "expired", or "-".
@@ -67,18 +91,13 @@ deadline is kept in the box's libvirt metadata (virsh dumpxml shows
 		Example: "  kvbox ttl job-17 2h\n  kvbox ttl job-17 none",
 		Args:    exactArgs(2, "a box name and a duration (or none)"),
 		RunE: func(c *cobra.Command, args []string) error {
-			d, ok, err := parseTTL(args[1])
+			at, err := expiry(args[1])
 			if err != nil {
 				return err
 			}
 			k, err := a.lib()
 			if err != nil {
 				return err
-			}
-			var at *time.Time
-			if ok {
-				t := time.Now().Add(d)
-				at = &t
 			}
 			b, err := k.SetExpires(c.Context(), args[0], at)
 			if err != nil {
@@ -143,4 +162,15 @@ func (a *app) newCmdReap() *cobra.Command {
 			return kvbox.RunReaper(c.Context(), k, args[0], args[1], args[2], a.io.Err)
 		},
 	}
+}
+
+// absOr is p made absolute, or p when that fails (absPaths has said so).
+func absOr(p string) string {
+	if p == "" || filepath.IsAbs(p) {
+		return p
+	}
+	if abs, err := filepath.Abs(p); err == nil {
+		return abs
+	}
+	return p
 }
