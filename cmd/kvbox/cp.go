@@ -6,8 +6,6 @@ import (
 	"io"
 	"os"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -15,7 +13,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/kvbox"
-	"kvbox.dev/kvbox/progress"
+	"kvbox.dev/kvbox/terminal"
 )
 
 func (a *app) newCmdCp() *cobra.Command {
@@ -113,7 +111,7 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 	if err != nil {
 		return err
 	}
-	prog := a.newCopyProgress()
+	prog := a.copyProgress()
 	o := kvbox.CopyOptions{MaxBytes: maxBytes, Progress: prog}
 	switch {
 	case sremote && dst == "-":
@@ -125,112 +123,26 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 	default:
 		err = k.CopyIn(ctx, box, src, dpath, o)
 	}
-	prog.stop()
+	prog.Stop()
 	if err != nil {
 		return err
 	}
-	prog.summary()
+	prog.Summary()
 	return nil
 }
 
-// copyProgress is cp's progress.Reporter: it prints what the copy skipped
-// and, on a terminal, draws one status line with the copy's bytes once the
-// copy has taken more than a second (KVBOX_PROGRESS_AFTER, a Go duration,
-// says otherwise: the tests draw it for a copy of any length).
-type copyProgress struct {
-	log   io.Writer
-	w     io.Writer // nil: not a terminal
-	after time.Duration
-	start time.Time
-	done  atomic.Int64
-	total atomic.Int64
-	quit  chan struct{}
-	once  sync.Once
-	wg    sync.WaitGroup
-	drawn atomic.Bool
-}
-
-func (a *app) newCopyProgress() *copyProgress {
-	p := &copyProgress{log: a.io.Err, after: time.Second, quit: make(chan struct{})}
+// copyProgress is cp's status line on stderr when it is a terminal, drawn
+// once the copy has taken a second (KVBOX_PROGRESS_AFTER, a Go duration,
+// says otherwise: the tests draw it for a copy of any length); what the
+// copy skips is a warning.
+func (a *app) copyProgress() *terminal.Copy {
+	after := time.Second
 	if d, err := time.ParseDuration(os.Getenv("KVBOX_PROGRESS_AFTER")); err == nil && d >= 0 {
-		p.after = d
+		after = d
 	}
-	p.total.Store(-1)
+	var w io.Writer
 	if f, ok := a.raw.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-		p.w = f
+		w = f
 	}
-	return p
-}
-
-func (p *copyProgress) Log(s string) { fmt.Fprintf(p.log, "kvbox: cp: %s\n", s) }
-
-// Stage starts the copy's status line.
-func (p *copyProgress) Stage(string) progress.Stage {
-	p.start = time.Now()
-	if p.w != nil {
-		p.wg.Add(1)
-		go p.loop()
-	}
-	return p
-}
-
-func (p *copyProgress) Status(string) {}
-
-func (p *copyProgress) Bytes(done, total int64) {
-	p.done.Store(done)
-	p.total.Store(total)
-}
-
-func (p *copyProgress) End() { p.stop() }
-
-func (p *copyProgress) loop() {
-	defer p.wg.Done()
-	draw := func() {
-		if time.Since(p.start) >= p.after {
-			fmt.Fprint(p.w, "\r\033[K  "+p.line())
-			p.drawn.Store(true)
-		}
-	}
-	draw()
-	t := time.NewTicker(200 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-p.quit:
-			return
-		case <-t.C:
-			draw()
-		}
-	}
-}
-
-func (p *copyProgress) line() string {
-	done, total := p.done.Load(), p.total.Load()
-	secs := time.Since(p.start).Seconds()
-	rate := ""
-	if secs > 0 {
-		rate = fmt.Sprintf(" at %s/s", base.FormatSize(int64(float64(done)/secs)))
-	}
-	if total > 0 {
-		return fmt.Sprintf("%s of %s (%d%%)%s", base.FormatSize(min(done, total)), base.FormatSize(total), min(done, total)*100/total, rate)
-	}
-	return fmt.Sprintf("%s%s", base.FormatSize(done), rate)
-}
-
-func (p *copyProgress) stop() {
-	p.once.Do(func() {
-		close(p.quit)
-		p.wg.Wait()
-		if p.drawn.Load() {
-			fmt.Fprint(p.w, "\r\033[K")
-		}
-	})
-}
-
-// summary prints, on a terminal and for a copy that showed progress, what
-// was moved and how fast.
-func (p *copyProgress) summary() {
-	if p.drawn.Load() {
-		fmt.Fprintf(p.w, "copied %s in %.1fs\n", p.line(), time.Since(p.start).Seconds())
-	}
+	return terminal.NewCopy(w, after, func(s string) { fmt.Fprintf(a.io.Err, "kvbox: cp: %s\n", s) })
 }

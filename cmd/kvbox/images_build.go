@@ -7,6 +7,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/terminal"
 )
 
 func (a *app) newCmdImagesBuild() *cobra.Command {
@@ -35,7 +36,7 @@ unless the whole build succeeds.`,
 			if args[0] != "debian" {
 				return usage("kvbox images build knows one image, debian (got %q); bring others with kvbox images import", args[0])
 			}
-			o.Progress = &image.Progress{W: a.raw.Out, TTY: a.io.TTY, Text: printable}
+			o.Progress = &image.Progress{W: a.raw.Out, TTY: a.io.TTY, Text: terminal.Printable}
 			im, built, err := image.BuildDebian(c.Context(), a.images(), o)
 			if err != nil {
 				return err

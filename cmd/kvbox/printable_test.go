@@ -13,6 +13,7 @@ import (
 
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/terminal"
 )
 
 // Strings a guest, a hook or a pulled artifact can choose.
@@ -36,17 +37,17 @@ var hostile = []struct{ in, want string }{
 
 func TestPrintable(t *testing.T) {
 	for _, c := range hostile {
-		got := printable(c.in)
+		got := terminal.Printable(c.in)
 		if got != c.want {
-			t.Errorf("printable(%q) = %q, want %q", c.in, got, c.want)
+			t.Errorf("terminal.Printable(%q) = %q, want %q", c.in, got, c.want)
 		}
 		for _, r := range got {
 			if r != '\n' && r != '\t' && !unicode.IsGraphic(r) {
-				t.Errorf("printable(%q) keeps %U", c.in, r)
+				t.Errorf("terminal.Printable(%q) keeps %U", c.in, r)
 			}
 		}
 		if !utf8.ValidString(got) {
-			t.Errorf("printable(%q) is not UTF-8: %q", c.in, got)
+			t.Errorf("terminal.Printable(%q) is not UTF-8: %q", c.in, got)
 		}
 	}
 }
@@ -104,7 +105,7 @@ func TestCLIOutputPrintable(t *testing.T) {
 		t.Errorf("snapshots ls has %d lines for %d snapshots (a field started a row of its own):\n%s", len(lines), len(hostile), table)
 	}
 	for _, c := range hostile {
-		if cell := printableLine(read(c.in)); !strings.Contains(table, cell) {
+		if cell := terminal.Line(read(c.in)); !strings.Contains(table, cell) {
 			t.Errorf("snapshots ls does not show %q as %q:\n%s", c.in, cell, table)
 		}
 	}

@@ -18,6 +18,7 @@ import (
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/statedir"
+	"kvbox.dev/kvbox/terminal"
 )
 
 // IO is where a command reads and writes; tests pass their own.
@@ -32,10 +33,16 @@ func stdio() IO {
 	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr, TTY: term.IsTerminal(int(os.Stdout.Fd()))}
 }
 
+// printableIO is ios with standard output and error made printable.
+func printableIO(ios IO) IO {
+	ios.Out, ios.Err = terminal.Writer{W: ios.Out}, terminal.Writer{W: ios.Err}
+	return ios
+}
+
 // app holds the global flags and the host they open.
 type app struct {
 	// io is where commands read and print: its Out and Err make what is
-	// written printable (printable.go); raw is the same without that, for
+	// written printable (terminal.Writer); raw is the same without that, for
 	// the bytes of exec, connect, ssh-proxy and cp to -, and the cursor
 	// controls of progress lines.
 	io, raw  IO

@@ -13,6 +13,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/registry"
+	"kvbox.dev/kvbox/terminal"
 )
 
 // registryFlags are the flags every command that talks to a registry has.
@@ -60,7 +61,7 @@ func (a *app) progress(o *registry.Options) (done func()) {
 	}
 	// Raw for the status line's cursor controls; its text (part titles,
 	// which a pulled artifact names) and the log lines are made printable.
-	p := newPartProgress(a.raw.Err)
+	p := terminal.NewParts(a.raw.Err)
 	o.Log, o.Progress = p, p.Update
 	return p.Done
 }

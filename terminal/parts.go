@@ -1,4 +1,4 @@
-package main
+package terminal
 
 import (
 	"fmt"
@@ -11,11 +11,11 @@ import (
 	"kvbox.dev/kvbox/base"
 )
 
-// partProgress draws, on a terminal, one status line with every part in
+// Parts draws, on a terminal, one status line with every part in
 // flight (a push or pull moves several at once): "snapshot/memory 45% of
 // 27 MB". Lines written through it (the per-part log) first clear the
 // status line, so the two never mix.
-type partProgress struct {
+type Parts struct {
 	mu    sync.Mutex
 	w     io.Writer
 	parts map[string][2]int64 // title -> done, total
@@ -23,13 +23,14 @@ type partProgress struct {
 	shown bool
 }
 
-func newPartProgress(w io.Writer) *partProgress {
-	return &partProgress{w: w, parts: map[string][2]int64{}}
+// NewParts draws on w, a terminal.
+func NewParts(w io.Writer) *Parts {
+	return &Parts{w: w, parts: map[string][2]int64{}}
 }
 
 // Update records a part's bytes done of total and redraws at most ten
 // times a second; a part is dropped from the line when it is complete.
-func (p *partProgress) Update(title string, done, total int64) {
+func (p *Parts) Update(title string, done, total int64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if done >= total {
@@ -44,7 +45,7 @@ func (p *partProgress) Update(title string, done, total int64) {
 	p.draw()
 }
 
-func (p *partProgress) draw() {
+func (p *Parts) draw() {
 	titles := make([]string, 0, len(p.parts))
 	for t := range p.parts {
 		titles = append(titles, t)
@@ -57,7 +58,7 @@ func (p *partProgress) draw() {
 		if v[1] > 0 {
 			pct = int(v[0] * 100 / v[1])
 		}
-		items = append(items, fmt.Sprintf("%s %d%% of %s", printable(t), pct, base.FormatSize(v[1])))
+		items = append(items, fmt.Sprintf("%s %d%% of %s", Printable(t), pct, base.FormatSize(v[1])))
 	}
 	fmt.Fprint(p.w, "\r\033[K")
 	p.shown = len(items) > 0
@@ -67,13 +68,13 @@ func (p *partProgress) draw() {
 }
 
 // Write prints a log line above the status line.
-func (p *partProgress) Write(b []byte) (int, error) {
+func (p *Parts) Write(b []byte) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.shown {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
-	n, err := printableWriter{p.w}.Write(b)
+	n, err := Writer{p.w}.Write(b)
 	if p.shown {
 		p.draw()
 	}
@@ -81,7 +82,7 @@ func (p *partProgress) Write(b []byte) (int, error) {
 }
 
 // Done clears the status line.
-func (p *partProgress) Done() {
+func (p *Parts) Done() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.shown {

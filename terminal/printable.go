@@ -1,23 +1,25 @@
-package main
-
-// Terminal output. Strings that did not come from this host reach kvbox's
-// output all the time: a guest's file names and messages, an after-clone
-// hook's output, an agent's error, the fields of a pulled snapshot, a
+// Package terminal is how kvbox writes for people on a terminal: text made
+// printable on its way (Printable, Line, Writer), and the status lines of
+// what runs a while (a Spinner, a Reporter of package progress, the Parts
+// of a transfer, a Copy's bytes), drawn only on a terminal.
+//
+// Strings that did not come from this host reach kvbox's output all the
+// time: a guest's file names and messages, an after-clone hook's output, an agent's error, the fields of a pulled snapshot, a
 // registry's error text. Any of them may hold an escape sequence (which a
 // terminal obeys: retitle the window, rewrite what is on screen, answer
 // back into the shell's input), a bidi override (which shows text in
 // another order than it is), or bytes that are not UTF-8. So the command's
-// standard output and error are printableWriters (run wraps them): whatever
-// a command prints goes through printable on the way, and no print can
+// standard output and error are Writers (the CLI wraps them): whatever a
+// command prints goes through Printable on the way, and no print can
 // forget to. Raw, by design: the bytes of exec, connect, ssh-proxy and
-// `cp BOX:SRC -` (a.raw), and the cursor controls of kvbox's own progress
-// lines, whose text goes through printable before they are drawn on
-// a.raw.
+// `cp BOX:SRC -`, and the cursor controls of the status lines here, whose
+// text goes through Printable before they are drawn raw.
 //
-// The escapes printable writes are JSON's (\u001b, a surrogate pair beyond
+// The escapes Printable writes are JSON's (\u001b, a surrogate pair beyond
 // the BMP), so the output of --json stays exact JSON: a JSON string can
 // hold such a character only raw, and its escape decodes to the same
 // string. Invalid UTF-8 is written as \xNN (encoding/json never writes it).
+package terminal
 
 import (
 	"fmt"
@@ -37,13 +39,13 @@ func unprintable(r rune) bool {
 	return r != '\n' && r != '\t' && !unicode.IsGraphic(r)
 }
 
-// printable is s with every unprintable rune written as a JSON escape and
+// Printable is s with every unprintable rune written as a JSON escape and
 // every byte that is not UTF-8 as \xNN; s itself when it has neither.
-func printable(s string) string { return escape(s, unprintable) }
+func Printable(s string) string { return escape(s, unprintable) }
 
-// printableLine is printable that escapes newlines and tabs too: one cell
-// of a table, one field of a line.
-func printableLine(s string) string {
+// Line is Printable that escapes newlines and tabs too: one cell of a
+// table, one field of a line.
+func Line(s string) string {
 	return escape(s, func(r rune) bool { return r == '\n' || r == '\t' || unprintable(r) })
 }
 
@@ -77,21 +79,15 @@ func escape(s string, bad func(rune) bool) string {
 	return b.String()
 }
 
-// printableWriter passes what is written through printable. Each Write is
+// Writer passes what is written to W through Printable. Each Write is
 // taken as whole text (kvbox writes whole strings: fmt, encoding/json,
 // text/tabwriter): a rune split across two Writes is written as \xNN.
-type printableWriter struct{ w io.Writer }
+type Writer struct{ W io.Writer }
 
-func (p printableWriter) Write(b []byte) (int, error) {
-	s := printable(string(b))
-	if _, err := io.WriteString(p.w, s); err != nil {
+func (p Writer) Write(b []byte) (int, error) {
+	s := Printable(string(b))
+	if _, err := io.WriteString(p.W, s); err != nil {
 		return 0, err
 	}
 	return len(b), nil
-}
-
-// printableIO is ios with standard output and error made printable.
-func printableIO(ios IO) IO {
-	ios.Out, ios.Err = printableWriter{ios.Out}, printableWriter{ios.Err}
-	return ios
 }

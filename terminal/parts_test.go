@@ -1,4 +1,4 @@
-package main
+package terminal
 
 import (
 	"bytes"
@@ -7,9 +7,9 @@ import (
 	"testing"
 )
 
-func TestPartProgress(t *testing.T) {
+func TestParts(t *testing.T) {
 	var b bytes.Buffer
-	p := newPartProgress(&b)
+	p := NewParts(&b)
 	p.Update("snapshot/memory", 0, 2<<20)
 	p.Update("image/disk.qcow2", 0, 4<<20)
 	p.drawn = p.drawn.AddDate(-1, 0, 0) // past the redraw limit
