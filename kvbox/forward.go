@@ -244,3 +244,28 @@ func (h *Host) boxGone(name string, f *agent.Forwarder) error {
 	}
 	return fmt.Errorf("box %q: the agent connection ended (%v): port forwarding ended", name, why)
 }
+
+// Pipe is in and out as one connection for Connect (standard input and
+// output, for ssh's ProxyCommand): the box's EOF closes out.
+func Pipe(in io.Reader, out io.Writer) io.ReadWriteCloser { return pipe{in, out} }
+
+type pipe struct {
+	in  io.Reader
+	out io.Writer
+}
+
+func (s pipe) Read(b []byte) (int, error)  { return s.in.Read(b) }
+func (s pipe) Write(b []byte) (int, error) { return s.out.Write(b) }
+func (s pipe) CloseWrite() error {
+	if c, ok := s.out.(io.Closer); ok {
+		return c.Close()
+	}
+	return nil
+}
+func (s pipe) Close() error {
+	s.CloseWrite()
+	if c, ok := s.in.(io.Closer); ok {
+		return c.Close()
+	}
+	return nil
+}

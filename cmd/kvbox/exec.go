@@ -4,13 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/terminal"
 )
 
 func (a *app) newCmdExec() *cobra.Command {
@@ -80,12 +78,8 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	var resize chan agent.WinSize
 	if req.TTY {
 		in, ok := a.io.In.(*os.File)
-		if !ok || !term.IsTerminal(int(in.Fd())) {
+		if !ok || !terminal.IsTerminal(in) {
 			return usage("a terminal session needs a terminal on standard input")
-		}
-		fd := int(in.Fd())
-		if w, h, err := term.GetSize(fd); err == nil {
-			req.Cols, req.Rows = uint16(w), uint16(h)
 		}
 		// A request's environment replaces the agent's default one: send
 		// the defaults (PATH, HOME) along with this terminal's TERM.
@@ -95,25 +89,18 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 			// The agent's defaults hold the user's HOME: add TERM to them.
 			req.EnvAdd = append([]string{"TERM=" + termOr(os.Getenv("TERM"))}, req.EnvAdd...)
 		}
-		old, err := term.MakeRaw(fd)
-		if err != nil {
-			return fmt.Errorf("put the terminal in raw mode: %w", err)
-		}
-		defer term.Restore(fd, old)
 		resize = make(chan agent.WinSize, 1)
-		winch := make(chan os.Signal, 1)
-		signal.Notify(winch, syscall.SIGWINCH)
-		defer signal.Stop(winch)
-		go func() {
-			for range winch {
-				if w, h, err := term.GetSize(fd); err == nil {
-					select {
-					case resize <- agent.WinSize{Rows: uint16(h), Cols: uint16(w)}:
-					default:
-					}
-				}
+		var restore func()
+		req.Rows, req.Cols, restore, err = terminal.Raw(in, func(rows, cols uint16) {
+			select {
+			case resize <- agent.WinSize{Rows: rows, Cols: cols}:
+			default:
 			}
-		}()
+		})
+		if err != nil {
+			return err
+		}
+		defer restore()
 	}
 	// The command's bytes, raw: exec and connect are a terminal's own.
 	code, err := s.Exec(c.Context(), req, a.raw.In, a.raw.Out, a.raw.Err, resize)

@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"strconv"
@@ -81,29 +80,6 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 	return c
 }
 
-// stdioConn is standard input and output as one connection, for ssh's
-// ProxyCommand: the box's EOF closes stdout.
-type stdioConn struct {
-	in  io.Reader
-	out io.Writer
-}
-
-func (s stdioConn) Read(b []byte) (int, error)  { return s.in.Read(b) }
-func (s stdioConn) Write(b []byte) (int, error) { return s.out.Write(b) }
-func (s stdioConn) CloseWrite() error {
-	if c, ok := s.out.(io.Closer); ok {
-		return c.Close()
-	}
-	return nil
-}
-func (s stdioConn) Close() error {
-	s.CloseWrite()
-	if c, ok := s.in.(io.Closer); ok {
-		return c.Close()
-	}
-	return nil
-}
-
 func (a *app) newCmdSSHProxy() *cobra.Command {
 	var port int
 	var installKey bool
@@ -127,7 +103,7 @@ func (a *app) newCmdSSHProxy() *cobra.Command {
 					return err
 				}
 			}
-			return k.Connect(ctx, args[0], "127.0.0.1:"+strconv.Itoa(port), stdioConn{a.raw.In, a.raw.Out})
+			return k.Connect(ctx, args[0], "127.0.0.1:"+strconv.Itoa(port), kvbox.Pipe(a.raw.In, a.raw.Out))
 		},
 	}
 	c.Flags().IntVar(&port, "port", 22, "the guest port to connect to")
