@@ -84,13 +84,16 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 	if o.hooksTimeout <= 0 {
 		return usage("--hooks-timeout %s: give a positive duration", o.hooksTimeout)
 	}
-	if c.Flags().Changed("count") || o.asJSON {
-		if len(o.publish) > 0 {
-			return usage("--publish starts one box's forwards: it does not go with --count or --json")
-		}
-		return a.runNewMany(c, o)
+	many := c.Flags().Changed("count") || o.asJSON
+	if many && len(o.publish) > 0 {
+		return usage("--publish starts one box's forwards: it does not go with --count or --json")
 	}
-	if err := base.ValidName(o.name); err != nil {
+	names := []string{o.name}
+	if c.Flags().Changed("count") {
+		if names, err = kvbox.Names(o.name, o.count); err != nil {
+			return err
+		}
+	} else if err := base.ValidName(o.name); err != nil {
 		return err
 	}
 	if err := o.checkNetwork(c); err != nil {
@@ -101,6 +104,16 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	if o.from != "" {
+		// Size flags do not apply: a clone has its snapshot's vCPUs, RAM
+		// and disk.
+		if err := o.noSizeFlags(c); err != nil {
+			return err
+		}
+	}
+	switch {
+	case many:
+		return a.runNewMany(c, o, names)
+	case o.from != "":
 		return a.runNewFrom(c, o, ports)
 	}
 	return a.runNewImage(c, o, ports)
@@ -157,13 +170,9 @@ func (a *app) printPublished(b kvbox.Box) {
 	}
 }
 
-// runNewFrom starts a warm clone of a snapshot. Size flags do not apply: a
-// clone has its snapshot's vCPUs, RAM and disk.
+// runNewFrom starts a warm clone of a snapshot.
 func (a *app) runNewFrom(c *cobra.Command, o *newOptions, ports []kvbox.Port) error {
 	start := time.Now()
-	if err := o.noSizeFlags(c); err != nil {
-		return err
-	}
 	k, err := a.lib()
 	if err != nil {
 		return err

@@ -25,29 +25,14 @@ type newResult struct {
 	timing  string
 }
 
-// runNewMany is `kvbox new --count N PREFIX` (and `new --json`): every name
-// is checked first, and if one is invalid or taken none is started; then
-// the boxes start in parallel, each with its own outcome (a failed one is
+// runNewMany is `kvbox new --count N PREFIX` (and `new --json`): every
+// name is valid (runNew checked) and free, or none is started; then the
+// boxes start in parallel, each with its own outcome (a failed one is
 // removed, the others keep running).
-func (a *app) runNewMany(c *cobra.Command, o *newOptions) error {
+func (a *app) runNewMany(c *cobra.Command, o *newOptions, names []string) error {
 	start := time.Now()
-	names := []string{o.name}
-	if c.Flags().Changed("count") {
-		var err error
-		if names, err = kvbox.Names(o.name, o.count); err != nil {
-			return err
-		}
-	} else if err := base.ValidName(o.name); err != nil {
-		return err
-	}
-	if err := o.checkNetwork(c); err != nil {
-		return err
-	}
 	from := "image " + o.image
 	if o.from != "" {
-		if err := o.noSizeFlags(c); err != nil {
-			return err
-		}
 		from = "snapshot " + o.from
 	}
 	k, err := a.lib()
