@@ -197,6 +197,22 @@ func (h *Host) holderReady(r *os.File, name string) string {
 	return why
 }
 
+// SignalReady is the port holder's word to the command that started it,
+// on fd (none when 0): "ok" once it forwards (err nil), else why not
+// (holderReady reads it).
+func SignalReady(fd int, err error) {
+	if fd <= 0 {
+		return
+	}
+	f := os.NewFile(uintptr(fd), "ready")
+	defer f.Close()
+	if err != nil {
+		fmt.Fprintf(f, "error: %s\n", err.Error())
+		return
+	}
+	fmt.Fprintln(f, "ok")
+}
+
 func listenerFiles(ls []*net.TCPListener) ([]*os.File, error) {
 	var files []*os.File
 	for _, l := range ls {

@@ -50,13 +50,13 @@ box stops or is removed. A host port of 0 picks a free one (printed).`,
 			}
 			k, err := a.lib()
 			if err != nil {
-				signalReady(readyFD, err)
+				kvbox.SignalReady(readyFD, err)
 				closeAll(ls)
 				return err
 			}
 			var mu sync.Mutex
 			ready := func(err error) {
-				signalReady(readyFD, err)
+				kvbox.SignalReady(readyFD, err)
 				if err != nil {
 					return
 				}

@@ -7,7 +7,6 @@ package main
 // nothing created.
 
 import (
-	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -28,18 +27,4 @@ func (a *app) holderCommand(box string, ports []kvbox.Port, readyFD int) *exec.C
 		args = append(args, p.String())
 	}
 	return exec.Command(self, args...)
-}
-
-// signalReady tells the parent of a --listen-fds child that it runs.
-func signalReady(fd int, err error) {
-	if fd <= 0 {
-		return
-	}
-	f := os.NewFile(uintptr(fd), "ready")
-	defer f.Close()
-	if err != nil {
-		fmt.Fprintf(f, "error: %s\n", err.Error())
-		return
-	}
-	fmt.Fprintln(f, "ok")
 }
