@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
@@ -96,4 +97,39 @@ func execCompat(ctx context.Context, client *agent.Client, req *agent.ExecReques
 	req.Env = agent.MergeEnv(env, req.EnvAdd)
 	req.EnvAdd = nil
 	return nil
+}
+
+// ExecFailure is why a command run through Exec did not run to its end.
+type ExecFailure int
+
+// The ways a command fails to run to its end (WhyExec).
+const (
+	// ExecTimedOut: killed, its process group with it, at its timeout.
+	ExecTimedOut ExecFailure = iota + 1
+	// ExecRefused: its user, workdir or environment cannot be used.
+	ExecRefused
+	// ExecNotStarted: it could not be started (not found, not
+	// executable).
+	ExecNotStarted
+)
+
+// WhyExec says why err, Exec's error, kept the command from running to
+// its end, with the agent's message; 0 for any other error (the box or
+// its agent failed).
+func WhyExec(err error) (ExecFailure, string) {
+	var te *agent.TimeoutError
+	if errors.As(err, &te) {
+		return ExecTimedOut, te.Error()
+	}
+	var re *agent.RemoteError
+	if !errors.As(err, &re) || re.Method != "exec" {
+		return 0, ""
+	}
+	// The agent's refusals of --user, --workdir and --env start so.
+	for _, p := range []string{"user ", "workdir ", "env "} {
+		if strings.HasPrefix(re.Message, p) {
+			return ExecRefused, re.Message
+		}
+	}
+	return ExecNotStarted, re.Message
 }

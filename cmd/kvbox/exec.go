@@ -1,13 +1,13 @@
 package main
 
 import (
-	"errors"
 	"fmt"
 	"os"
 
 	"github.com/spf13/cobra"
 
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/terminal"
 )
 
@@ -104,20 +104,15 @@ func (a *app) runExec(c *cobra.Command, name string, req agent.ExecRequest) erro
 	}
 	// The command's bytes, raw: exec and connect are a terminal's own.
 	code, err := s.Exec(c.Context(), req, a.raw.In, a.raw.Out, a.raw.Err, resize)
-	var re *agent.RemoteError
-	var te *agent.TimeoutError
-	if errors.As(err, &te) {
-		fmt.Fprintf(a.io.Err, "kvbox: %s: %v\n", req.Argv[0], te)
+	switch why, msg := kvbox.WhyExec(err); why {
+	case kvbox.ExecTimedOut:
+		fmt.Fprintf(a.io.Err, "kvbox: %s: %s\n", req.Argv[0], msg)
 		return exitCodeError{exitTimedOut}
-	}
-	if errors.As(err, &re) && re.Method == "exec" && isSetupError(re.Message) {
-		fmt.Fprintf(a.io.Err, "kvbox: exec in box %q: %s\n", name, re.Message)
+	case kvbox.ExecRefused:
+		fmt.Fprintf(a.io.Err, "kvbox: exec in box %q: %s\n", name, msg)
 		return exitCodeError{exitSetup}
-	}
-	if errors.As(err, &re) && re.Method == "exec" {
-		// The command could not be started (not found, not executable):
-		// report it the way a shell does.
-		fmt.Fprintf(a.io.Err, "kvbox: %s: %s\n", req.Argv[0], re.Message)
+	case kvbox.ExecNotStarted: // reported the way a shell does
+		fmt.Fprintf(a.io.Err, "kvbox: %s: %s\n", req.Argv[0], msg)
 		return exitCodeError{127}
 	}
 	if err != nil {

@@ -49,17 +49,6 @@ func (o *execOptions) apply(req *agent.ExecRequest) error {
 	return nil
 }
 
-// isSetupError tells the agent's --user/--workdir/--env refusals from a
-// command that cannot be started.
-func isSetupError(msg string) bool {
-	for _, p := range []string{"user ", "workdir ", "env "} {
-		if strings.HasPrefix(msg, p) {
-			return true
-		}
-	}
-	return false
-}
-
 func termOr(t string) string {
 	if t == "" {
 		return "xterm-256color"
