@@ -76,19 +76,8 @@ func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings
 	if err != nil {
 		return Box{}, nil, err
 	}
-	ls, err := Listen(req.Publish)
-	if err != nil {
-		return Box{}, nil, err
-	}
-	defer closeAll(ls)
-	st := progress.Of(req.Progress).Stage(fmt.Sprintf("booting %s from image %s, waiting for its agent", req.Name, spec.Boot.Image))
-	b, tm, err := h.d.CreateTimed(ctx, spec)
-	st.End()
-	if err != nil {
-		return Box{}, tm, err
-	}
-	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
-	return out, tm, err
+	return h.made(ctx, req.Publish, req.Expires, req.Progress, fmt.Sprintf("booting %s from image %s, waiting for its agent", req.Name, spec.Boot.Image),
+		func() (domain.Box, step.Timings, error) { return h.d.CreateTimed(ctx, spec) })
 }
 
 // Clone starts a warm clone of a snapshot, checked first against this host
@@ -99,18 +88,27 @@ func (h *Host) Clone(ctx context.Context, req CloneRequest) (Box, step.Timings, 
 	if err != nil {
 		return Box{}, nil, err
 	}
-	ls, err := Listen(req.Publish)
+	return h.made(ctx, req.Publish, req.Expires, req.Progress, fmt.Sprintf("cloning %s from snapshot %s", req.Name, snap.Name),
+		func() (domain.Box, step.Timings, error) { return h.clone(ctx, snap, req) })
+}
+
+// made binds ports, makes the box with make while stage shows on p, and
+// gives it its deadline and ports (finish). The ports are bound first: a
+// taken one makes nothing.
+func (h *Host) made(ctx context.Context, ports []Port, expires *time.Time, p progress.Reporter, stage string,
+	make func() (domain.Box, step.Timings, error)) (Box, step.Timings, error) {
+	ls, err := Listen(ports)
 	if err != nil {
 		return Box{}, nil, err
 	}
 	defer closeAll(ls)
-	st := progress.Of(req.Progress).Stage(fmt.Sprintf("cloning %s from snapshot %s", req.Name, snap.Name))
-	b, tm, err := h.clone(ctx, snap, req)
+	st := progress.Of(p).Stage(stage)
+	b, tm, err := make()
 	st.End()
 	if err != nil {
 		return Box{}, tm, err
 	}
-	out, err := h.finish(ctx, b, req.Expires, req.Publish, ls)
+	out, err := h.finish(ctx, b, expires, ports, ls)
 	return out, tm, err
 }
 

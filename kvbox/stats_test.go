@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"kvbox.dev/kvbox/base"
 )
 
 // A box's console log is read as it is; a link QEMU's user planted in its
@@ -46,7 +48,7 @@ func TestConsoleLog(t *testing.T) {
 		r.Close()
 		t.Errorf("a link in the box folder was followed: read %q", b)
 	}
-	if _, err := k.ConsoleLog("kvbox-unit-none"); KindOf(err) != NotFound {
+	if _, err := k.ConsoleLog("kvbox-unit-none"); KindOf(err) != base.NotFound {
 		t.Errorf("console log of a missing box: %v, want NotFound", err)
 	}
 }
