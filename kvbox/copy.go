@@ -80,11 +80,7 @@ func (o CopyOptions) maxBytes() int64 {
 // copy reaches box name's agent and runs f with it, counting the copy's
 // bytes; an error says which side failed.
 func (h *Host) copy(ctx context.Context, name string, o CopyOptions, f func(*agent.Client, *copyCount, func(string)) error) error {
-	b, err := h.d.Get(name)
-	if err != nil {
-		return err
-	}
-	client, err := h.dial(ctx, b)
+	_, client, err := h.dialBox(ctx, name)
 	if err != nil {
 		return err
 	}

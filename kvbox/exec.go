@@ -21,11 +21,7 @@ type Session struct{ c *agent.Client }
 // Session reaches box name's agent, giving up after Config.DialTimeout: a
 // hung agent must not hang the caller. Close it when done.
 func (h *Host) Session(ctx context.Context, name string) (*Session, error) {
-	b, err := h.d.Get(name)
-	if err != nil {
-		return nil, err
-	}
-	c, err := h.dial(ctx, b)
+	_, c, err := h.dialBox(ctx, name)
 	if err != nil {
 		return nil, err
 	}
@@ -56,6 +52,16 @@ func (h *Host) Exec(ctx context.Context, name string, req agent.ExecRequest, std
 	}
 	defer s.Close()
 	return s.Exec(ctx, req, stdin, stdout, stderr, resize)
+}
+
+// dialBox reaches box name's agent, giving up after Config.DialTimeout.
+func (h *Host) dialBox(ctx context.Context, name string) (domain.Box, *agent.Client, error) {
+	b, err := h.d.Get(name)
+	if err != nil {
+		return b, nil, err
+	}
+	c, err := h.dial(ctx, b)
+	return b, c, err
 }
 
 // dial reaches box b's agent, giving up after Config.DialTimeout.

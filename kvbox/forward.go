@@ -83,11 +83,7 @@ func (h *Host) dropForwarder(name string) {
 // openForwarder reaches box name's agent and makes its connection a
 // stream carrier.
 func (h *Host) openForwarder(ctx context.Context, name string) (*agent.Forwarder, error) {
-	b, err := h.d.Get(name)
-	if err != nil {
-		return nil, err
-	}
-	client, err := h.dial(ctx, b)
+	b, client, err := h.dialBox(ctx, name)
 	if err != nil {
 		return nil, err
 	}

@@ -52,16 +52,11 @@ func (h *Host) CreateMany(ctx context.Context, req CreateRequest, names []string
 	if err != nil {
 		return nil, err
 	}
-	if err := h.allFree(names); err != nil {
-		return nil, err
-	}
-	st := progress.Of(req.Progress).Stage(fmt.Sprintf("starting %d boxes from image %s", len(names), spec.Boot.Image))
-	defer st.End()
-	return h.startAll(ctx, names, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
+	return h.startMany(ctx, names, req.Progress, "image "+spec.Boot.Image, req.Expires, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
 		s := spec
 		s.Name = name
 		return h.d.CreateTimed(ctx, s)
-	}, req.Expires), nil
+	})
 }
 
 // CloneMany starts one warm clone of req per name, in parallel, as
@@ -75,16 +70,23 @@ func (h *Host) CloneMany(ctx context.Context, req CloneRequest, names []string) 
 	if err != nil {
 		return nil, err
 	}
-	if err := h.allFree(names); err != nil {
-		return nil, err
-	}
-	st := progress.Of(req.Progress).Stage(fmt.Sprintf("starting %d boxes from snapshot %s", len(names), snap.Name))
-	defer st.End()
-	return h.startAll(ctx, names, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
+	return h.startMany(ctx, names, req.Progress, "snapshot "+snap.Name, req.Expires, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
 		r := req
 		r.Name = name
 		return h.clone(ctx, snap, r)
-	}, req.Expires), nil
+	})
+}
+
+// startMany starts one box per name with start (from says from what),
+// every name free first, or none.
+func (h *Host) startMany(ctx context.Context, names []string, p progress.Reporter, from string, expires *time.Time,
+	start func(context.Context, string) (domain.Box, step.Timings, error)) ([]Outcome, error) {
+	if err := h.allFree(names); err != nil {
+		return nil, err
+	}
+	st := progress.Of(p).Stage(fmt.Sprintf("starting %d boxes from %s", len(names), from))
+	defer st.End()
+	return h.startAll(ctx, names, start, expires), nil
 }
 
 // allFree refuses the names if any is taken, before anything starts.

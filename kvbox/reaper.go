@@ -117,31 +117,24 @@ func (h *Host) reap(ctx context.Context, kind, name, id string, logf func(string
 		return nil
 	}
 	if b, err := h.d.Get(name); err == nil && b.OnExpiry == domain.ExpirySuspend {
-		err := h.suspendDue(ctx, name, id)
-		switch {
-		case errors.Is(err, base.ErrNotFound):
-			logf("nothing to do (gone)")
-		case errors.Is(err, base.ErrNotDue):
-			logf("nothing suspended: %v", err)
-		case err != nil:
-			logf("suspending the expired box: %v", err)
-			return err
-		default:
-			logf("suspended: its TTL ended (it has no deadline while suspended)")
-		}
-		return nil
+		return reaped(logf, h.suspendDue(ctx, name, id), "suspended", "suspending", "suspended: its TTL ended (it has no deadline while suspended)")
 	}
-	err := h.removeIf(ctx, name, true, dueBox(id))
+	return reaped(logf, h.removeIf(ctx, name, true, dueBox(id)), "removed", "removing", "removed: its TTL ended")
+}
+
+// reaped logs what became of an expired box: done, gone, not due (nothing
+// was done: what in the past tense), or failed (doing: what failed).
+func reaped(logf func(string, ...any), err error, what, doing, done string) error {
 	switch {
 	case errors.Is(err, base.ErrNotFound):
 		logf("nothing to do (gone)")
 	case errors.Is(err, base.ErrNotDue):
-		logf("nothing removed: %v", err)
+		logf("nothing %s: %v", what, err)
 	case err != nil:
-		logf("removing the expired box: %v", err)
+		logf("%s the expired box: %v", doing, err)
 		return err
 	default:
-		logf("removed: its TTL ended")
+		logf("%s", done)
 	}
 	return nil
 }
