@@ -44,43 +44,46 @@ func Names(prefix string, n int) ([]string, error) {
 // then each box has its own outcome: a failed one is removed, the others
 // keep running. req.Name and req.Publish are not used.
 func (h *Host) CreateMany(ctx context.Context, req CreateRequest, names []string) ([]Outcome, error) {
-	if len(req.Publish) > 0 {
-		return nil, base.Errorf(base.Invalid, "--publish starts one box's forwards: it does not go with --count or --json")
-	}
-	req.Name = names[0]
-	spec, err := h.spec(req)
-	if err != nil {
-		return nil, err
-	}
-	return h.startMany(ctx, names, req.Progress, "image "+spec.Boot.Image, req.Expires, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
-		s := spec
-		s.Name = name
-		return h.d.CreateTimed(ctx, s)
+	return h.startMany(ctx, names, req.Publish, req.Progress, req.Expires, func() (string, startFunc, error) {
+		req.Name = names[0]
+		spec, err := h.spec(req)
+		return "image " + spec.Boot.Image, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
+			s := spec
+			s.Name = name
+			return h.d.CreateTimed(ctx, s)
+		}, err
 	})
 }
 
 // CloneMany starts one warm clone of req per name, in parallel, as
 // CreateMany does. req.Name and req.Publish are not used.
 func (h *Host) CloneMany(ctx context.Context, req CloneRequest, names []string) ([]Outcome, error) {
-	if len(req.Publish) > 0 {
-		return nil, base.Errorf(base.Invalid, "--publish starts one box's forwards: it does not go with --count or --json")
-	}
-	req.Name = names[0]
-	snap, err := h.cloneable(req)
-	if err != nil {
-		return nil, err
-	}
-	return h.startMany(ctx, names, req.Progress, "snapshot "+snap.Name, req.Expires, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
-		r := req
-		r.Name = name
-		return h.clone(ctx, snap, r)
+	return h.startMany(ctx, names, req.Publish, req.Progress, req.Expires, func() (string, startFunc, error) {
+		req.Name = names[0]
+		snap, err := h.cloneable(req)
+		return "snapshot " + snap.Name, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
+			r := req
+			r.Name = name
+			return h.clone(ctx, snap, r)
+		}, err
 	})
 }
 
-// startMany starts one box per name with start (from says from what),
-// every name free first, or none.
-func (h *Host) startMany(ctx context.Context, names []string, p progress.Reporter, from string, expires *time.Time,
-	start func(context.Context, string) (domain.Box, step.Timings, error)) ([]Outcome, error) {
+// startFunc makes one box of many.
+type startFunc func(ctx context.Context, name string) (domain.Box, step.Timings, error)
+
+// startMany starts one box per name, in parallel: what prepare checks
+// (the request, with the first name) says from what and how; every name
+// must be free, or none is started.
+func (h *Host) startMany(ctx context.Context, names []string, publish []Port, p progress.Reporter, expires *time.Time,
+	prepare func() (from string, start startFunc, err error)) ([]Outcome, error) {
+	if len(publish) > 0 {
+		return nil, base.Errorf(base.Invalid, "--publish starts one box's forwards: it does not go with --count or --json")
+	}
+	from, start, err := prepare()
+	if err != nil {
+		return nil, err
+	}
 	if err := h.allFree(names); err != nil {
 		return nil, err
 	}
@@ -112,8 +115,7 @@ func (h *Host) allFree(names []string) error {
 }
 
 // startAll starts the boxes in parallel, each with its own outcome.
-func (h *Host) startAll(ctx context.Context, names []string, start func(context.Context, string) (domain.Box, step.Timings, error),
-	expires *time.Time) []Outcome {
+func (h *Host) startAll(ctx context.Context, names []string, start startFunc, expires *time.Time) []Outcome {
 	// A clone spends much of its time waiting (libvirt, QEMU's start, the
 	// agent): twice the cores keeps the host busy without a storm of boots.
 	slots := make(chan struct{}, min(len(names), max(2, 2*runtime.NumCPU())))

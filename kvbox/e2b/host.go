@@ -82,14 +82,7 @@ func (sh serveHost) SetExpires(ctx context.Context, name string, at *time.Time) 
 
 func (sh serveHost) Boxes(ctx context.Context) ([]serve.Box, error) {
 	bs, err := sh.k.Boxes(ctx)
-	if err != nil {
-		return nil, serveErr(err)
-	}
-	out := make([]serve.Box, 0, len(bs))
-	for _, b := range bs {
-		out = append(out, serveBox(b))
-	}
-	return out, nil
+	return each(bs, err, serveBox)
 }
 
 func (sh serveHost) Box(ctx context.Context, name string) (serve.Box, error) {
@@ -111,14 +104,9 @@ func (sh serveHost) Snapshot(ctx context.Context, box, name string, expires *tim
 
 func (sh serveHost) Snapshots(ctx context.Context) ([]serve.Snapshot, error) {
 	snaps, err := sh.k.Snapshots(ctx)
-	if err != nil {
-		return nil, serveErr(err)
-	}
-	out := make([]serve.Snapshot, 0, len(snaps))
-	for _, s := range snaps {
-		out = append(out, serve.Snapshot{Name: s.Name, Box: s.Box, Created: s.Created, Expires: s.Expires})
-	}
-	return out, nil
+	return each(snaps, err, func(s kvbox.SnapshotInfo) serve.Snapshot {
+		return serve.Snapshot{Name: s.Name, Box: s.Box, Created: s.Created, Expires: s.Expires}
+	})
 }
 
 func (sh serveHost) RemoveSnapshot(ctx context.Context, name string) error {
@@ -128,6 +116,18 @@ func (sh serveHost) RemoveSnapshot(ctx context.Context, name string) error {
 func (sh serveHost) Dial(ctx context.Context, name, target string) (net.Conn, error) {
 	c, err := sh.k.Dial(ctx, name, target)
 	return c, serveErr(err)
+}
+
+// each is a listing (or its error) in serve's words.
+func each[T, U any](items []T, err error, f func(T) U) ([]U, error) {
+	if err != nil {
+		return nil, serveErr(err)
+	}
+	out := make([]U, 0, len(items))
+	for _, it := range items {
+		out = append(out, f(it))
+	}
+	return out, nil
 }
 
 var _ serve.Host = serveHost{}
