@@ -15,10 +15,11 @@
 // What is here so far: Open (recovery and the TTL sweep, told to
 // Config.Notify), Create, Clone, CreateMany and CloneMany (a box with its
 // deadline, labels, hostname and published ports, or nothing), Snapshot,
-// Snapshots and GetSnapshot, Pull and Resolve, Remove and RemoveSnapshot
-// with everything they imply, Start and Stop with the box's published
-// ports, Suspend and Resume, Exec, Dial, Connect, ServePorts and Ping
-// (into a box through its agent, one shared connection per box),
+// Snapshots and GetSnapshot, Pull and Resolve, Remove, RemoveMany and
+// RemoveSnapshot with everything they imply, Start and Stop with the box's
+// published ports, Suspend and Resume, Exec (WhyExec says why a command
+// did not run to its end), Dial, Connect, ServePorts and Ping (into a box
+// through its agent, one shared connection per box),
 // ConsoleLog and Stats, the host's HostCompat, Capacity and Healthy, the
 // TTL (SetExpires, Sweep, RunReaper; a deadline removes its box or, when
 // asked, suspends it), CopyIn and CopyOut (files into and out of a box),
