@@ -23,7 +23,7 @@
 // ConsoleLog and Stats, the host's HostCompat, Capacity and Healthy, the
 // TTL (SetExpires, Sweep, RunReaper; a deadline removes its box or, when
 // asked, suspends it), CopyIn and CopyOut (files into and out of a box),
-// Push, Pull and Inspect (snapshots through a registry), RemoveImage and
+// Push and Inspect (a snapshot to a registry, its lineage), RemoveImage and
 // PruneImage, NetworkUp and RemoveNetwork. Long operations report to a
 // progress.Reporter (nil: nobody). The CLI, kvbox serve (package
 // kvbox/e2b) and kvbox-node (integrations/kubernetes/libadapter) call it
