@@ -153,7 +153,7 @@ func (c *Config) fill() error {
 		c.DomainType = ""
 	case "", "kvm", "qemu":
 	default:
-		return base.Errorf(base.Invalid, "domain type %q: give auto, kvm or qemu", c.DomainType)
+		return base.Errorf(base.Invalid, "--domain-type %q: give auto, kvm or qemu", c.DomainType)
 	}
 	if c.Network.Bridge == "" {
 		c.Network = network.Default

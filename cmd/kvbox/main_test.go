@@ -43,7 +43,7 @@ func TestBadInputNeedsNoHost(t *testing.T) {
 		{[]string{"images", "import", "x"}, "an image name and a disk file"},
 		{[]string{"images", "import", "x", "d", "--agent", "maybe"}, "--agent takes yes, no or unknown"},
 		{[]string{"snapshots", "new", "dev"}, "a box name and a snapshot name"},
-		{[]string{"--domain-type", "xen", "ls"}, "give auto, kvm or qemu"},
+		{[]string{"--domain-type", "xen", "ls"}, `--domain-type "xen": give auto, kvm or qemu`},
 		{[]string{"--subnet", "nonsense", "ls"}, "not an IPv4 prefix"},
 	} {
 		code, _, stderr := runTest(tc.args...)

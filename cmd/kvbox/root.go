@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
-	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
@@ -160,14 +159,9 @@ func (a *app) lib() (*kvbox.Host, error) {
 	if err := a.absPaths(); err != nil {
 		return nil, err
 	}
-	nc, err := network.Parse(a.bridge, a.subnet)
+	nc, err := a.network()
 	if err != nil {
-		return nil, base.Errorf(base.Invalid, "%v", err)
-	}
-	switch a.domType {
-	case "auto", "", "kvm", "qemu":
-	default:
-		return nil, usage("--domain-type %q: give auto, kvm or qemu", a.domType)
+		return nil, err
 	}
 	a.host, err = kvbox.Open(a.context(), kvbox.Config{URI: a.uri, StateDir: a.stateDir, Template: a.template, DomainType: a.domType,
 		Network: nc, DialTimeout: a.dialTimeout, Notify: a.notify, ReaperCommand: a.reaperCommand, HolderCommand: a.holderCommand,
