@@ -11,6 +11,7 @@ import (
 )
 
 func (a *app) newCmdNetwork() *cobra.Command {
+	var asJSON, nat bool
 	c := &cobra.Command{
 		Use:   "network",
 		Short: "Show, set up or remove kvbox's bridge and NAT rules",
@@ -21,15 +22,14 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Example: "  kvbox network up\n  kvbox --bridge kvbox1 --subnet 172.31.0.0/24 network up --nat",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
-			nat, _ := c.Flags().GetBool("nat")
 			st, err := k.NetworkUp(nat)
 			if err != nil {
 				return err
 			}
-			return a.printNetwork(c, st)
+			return a.printNetwork(st, asJSON)
 		}),
 	}
-	up.Flags().Bool("nat", false, "NAT even without a default route (the uplink is reached through other routes); kept until network rm")
+	up.Flags().BoolVar(&nat, "nat", false, "NAT even without a default route (the uplink is reached through other routes); kept until network rm")
 	c.AddCommand(up, &cobra.Command{
 		Use:     "show",
 		Short:   "Show the bridge, its subnet and whether NAT is on",
@@ -40,7 +40,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return a.printNetwork(c, nc.Status())
+			return a.printNetwork(nc.Status(), asJSON)
 		},
 	}, &cobra.Command{
 		Use:     "rm",
@@ -55,7 +55,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 			return nil
 		}),
 	})
-	c.PersistentFlags().Bool("json", false, "print JSON")
+	c.PersistentFlags().BoolVar(&asJSON, "json", false, "print JSON")
 	return c
 }
 
@@ -68,8 +68,8 @@ func (a *app) network() (network.Config, error) {
 }
 
 // printNetwork prints the bridge's status (--json: for programs).
-func (a *app) printNetwork(c *cobra.Command, st network.Status) error {
-	if asJSON, _ := c.Flags().GetBool("json"); asJSON {
+func (a *app) printNetwork(st network.Status, asJSON bool) error {
+	if asJSON {
 		return a.printJSON(st)
 	}
 	fmt.Fprintf(a.io.Out, "bridge %s (%s), gateway %s, present %v, NAT %v\n", st.Bridge, st.Subnet, st.Gateway, st.Present, st.NAT)
