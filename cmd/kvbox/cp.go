@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/kvbox"
@@ -141,7 +140,7 @@ func (a *app) copyProgress() *terminal.Copy {
 		after = d
 	}
 	var w io.Writer
-	if f, ok := a.raw.Err.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+	if f, ok := a.raw.Err.(*os.File); ok && terminal.IsTerminal(f) {
 		w = f
 	}
 	return terminal.NewCopy(w, after, func(s string) { fmt.Fprintf(a.io.Err, "kvbox: cp: %s\n", s) })
