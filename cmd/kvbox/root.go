@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
@@ -29,7 +28,7 @@ type IO struct {
 }
 
 func stdio() IO {
-	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr, TTY: term.IsTerminal(int(os.Stdout.Fd()))}
+	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr, TTY: terminal.IsTerminal(os.Stdout)}
 }
 
 // printableIO is ios with standard output and error made printable.

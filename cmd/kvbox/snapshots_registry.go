@@ -8,7 +8,6 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/kvbox"
@@ -56,7 +55,7 @@ func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 // The returned func clears it.
 func (a *app) progress(o *registry.Options) (done func()) {
 	f, ok := a.raw.Err.(*os.File)
-	if o.Log == nil || !ok || !term.IsTerminal(int(f.Fd())) {
+	if o.Log == nil || !ok || !terminal.IsTerminal(f) {
 		return func() {}
 	}
 	// Raw for the status line's cursor controls; its text (part titles,
