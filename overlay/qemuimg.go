@@ -75,10 +75,16 @@ func CreateLarger(ctx context.Context, path, backingPath, backingFmt string, siz
 
 // CreateSized makes a standalone qcow2 image of size bytes.
 func CreateSized(ctx context.Context, path string, size int64) error {
+	return withSize(ctx, "create", path, size)
+}
+
+// withSize runs qemu-img VERB on the qcow2 image at path with a size of
+// size bytes, which must be positive (create, resize).
+func withSize(ctx context.Context, verb, path string, size int64) error {
 	if size <= 0 {
-		return fmt.Errorf("overlay: create %s: size %d must be positive", path, size)
+		return fmt.Errorf("overlay: %s %s: size %d must be positive", verb, path, size)
 	}
-	_, err := runQemuImg(ctx, "create", "-q", "-f", "qcow2", path, strconv.FormatInt(size, 10))
+	_, err := runQemuImg(ctx, verb, "-q", "-f", "qcow2", path, strconv.FormatInt(size, 10))
 	return err
 }
 
@@ -183,11 +189,7 @@ func Rebase(ctx context.Context, path, newBacking, backingFmt string, unsafe boo
 // Resize sets the qcow2 image's virtual size. Shrinking is refused by
 // qemu-img (it would need --shrink, which kvbox never passes: it loses data).
 func Resize(ctx context.Context, path string, size int64) error {
-	if size <= 0 {
-		return fmt.Errorf("overlay: resize %s: size %d must be positive", path, size)
-	}
-	_, err := runQemuImg(ctx, "resize", "-q", "-f", "qcow2", path, strconv.FormatInt(size, 10))
-	return err
+	return withSize(ctx, "resize", path, size)
 }
 
 // CheckResult is `qemu-img check --output=json`'s report.
