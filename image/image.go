@@ -6,7 +6,6 @@ package image
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/statedir"
 )
 
 // Image is a registered base image.
@@ -39,48 +39,26 @@ const metaFile = "image.json"
 
 // Get returns the named image.
 func (s Store) Get(name string) (Image, error) {
-	if err := base.ValidName(name); err != nil {
-		return Image{}, err
-	}
-	b, err := os.ReadFile(filepath.Join(s.Dir, name, metaFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return Image{}, base.Errorf(base.NotFound, "image %q not found (kvbox images ls lists images)", name)
-	}
-	if err != nil {
-		return Image{}, err
-	}
 	var im Image
-	if err := json.Unmarshal(b, &im); err != nil {
-		return Image{}, fmt.Errorf("image %q: %w", name, err)
+	if err := s.entries().Read(name, &im); err != nil {
+		return Image{}, err
 	}
 	im.SizeBytes, _ = overlay.Du(filepath.Join(s.Dir, name))
 	return im, nil
 }
 
+// entries is the store's folder of images: one folder an image (a dot
+// folder is a build's work, .build-NAME-*), complete once image.json is in
+// it.
+func (s Store) entries() statedir.Entries {
+	return statedir.Entries{Dir: s.Dir, Record: metaFile, What: "image", Missing: "not found (kvbox images ls lists images)"}
+}
+
 // List returns every image, sorted by name.
 func (s Store) List() ([]Image, error) {
-	ents, err := os.ReadDir(s.Dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+	out, err := statedir.List(s.Dir, s.Get)
 	if err != nil {
 		return nil, err
-	}
-	var out []Image
-	for _, e := range ents {
-		// A dot folder is a build's work (.build-NAME-*), never an
-		// image: no image name starts with a dot.
-		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
-			continue
-		}
-		im, err := s.Get(e.Name())
-		if errors.Is(err, base.ErrNotFound) {
-			continue // an import in progress or left over
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, im)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil

@@ -19,16 +19,10 @@
 package snapshot
 
 import (
-	"encoding/json"
-	"errors"
-	"fmt"
-	"os"
 	"path/filepath"
 	"sort"
-	"strings"
 	"time"
 
-	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/statedir"
@@ -99,48 +93,26 @@ type Store struct{ Dir string }
 
 // Get returns the named complete snapshot.
 func (st Store) Get(name string) (Snapshot, error) {
-	if err := base.ValidName(name); err != nil {
-		return Snapshot{}, err
-	}
-	dir := filepath.Join(st.Dir, name)
-	b, err := os.ReadFile(filepath.Join(dir, MetaFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return Snapshot{}, base.Errorf(base.NotFound, "snapshot %q does not exist (kvbox snapshots ls lists them)", name)
-	}
-	if err != nil {
-		return Snapshot{}, err
-	}
 	var s Snapshot
-	if err := json.Unmarshal(b, &s); err != nil {
-		return Snapshot{}, fmt.Errorf("snapshot %q: %w", name, err)
+	if err := st.entries().Read(name, &s); err != nil {
+		return Snapshot{}, err
 	}
-	s.Dir = dir
-	s.SizeBytes, _ = overlay.Du(dir)
+	s.Dir = filepath.Join(st.Dir, name)
+	s.SizeBytes, _ = overlay.Du(s.Dir)
 	return s, nil
+}
+
+// entries is the store's folder of snapshots: one folder a snapshot
+// (a dot folder is one being made), complete once snapshot.json is in it.
+func (st Store) entries() statedir.Entries {
+	return statedir.Entries{Dir: st.Dir, Record: MetaFile, What: "snapshot", Missing: "does not exist (kvbox snapshots ls lists them)"}
 }
 
 // List returns every complete snapshot, oldest first.
 func (st Store) List() ([]Snapshot, error) {
-	ents, err := os.ReadDir(st.Dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+	out, err := statedir.List(st.Dir, st.Get)
 	if err != nil {
 		return nil, err
-	}
-	var out []Snapshot
-	for _, e := range ents {
-		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
-			continue
-		}
-		s, err := st.Get(e.Name())
-		if errors.Is(err, base.ErrNotFound) {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, s)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Created.Before(out[j].Created) })
 	return out, nil
