@@ -81,13 +81,15 @@ func (s *Server) control(w http.ResponseWriter, r *http.Request) {
 // sandboxCall serves POST /sandboxes/{id}/CALL (and GET/PUT of the calls
 // kvbox serve does not implement).
 func (s *Server) sandboxCall(w http.ResponseWriter, r *http.Request, id, call string, method func(...string) bool) {
-	calls := map[string]func(http.ResponseWriter, *http.Request, string){
+	calls := map[string]func(http.ResponseWriter, *http.Request, string) error{
 		"timeout": s.setTimeout, "refreshes": s.refresh, "connect": s.connect, "resume": s.resume,
 		"pause": s.pause, "fork": s.fork, "snapshots": s.createSnapshot,
 	}
 	if f := calls[call]; f != nil {
 		if method(http.MethodPost) {
-			f(w, r, id)
+			if err := f(w, r, id); err != nil {
+				s.fail(w, r, err)
+			}
 		}
 		return
 	}
@@ -512,66 +514,74 @@ func (s *Server) kill(w http.ResponseWriter, r *http.Request, id string) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// locked takes sandbox id's lock and looks the sandbox up. The caller
+// releases the lock (unlock) unless err, when it is released already.
+func (s *Server) locked(ctx context.Context, id string) (b Box, rec record, unlock func(), err error) {
+	unlock = s.opLock(id)
+	if b, rec, err = s.sandbox(ctx, id); err != nil {
+		unlock()
+		return Box{}, record{}, nil, err
+	}
+	return b, rec, unlock, nil
+}
+
+// withSandbox runs f on sandbox id, looked up under its lock.
+func (s *Server) withSandbox(ctx context.Context, id string, f func(Box, record) error) error {
+	b, rec, unlock, err := s.locked(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return f(b, rec)
+}
+
 // setTimeout serves POST /sandboxes/{id}/timeout: the deadline is now plus
 // the timeout, earlier or later than it was.
-func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, id string) error {
 	var req timeoutJSON
 	if e := decodeBody(w, r, &req, false); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
 	if req.Timeout == nil {
-		s.fail(w, r, errorf(http.StatusBadRequest, "timeout is required (seconds)"))
-		return
+		return errorf(http.StatusBadRequest, "timeout is required (seconds)")
 	}
 	d, err := seconds("timeout", req.Timeout, 0)
 	if err != nil {
-		s.fail(w, r, err)
-		return
+		return err
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, _, err := s.sandbox(r.Context(), id)
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	if b.State == Suspended {
-		s.fail(w, r, errorf(http.StatusConflict, "sandbox %s is paused and has no timeout: connect resumes it with one", id))
-		return
-	}
-	at := time.Now().Add(d)
-	if _, err := s.host.SetExpires(r.Context(), id, &at); err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
+	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
+		if b.State == Suspended {
+			return errorf(http.StatusConflict, "sandbox %s is paused and has no timeout: connect resumes it with one", id)
+		}
+		at := time.Now().Add(d)
+		if _, err := s.host.SetExpires(r.Context(), id, &at); err != nil {
+			return err
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
 }
 
 // refresh serves POST /sandboxes/{id}/refreshes: the deadline moves to now
 // plus the duration, never earlier.
-func (s *Server) refresh(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) refresh(w http.ResponseWriter, r *http.Request, id string) error {
 	var req durationJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
 	d, err := seconds("duration", req.Duration, defaultTimeout)
 	if err != nil {
-		s.fail(w, r, err)
-		return
+		return err
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, _, err := s.sandbox(r.Context(), id)
-	if err == nil && b.State == Running {
-		err = s.extend(r.Context(), b, d)
-	}
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	w.WriteHeader(http.StatusNoContent)
+	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
+		if b.State == Running {
+			if err := s.extend(r.Context(), b, d); err != nil {
+				return err
+			}
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
 }
 
 // extend moves a running sandbox's deadline to now+d unless it is later.
@@ -590,66 +600,51 @@ func (s *Server) extend(ctx context.Context, b Box, d time.Duration) error {
 // connect serves POST /sandboxes/{id}/connect (and /v2/): a running
 // sandbox's deadline is extended (never shortened), 200; a paused one is
 // resumed with a deadline of now plus the timeout, 201.
-func (s *Server) connect(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) connect(w http.ResponseWriter, r *http.Request, id string) error {
 	var req timeoutJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, rec, err := s.sandbox(r.Context(), id)
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	d, err := seconds("timeout", req.Timeout, timeoutOf(b, 300*time.Second))
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	status := http.StatusOK
-	if b.State == Suspended {
-		if b, err = s.wake(r.Context(), b, d); err != nil {
-			s.fail(w, r, err)
-			return
+	return s.withSandbox(r.Context(), id, func(b Box, rec record) error {
+		d, err := seconds("timeout", req.Timeout, timeoutOf(b, 300*time.Second))
+		if err != nil {
+			return err
 		}
-		status = http.StatusCreated
-	} else if err := s.extend(r.Context(), b, d); err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	writeJSON(w, status, s.sandboxJSON(b, rec))
+		status := http.StatusOK
+		if b.State == Suspended {
+			if b, err = s.wake(r.Context(), b, d); err != nil {
+				return err
+			}
+			status = http.StatusCreated
+		} else if err := s.extend(r.Context(), b, d); err != nil {
+			return err
+		}
+		writeJSON(w, status, s.sandboxJSON(b, rec))
+		return nil
+	})
 }
 
 // resume serves the deprecated POST /sandboxes/{id}/resume: a paused
 // sandbox is resumed (201); a running one is a 409.
-func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string) error {
 	var req timeoutJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, rec, err := s.sandbox(r.Context(), id)
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	if b.State != Suspended {
-		s.fail(w, r, errorf(http.StatusConflict, "sandbox %s is already running", id))
-		return
-	}
-	d, err := seconds("timeout", req.Timeout, timeoutOf(b, defaultTimeout))
-	if err == nil {
-		b, err = s.wake(r.Context(), b, d)
-	}
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	writeJSON(w, http.StatusCreated, s.sandboxJSON(b, rec))
+	return s.withSandbox(r.Context(), id, func(b Box, rec record) error {
+		if b.State != Suspended {
+			return errorf(http.StatusConflict, "sandbox %s is already running", id)
+		}
+		d, err := seconds("timeout", req.Timeout, timeoutOf(b, defaultTimeout))
+		if err == nil {
+			b, err = s.wake(r.Context(), b, d)
+		}
+		if err != nil {
+			return err
+		}
+		writeJSON(w, http.StatusCreated, s.sandboxJSON(b, rec))
+		return nil
+	})
 }
 
 // wake resumes a paused sandbox and gives it a deadline of now plus d.
@@ -672,42 +667,34 @@ func (s *Server) wake(ctx context.Context, b Box, d time.Duration) (Box, error) 
 // pause serves POST /sandboxes/{id}/pause: kvbox suspend, and no deadline
 // while paused (a paused sandbox stays until it is connected to or
 // killed). 409 when it is not running.
-func (s *Server) pause(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) pause(w http.ResponseWriter, r *http.Request, id string) error {
 	var req pauseJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, _, err := s.sandbox(r.Context(), id)
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	if b.State == Suspended {
-		s.fail(w, r, errorf(http.StatusConflict, "sandbox %s is already paused", id))
-		return
-	}
-	t0 := time.Now()
-	// The deadline goes first: a reaper must not remove the sandbox being
-	// paused. Put back if the pause fails.
-	if _, err := s.host.SetExpires(r.Context(), id, nil); err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	if err := s.host.Suspend(r.Context(), id); err != nil {
-		if _, rerr := s.host.SetExpires(context.WithoutCancel(r.Context()), id, b.Expires); rerr != nil {
-			err = fmt.Errorf("%w (and its deadline could not be put back: %v)", err, rerr)
+	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
+		if b.State == Suspended {
+			return errorf(http.StatusConflict, "sandbox %s is already paused", id)
 		}
-		s.fail(w, r, fmt.Errorf("pause sandbox %s: %w", id, err))
-		return
-	}
-	if nb, err := s.host.Box(r.Context(), id); err == nil {
-		s.keep(nb)
-	}
-	s.logf("sandbox %s paused in %.2fs", id, time.Since(t0).Seconds())
-	w.WriteHeader(http.StatusNoContent)
+		t0 := time.Now()
+		// The deadline goes first: a reaper must not remove the sandbox
+		// being paused. Put back if the pause fails.
+		if _, err := s.host.SetExpires(r.Context(), id, nil); err != nil {
+			return err
+		}
+		if err := s.host.Suspend(r.Context(), id); err != nil {
+			if _, rerr := s.host.SetExpires(context.WithoutCancel(r.Context()), id, b.Expires); rerr != nil {
+				err = fmt.Errorf("%w (and its deadline could not be put back: %v)", err, rerr)
+			}
+			return fmt.Errorf("pause sandbox %s: %w", id, err)
+		}
+		if nb, err := s.host.Box(r.Context(), id); err == nil {
+			s.keep(nb)
+		}
+		s.logf("sandbox %s paused in %.2fs", id, time.Since(t0).Seconds())
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
 }
 
 // Template ids of fork snapshots, which serve takes for each fork and a
@@ -719,33 +706,30 @@ const labelTemplateID = "e2b.template-id"
 
 // fork serves POST /sandboxes/{id}/fork: one snapshot of the running
 // sandbox (it runs on), then count clones of it, each its own outcome.
-func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) error {
 	var req forkJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
 	count := 1
 	if req.Count != nil {
 		count = *req.Count
 	}
 	if count < 1 || count > 100 {
-		s.fail(w, r, errorf(http.StatusBadRequest, "count %d: give 1 to 100", count))
-		return
+		return errorf(http.StatusBadRequest, "count %d: give 1 to 100", count)
 	}
-	unlock := s.opLock(id)
-	b, rec, err := s.sandbox(r.Context(), id)
-	if err == nil && b.State != Running {
-		err = errorf(http.StatusConflict, "sandbox %s is paused: connect to it first", id)
+	b, rec, unlock, err := s.locked(r.Context(), id)
+	if err != nil {
+		return err
 	}
 	var d time.Duration
+	err = running(b, id)
 	if err == nil {
 		d, err = seconds("timeout", req.Timeout, timeoutOf(b, defaultTimeout))
 	}
 	if err != nil {
 		unlock()
-		s.fail(w, r, err)
-		return
+		return err
 	}
 	// The snapshot outlives this call only while forks are cloned from
 	// it: its TTL passes soon, and the last fork's removal removes it.
@@ -755,9 +739,32 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 	_, err = s.host.Snapshot(r.Context(), id, snap, &exp)
 	unlock()
 	if err != nil {
-		s.fail(w, r, fmt.Errorf("fork sandbox %s: %w", id, err))
-		return
+		return fmt.Errorf("fork sandbox %s: %w", id, err)
 	}
+	results := s.forks(r.Context(), b, rec, snap, d, count)
+	ok := 0
+	for _, x := range results {
+		if x.Sandbox != nil {
+			ok++
+		}
+	}
+	s.logf("sandbox %s forked: %d of %d running in %.2fs", id, ok, count, time.Since(t0).Seconds())
+	writeJSON(w, http.StatusCreated, results)
+	return nil
+}
+
+// running refuses a paused sandbox: a snapshot is of a running one.
+func running(b Box, id string) error {
+	if b.State != Running {
+		return errorf(http.StatusConflict, "sandbox %s is paused: connect to it first", id)
+	}
+	return nil
+}
+
+// forks starts count clones of snap, fork b's snapshot, at once, each with
+// its own id and tokens and a deadline of now plus d, and b's labels but
+// autoResume: each its sandbox or its error.
+func (s *Server) forks(ctx context.Context, b Box, rec record, snap string, d time.Duration, count int) []forkResultJSON {
 	labels := map[string]string{}
 	for k, v := range b.Labels {
 		if k != labelAutoResume {
@@ -776,7 +783,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 			if rec.TrafficToken != "" {
 				fr.TrafficToken = newToken()
 			}
-			fb, err := s.start(r.Context(), snap, labels, fr, d, startHow{noInternet: b.NoInternet})
+			fb, err := s.start(ctx, snap, labels, fr, d, startHow{noInternet: b.NoInternet})
 			if err != nil {
 				status := http.StatusInternalServerError
 				if errors.Is(err, ErrBusy) || errors.Is(err, ErrExists) {
@@ -790,14 +797,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) {
 		}()
 	}
 	wg.Wait()
-	ok := 0
-	for _, x := range results {
-		if x.Sandbox != nil {
-			ok++
-		}
-	}
-	s.logf("sandbox %s forked: %d of %d running in %.2fs", id, ok, count, time.Since(t0).Seconds())
-	writeJSON(w, http.StatusCreated, results)
+	return results
 }
 
 // forkSnapshotTTL is how long a fork's snapshot waits for its clones
@@ -806,37 +806,30 @@ const forkSnapshotTTL = 10 * time.Minute
 
 // createSnapshot serves POST /sandboxes/{id}/snapshots: a kvbox snapshot
 // of the running sandbox, which runs on; a template from then on.
-func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, id string) {
+func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, id string) error {
 	var req snapshotReqJSON
 	if e := decodeBody(w, r, &req, true); e != nil {
-		s.fail(w, r, e)
-		return
+		return e
 	}
 	name := req.Name
 	if name == "" {
 		name = "snap-" + newID()[:16]
 	} else if !templateRe.MatchString(name) || strings.Contains(name, "..") || strings.HasPrefix(name, forkPrefix) {
-		s.fail(w, r, errorf(http.StatusBadRequest, "snapshot name %q: give letters, digits, '-', '_' and '.' (it becomes a template's name)", name))
-		return
+		return errorf(http.StatusBadRequest, "snapshot name %q: give letters, digits, '-', '_' and '.' (it becomes a template's name)", name)
 	}
-	unlock := s.opLock(id)
-	defer unlock()
-	b, _, err := s.sandbox(r.Context(), id)
-	if err == nil && b.State != Running {
-		err = errorf(http.StatusConflict, "sandbox %s is paused: connect to it first", id)
-	}
-	if err != nil {
-		s.fail(w, r, err)
-		return
-	}
-	t0 := time.Now()
-	snap, err := s.host.Snapshot(r.Context(), id, name, nil)
-	if err != nil {
-		s.fail(w, r, fmt.Errorf("snapshot of sandbox %s: %w", id, err))
-		return
-	}
-	s.logf("sandbox %s snapshotted as template %s in %.2fs", id, snap.Name, time.Since(t0).Seconds())
-	writeJSON(w, http.StatusCreated, snapshotJSON{SnapshotID: snap.Name, Names: []string{snap.Name}})
+	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
+		if err := running(b, id); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		snap, err := s.host.Snapshot(r.Context(), id, name, nil)
+		if err != nil {
+			return fmt.Errorf("snapshot of sandbox %s: %w", id, err)
+		}
+		s.logf("sandbox %s snapshotted as template %s in %.2fs", id, snap.Name, time.Since(t0).Seconds())
+		writeJSON(w, http.StatusCreated, snapshotJSON{SnapshotID: snap.Name, Names: []string{snap.Name}})
+		return nil
+	})
 }
 
 // listSnapshots serves GET /snapshots: kvbox's snapshots (forks' own
