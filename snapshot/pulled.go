@@ -92,101 +92,129 @@ func PulledXML(src string, p PulledSpec) (string, []string, error) {
 	if err := d.Unmarshal(src); err != nil {
 		return "", nil, refusedf("does not parse (%v)", oneLine(err.Error()))
 	}
-	if err := checkTop(&d); err != nil {
-		return "", nil, err
-	}
-	var notes []string
-	meta, err := pulledMeta(d.Metadata)
+	c, err := checkPushed(&d, p)
 	if err != nil {
 		return "", nil, err
 	}
-	if meta.Group != "" {
-		notes = append(notes, fmt.Sprintf("the snapshot's box was in box group %q of the host that pushed it; its clones here join no group", printable(meta.Group)))
+	x, err := renderPulled(&d, p, c)
+	if err != nil {
+		return "", nil, err
+	}
+	return x, c.notes, nil
+}
+
+// checkedDomain is what checkPushed keeps of a pushed domain XML for
+// renderPulled: each part as kvbox carries it.
+type checkedDomain struct {
+	notes        []string
+	meta         domain.Meta
+	cpu          *libvirtxml.DomainCPU
+	mem          int64
+	cur          *libvirtxml.DomainCurrentMemory
+	devs         pulledDevices
+	ramArgs      []string
+	keepOverride bool
+}
+
+// checkPushed checks each part of the pushed domain XML d against its
+// snapshot.json (p) and this host, and refuses the first that kvbox would
+// not have written.
+func checkPushed(d *libvirtxml.Domain, p PulledSpec) (checkedDomain, error) {
+	var c checkedDomain
+	if err := checkTop(d); err != nil {
+		return c, err
+	}
+	var err error
+	if c.meta, err = pulledMeta(d.Metadata); err != nil {
+		return c, err
+	}
+	if c.meta.Group != "" {
+		c.notes = append(c.notes, fmt.Sprintf("the snapshot's box was in box group %q of the host that pushed it; its clones here join no group", printable(c.meta.Group)))
 	}
 	if d.Type != "qemu" && d.Type != "kvm" || d.Type != p.Compat.DomainType {
-		return "", nil, refusedf("asks for domain type %q, its compatibility record for %q", printable(d.Type), printable(p.Compat.DomainType))
+		return c, refusedf("asks for domain type %q, its compatibility record for %q", printable(d.Type), printable(p.Compat.DomainType))
 	}
 	if err := checkOS(d.OS, p); err != nil {
-		return "", nil, err
+		return c, err
 	}
-	cpu, err := pulledCPU(d.CPU, p.Compat)
-	if err != nil {
-		return "", nil, err
+	if c.cpu, err = pulledCPU(d.CPU, p.Compat); err != nil {
+		return c, err
 	}
-	mem, cur, err := pulledMemory(&d, p.MemoryBytes)
-	if err != nil {
-		return "", nil, err
+	if c.mem, c.cur, err = pulledMemory(d, p.MemoryBytes); err != nil {
+		return c, err
 	}
 	if d.VCPU == nil || int(d.VCPU.Value) != p.CPUs || p.CPUs < 1 || p.CPUs > maxPulledCPUs || d.VCPU.Current != 0 && int(d.VCPU.Current) != p.CPUs {
-		return "", nil, refusedf("has a vCPU count that is not the %d its snapshot.json records (1 to %d)", p.CPUs, maxPulledCPUs)
+		return c, refusedf("has a vCPU count that is not the %d its snapshot.json records (1 to %d)", p.CPUs, maxPulledCPUs)
 	}
 	if err := checkFeatures(d.Features); err != nil {
-		return "", nil, err
+		return c, err
 	}
 	if d.Devices == nil {
-		return "", nil, refusedf("has no devices")
+		return c, refusedf("has no devices")
 	}
-	devs, err := checkDevices(d.Devices, p)
-	if err != nil {
-		return "", nil, err
+	if c.devs, err = checkDevices(d.Devices, p); err != nil {
+		return c, err
 	}
-	ramArgs, err := checkQemuArgs(d.QEMUCommandline, mem)
-	if err != nil {
-		return "", nil, err
+	if c.ramArgs, err = checkQemuArgs(d.QEMUCommandline, c.mem); err != nil {
+		return c, err
 	}
-	keepOverride, err := checkOverride(d.QEMUOverride)
-	if err != nil {
-		return "", nil, err
+	if c.keepOverride, err = checkOverride(d.QEMUOverride); err != nil {
+		return c, err
 	}
-	if meta.Transport != "" && meta.Transport != "vsock" && meta.Transport != "virtio-serial" {
-		return "", nil, refusedf("names the agent transport %q (vsock or virtio-serial)", printable(meta.Transport))
+	if t := c.meta.Transport; t != "" && t != "vsock" && t != "virtio-serial" {
+		return c, refusedf("names the agent transport %q (vsock or virtio-serial)", printable(t))
 	}
+	return c, nil
+}
 
-	// kvbox's own template, rendered for this snapshot.
+// renderPulled renders kvbox's own template for the pulled snapshot, with
+// what checkPushed kept of the pushed domain XML d in it.
+func renderPulled(d *libvirtxml.Domain, p PulledSpec, c checkedDomain) (string, error) {
+	devs := c.devs
 	md, err := domain.MarshalMeta(domain.Meta{
 		Image: p.Image, MAC: devs.mac, Bridge: bridgeIf(devs.mac), Dir: p.Dir, DiskBytes: p.DiskBytes,
-		Transport: meta.Transport, Created: meta.Created,
+		Transport: c.meta.Transport, Created: c.meta.Created,
 	})
 	if err != nil {
-		return "", nil, err
+		return "", err
 	}
 	var cmdline string
 	if d.OS.Kernel != "" {
 		cmdline = d.OS.Cmdline
 	}
 	out, err := domain.Render(templates.Box, domain.TemplateData{
-		Type: d.Type, Emulator: p.Emulator, Name: "pulled", Metadata: md, MemoryBytes: mem, CPUs: p.CPUs,
+		Type: d.Type, Emulator: p.Emulator, Name: "pulled", Metadata: md, MemoryBytes: c.mem, CPUs: p.CPUs,
 		Kernel: kernelIf(d.OS.Kernel, p.Kernel), Initrd: kernelIf(d.OS.Initrd, p.Initrd), Cmdline: cmdline,
 		Disk: p.Dir + "/" + DiskFile, ConsoleLog: p.Dir + "/console.log",
 		// The NIC's bridge, tap and address are placeholders: a clone names its own (cloneInterface).
 		Bridge: bridgeIf(devs.mac), MAC: devs.mac, Tap: tapIf(devs.mac), IP: ipIf(devs.mac),
-		AgentPorts: devs.agents, Vsock: devs.vsock, QemuArgs: ramArgs,
+		AgentPorts: devs.agents, Vsock: devs.vsock, QemuArgs: c.ramArgs,
 	})
 	if err != nil {
-		return "", nil, err
+		return "", err
 	}
 	var t libvirtxml.Domain
 	if err := t.Unmarshal(out); err != nil {
-		return "", nil, fmt.Errorf("kvbox's template for a pulled snapshot: %w", err)
+		return "", fmt.Errorf("kvbox's template for a pulled snapshot: %w", err)
 	}
 	t.OS.Type.Machine = d.OS.Type.Machine
-	t.CPU = cpu
-	t.CurrentMemory = cur
+	t.CPU = c.cpu
+	t.CurrentMemory = c.cur
 	t.Features = pulledFeatures(d.Features)
-	if !devs.balloon || !keepOverride || d.IOThreads == 0 {
+	if !devs.balloon || !c.keepOverride || d.IOThreads == 0 {
 		t.QEMUOverride = nil
 	}
 	if d.IOThreads == 0 {
 		t.IOThreads = 0
 	}
 	if err := graftDevices(t.Devices, devs); err != nil {
-		return "", nil, err
+		return "", err
 	}
 	x, err := t.Marshal()
 	if err != nil {
-		return "", nil, fmt.Errorf("render a pulled snapshot's domain XML: %w", err)
+		return "", fmt.Errorf("render a pulled snapshot's domain XML: %w", err)
 	}
-	return x, notes, nil
+	return x, nil
 }
 
 func bridgeIf(mac string) string {
