@@ -503,163 +503,212 @@ type pulledDevices struct {
 // watchdog that dumps to the host).
 func checkDevices(dl *libvirtxml.DomainDeviceList, p PulledSpec) (pulledDevices, error) {
 	var out pulledDevices
+	for _, check := range []func(*libvirtxml.DomainDeviceList, PulledSpec, *pulledDevices) error{
+		checkDeviceSet, checkDisk, checkNIC, checkConsole, checkAgentDevices, checkRNG, checkBalloon, checkLibvirtDevices,
+	} {
+		if err := check(dl, p, &out); err != nil {
+			return out, err
+		}
+	}
+	return out, nil
+}
+
+// checkDeviceSet refuses a kind of device outside kvbox's set, too many
+// devices, and an emulator that is not a QEMU binary.
+func checkDeviceSet(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
 	if extra := nonZero(dl, "Emulator", "Disks", "Controllers", "Interfaces", "Serials", "Consoles", "Channels",
 		"Inputs", "Audios", "Watchdogs", "MemBalloon", "RNGs", "VSock", "IOMMU"); len(extra) > 0 {
-		return out, refusedf("has a <%s> device (a pulled snapshot gets kvbox's own device set)", extra[0])
+		return refusedf("has a <%s> device (a pulled snapshot gets kvbox's own device set)", extra[0])
 	}
 	if n := len(dl.Controllers) + len(dl.Inputs) + len(dl.Audios) + len(dl.Watchdogs); n > maxPulledDevices {
-		return out, refusedf("has %d controllers and other devices (at most %d)", n, maxPulledDevices)
+		return refusedf("has %d controllers and other devices (at most %d)", n, maxPulledDevices)
 	}
 	if dl.Emulator != "" && dl.Emulator != p.SrcWrapper && !qemuPathRE.MatchString(dl.Emulator) {
-		return out, refusedf("names the emulator %q (kvbox runs this host's QEMU)", printable(dl.Emulator))
+		return refusedf("names the emulator %q (kvbox runs this host's QEMU)", printable(dl.Emulator))
 	}
-	// the disk
+	return nil
+}
+
+// checkDisk: one qcow2 file on virtio vda, unencrypted.
+func checkDisk(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
+	var err error
 	if len(dl.Disks) != 1 {
-		return out, refusedf("has %d disks (a kvbox box has one, its own overlay)", len(dl.Disks))
+		return refusedf("has %d disks (a kvbox box has one, its own overlay)", len(dl.Disks))
 	}
 	dk := dl.Disks[0]
 	if dk.Device != "" && dk.Device != "disk" || dk.Source == nil || dk.Source.File == nil || dk.Source.Network != nil || dk.Source.Block != nil ||
 		dk.Target == nil || dk.Target.Dev != "vda" || dk.Target.Bus != "virtio" || dk.Encryption != nil || dk.Source.Encryption != nil || dk.Source.DataStore != nil {
-		return out, refusedf("has a disk that is not kvbox's (a qcow2 file on virtio vda)")
+		return refusedf("has a disk that is not kvbox's (a qcow2 file on virtio vda)")
 	}
-	var err error
 	if out.diskAddr, err = pciAddr(dk.Address, "the disk"); err != nil {
-		return out, err
+		return err
 	}
-	// the NIC
+	return nil
+}
+
+// checkNIC: no NIC, or one virtio NIC on a bridge with a MAC and nothing
+// more.
+func checkNIC(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
+	var err error
 	switch len(dl.Interfaces) {
 	case 0:
 	case 1:
 		ifc := dl.Interfaces[0]
 		if ifc.Source == nil || ifc.Source.Bridge == nil || nonZeroSource(ifc.Source) {
-			return out, refusedf("has a network interface that is not on a bridge (a pulled snapshot's clone is on kvbox's)")
+			return refusedf("has a network interface that is not on a bridge (a pulled snapshot's clone is on kvbox's)")
 		}
 		if extra := nonZero(&ifc, "MAC", "Source", "Target", "Model", "Driver", "FilterRef", "Link", "MTU", "Bandwidth",
 			"PortOptions", "Alias", "Address", "Boot", "Guest", "Tune", "Coalesce", "ACPI"); len(extra) > 0 {
-			return out, refusedf("has a network interface with <%s> (a pulled snapshot's NIC is kvbox's: a MAC on kvbox's bridge)", extra[0])
+			return refusedf("has a network interface with <%s> (a pulled snapshot's NIC is kvbox's: a MAC on kvbox's bridge)", extra[0])
 		}
 		if ifc.MAC == nil {
-			return out, refusedf("has a network interface without a MAC")
+			return refusedf("has a network interface without a MAC")
 		}
 		if hw, err := net.ParseMAC(ifc.MAC.Address); err != nil || len(hw) != 6 {
-			return out, refusedf("has a network interface with the MAC %q", printable(ifc.MAC.Address))
+			return refusedf("has a network interface with the MAC %q", printable(ifc.MAC.Address))
 		}
 		if ifc.Model == nil || ifc.Model.Type != "virtio" {
-			return out, refusedf("has a network interface that is not virtio")
+			return refusedf("has a network interface that is not virtio")
 		}
 		out.mac = strings.ToLower(ifc.MAC.Address)
 		if out.nicAddr, err = pciAddr(ifc.Address, "the network interface"); err != nil {
-			return out, err
+			return err
 		}
 	default:
-		return out, refusedf("has %d network interfaces (a kvbox box has one at most)", len(dl.Interfaces))
+		return refusedf("has %d network interfaces (a kvbox box has one at most)", len(dl.Interfaces))
 	}
-	// the console
+	return nil
+}
+
+// checkConsole: at most one serial port and one console, each a pty.
+func checkConsole(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
 	if len(dl.Serials) > 1 || len(dl.Consoles) > 1 {
-		return out, refusedf("has more than one serial port or console")
+		return refusedf("has more than one serial port or console")
 	}
 	for _, s := range dl.Serials {
 		if !ptyOnly(s.Source) || s.Protocol != nil || s.Target != nil && (s.Target.Port != nil && *s.Target.Port != 0 || s.Target.Type != "" && s.Target.Type != "isa-serial") {
-			return out, refusedf("has a serial port that is not a pty (a file, socket or host device)")
+			return refusedf("has a serial port that is not a pty (a file, socket or host device)")
 		}
 	}
 	for _, c := range dl.Consoles {
 		if !ptyOnly(c.Source) || c.Protocol != nil || c.Target != nil && c.Target.Type != "" && c.Target.Type != "serial" {
-			return out, refusedf("has a console that is not a pty on the serial port (a file, socket or host device)")
+			return refusedf("has a console that is not a pty on the serial port (a file, socket or host device)")
 		}
 	}
-	// the agent channels: kvbox's unix sockets, this host's names
+	return nil
+}
+
+// checkAgentDevices: kvbox's agent channels, unix sockets with this
+// host's names, each once and all of them, and a virtio vsock or none.
+func checkAgentDevices(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
+	var err error
 	out.agentAddr = map[string]*libvirtxml.DomainAddress{}
 	want := domain.AgentSockets(p.Dir)
 	for _, ch := range dl.Channels {
 		if ch.Source == nil || ch.Source.UNIX == nil || nonZeroChardev(ch.Source) || ch.Source.UNIX.Mode != "bind" || ch.Source.UNIX.Reconnect != nil ||
 			ch.Target == nil || ch.Target.VirtIO == nil || ch.Target.GuestFWD != nil || ch.Target.Xen != nil || ch.Protocol != nil ||
 			!agentRE.MatchString(ch.Target.VirtIO.Name) {
-			return out, refusedf("has a channel that is not one of kvbox's agent sockets (a file, a host socket or a guest forward)")
+			return refusedf("has a channel that is not one of kvbox's agent sockets (a file, a host socket or a guest forward)")
 		}
 		if _, dup := out.agentAddr[ch.Target.VirtIO.Name]; dup {
-			return out, refusedf("has the agent channel %s twice", ch.Target.VirtIO.Name)
+			return refusedf("has the agent channel %s twice", ch.Target.VirtIO.Name)
 		}
 		a, err := serialAddr(ch.Address)
 		if err != nil {
-			return out, err
+			return err
 		}
 		out.agentAddr[ch.Target.VirtIO.Name] = a
 	}
 	out.vsock = dl.VSock != nil
 	if out.vsock {
 		if dl.VSock.Model != "" && dl.VSock.Model != "virtio" {
-			return out, refusedf("has a vsock device that is not virtio")
+			return refusedf("has a vsock device that is not virtio")
 		}
 		if out.vsockAddr, err = pciAddr(dl.VSock.Address, "the vsock device"); err != nil {
-			return out, err
+			return err
 		}
 	}
 	// Every box has them, vsock or not: its first contact is on its serial port.
 	if len(dl.Channels) != len(want) {
-		return out, refusedf("has %d agent channels, this kvbox makes %d", len(dl.Channels), len(want))
+		return refusedf("has %d agent channels, this kvbox makes %d", len(dl.Channels), len(want))
 	}
 	for _, w := range want {
 		if _, ok := out.agentAddr[w.Name]; !ok {
-			return out, refusedf("lacks the agent channel %s", w.Name)
+			return refusedf("lacks the agent channel %s", w.Name)
 		}
 	}
 	out.agents = want
-	// rng
+	return nil
+}
+
+// checkRNG: one virtio rng fed by /dev/urandom or /dev/random.
+func checkRNG(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
+	var err error
 	switch len(dl.RNGs) {
 	case 0:
-		return out, refusedf("has no rng device (kvbox's boxes have one)")
+		return refusedf("has no rng device (kvbox's boxes have one)")
 	case 1:
 		r := dl.RNGs[0]
 		if r.Model != "virtio" || r.Backend == nil || r.Backend.EGD != nil ||
 			r.Backend.Random != nil && r.Backend.Random.Device != "/dev/urandom" && r.Backend.Random.Device != "/dev/random" && r.Backend.Random.Device != "" {
-			return out, refusedf("has an rng device fed by something other than /dev/urandom or /dev/random")
+			return refusedf("has an rng device fed by something other than /dev/urandom or /dev/random")
 		}
 		out.rngDevice = "/dev/urandom"
 		if r.Backend.Random != nil && r.Backend.Random.Device == "/dev/random" {
 			out.rngDevice = "/dev/random"
 		}
 		if out.rngAddr, err = pciAddr(r.Address, "the rng device"); err != nil {
-			return out, err
+			return err
 		}
 	default:
-		return out, refusedf("has %d rng devices (a kvbox box has one)", len(dl.RNGs))
+		return refusedf("has %d rng devices (a kvbox box has one)", len(dl.RNGs))
 	}
-	// balloon
+	return nil
+}
+
+// checkBalloon: a virtio balloon or none.
+func checkBalloon(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
+	var err error
 	if b := dl.MemBalloon; b != nil {
 		switch b.Model {
 		case "virtio":
 			out.balloon = true
 			if out.balloonAddr, err = pciAddr(b.Address, "the balloon"); err != nil {
-				return out, err
+				return err
 			}
 		case "none":
 		default:
-			return out, refusedf("has a %q balloon (virtio or none)", printable(b.Model))
+			return refusedf("has a %q balloon (virtio or none)", printable(b.Model))
 		}
 	}
-	// what libvirt adds
+	return nil
+}
+
+// checkLibvirtDevices: what libvirt adds to a box (controllers, plain
+// input devices, audio none, a watchdog that does not dump to the host),
+// each copied as kvbox carries it.
+func checkLibvirtDevices(dl *libvirtxml.DomainDeviceList, p PulledSpec, out *pulledDevices) error {
 	for _, c := range dl.Controllers {
 		cc, err := pulledController(c)
 		if err != nil {
-			return out, err
+			return err
 		}
 		out.controllers = append(out.controllers, cc)
 	}
 	for _, in := range dl.Inputs {
 		if in.Source != nil && (in.Source.EVDev != nil || in.Source.Passthrough != nil) || in.Driver != nil || in.Type != "mouse" && in.Type != "keyboard" && in.Type != "tablet" ||
 			in.Bus != "" && in.Bus != "ps2" && in.Bus != "usb" && in.Bus != "virtio" || in.Model != "" && in.Model != "virtio" {
-			return out, refusedf("has an input device that is not a plain mouse, keyboard or tablet (a host device)")
+			return refusedf("has an input device that is not a plain mouse, keyboard or tablet (a host device)")
 		}
 		a, err := anyAddr(in.Address, "an input device")
 		if err != nil {
-			return out, err
+			return err
 		}
 		out.inputs = append(out.inputs, libvirtxml.DomainInput{Type: in.Type, Bus: in.Bus, Model: in.Model, Address: a})
 	}
 	for _, au := range dl.Audios {
 		if au.None == nil || nonZeroAudio(au) || au.ID < 0 || au.ID > 16 {
-			return out, refusedf("has an audio backend other than none (a host sound device or file)")
+			return refusedf("has an audio backend other than none (a host sound device or file)")
 		}
 		out.audios = append(out.audios, libvirtxml.DomainAudio{ID: au.ID, None: &libvirtxml.DomainAudioNone{}})
 	}
@@ -667,20 +716,20 @@ func checkDevices(dl *libvirtxml.DomainDeviceList, p PulledSpec) (pulledDevices,
 		switch w.Model {
 		case "itco", "i6300esb", "ib700":
 		default:
-			return out, refusedf("has a %q watchdog", printable(w.Model))
+			return refusedf("has a %q watchdog", printable(w.Model))
 		}
 		switch w.Action {
 		case "", "reset", "shutdown", "poweroff", "pause", "none", "inject-nmi":
 		default:
-			return out, refusedf("has a watchdog whose action is %q (a dump writes to the host)", printable(w.Action))
+			return refusedf("has a watchdog whose action is %q (a dump writes to the host)", printable(w.Action))
 		}
 		a, err := anyAddr(w.Address, "the watchdog")
 		if err != nil {
-			return out, err
+			return err
 		}
 		out.watchdogs = append(out.watchdogs, libvirtxml.DomainWatchdog{Model: w.Model, Action: w.Action, Address: a})
 	}
-	return out, nil
+	return nil
 }
 
 func ptyOnly(s *libvirtxml.DomainChardevSource) bool {
