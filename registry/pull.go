@@ -70,92 +70,43 @@ func Inspect(ctx context.Context, refStr string, o Options) (v1.Hash, *v1.Manife
 // are kept in the cache and not fetched again.
 func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name string, o Options) (PullResult, error) {
 	var res PullResult
-	if err := base.ValidName(name); err != nil {
-		return res, err
-	}
-	// One pull per name at a time: a second would remove the first's
-	// half-made folder when it starts its own.
-	lock, err := base.Lock(statedir.Layout{Root: stateDir}.PullLock(name), false)
-	if errors.Is(err, base.ErrLocked) {
-		return res, base.Errorf(base.Busy, "another kvbox is pulling snapshot %q", name)
-	} else if err != nil {
+	lock, st, err := lockPull(stateDir, name)
+	if err != nil {
 		return res, err
 	}
 	defer lock.RemoveAndUnlock()
-	st := snapshot.Store{Dir: statedir.Layout{Root: stateDir}.Snapshots()}
-	if _, err := st.Get(name); err == nil {
-		return res, base.Errorf(base.Exists, "snapshot %q already exists (kvbox snapshots rm %s, or pull under another name)", name, name)
-	}
 	dig, m, err := Inspect(ctx, refStr, o)
 	if err != nil {
 		return res, err
 	}
 	res.Digest = dig.String()
-	var compat snapshot.Compat
-	if err := json.Unmarshal([]byte(m.Annotations[AnnotCompat]), &compat); err != nil {
-		return res, fmt.Errorf("%s: bad %s annotation: %w", refStr, AnnotCompat, err)
-	}
-	if err := compat.Check(conn, o.DomainType); err != nil {
-		return res, err
-	}
-	p, err := checkManifest(m)
+	p, err := checkArtifact(conn, refStr, m, o.DomainType)
 	if err != nil {
-		return res, fmt.Errorf("pull of %s refused: %w", refStr, err)
+		return res, err
 	}
 	ref, _ := o.ref(refStr)
 	var cnt counter
-	ropts := o.remote(ctx, &cnt)
-	c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
-	if err := os.MkdirAll(c.dir, 0o700); err != nil {
+	f := fetcher{ctx: ctx, c: cache{statedir.Layout{Root: stateDir}.RegistryCache()}, ref: ref, ropts: o.remote(ctx, &cnt), o: o, res: &res}
+	if err := os.MkdirAll(f.c.dir, 0o700); err != nil {
 		return res, err
 	}
 	// The snapshot's metadata first: what it says bounds the rest.
-	var small, rest []part
-	var smallBytes int64
-	for _, t := range p.titles {
-		if slices.Contains(metaParts, t) {
-			small = append(small, p.parts[t])
-			smallBytes += p.parts[t].desc.Size
-		} else {
-			rest = append(rest, p.parts[t])
-		}
-	}
+	small, rest, smallBytes := metaFirst(p)
 	if err := checkSpace(stateDir, smallBytes); err != nil {
 		return res, fmt.Errorf("pull of %s refused: %w", refStr, err)
 	}
 	t0 := time.Now()
-	get := func(ps []part) error {
-		for _, pt := range ps {
-			l := pt.desc
-			if c.verify(l.Digest, l.Size) {
-				res.Cached++
-				o.logf("  %-24s cached", pt.title)
-				continue
-			}
-			if err := fetch(ctx, c, ref.Context().Digest(l.Digest.String()), l, ropts, o.Progress); err != nil {
-				return fmt.Errorf("%s: %w", pt.title, err)
-			}
-			o.logf("  %-24s %s fetched and verified", pt.title, human(l.Size))
-		}
-		return nil
-	}
-	if err := get(small); err != nil {
+	if err := f.get(small); err != nil {
 		return res, err
 	}
-	in, err := prepare(c, st, stateDir, name, p, o)
+	in, err := prepare(f.c, st, stateDir, name, p, o)
 	if err != nil {
 		return res, refusal(refStr, err)
 	}
-	var toFetch int64
-	for _, pt := range rest { // (get verifies those it finds)
-		if fi, err := os.Stat(c.blob(pt.desc.Digest)); err != nil || fi.Size() != pt.desc.Size {
-			toFetch += pt.desc.Size
-		}
-	}
-	if err := in.checkSpace(toFetch); err != nil {
+	if err := in.checkSpace(f.c.missing(rest)); err != nil {
 		return res, refusal(refStr, err)
 	}
-	if err := get(rest); err != nil {
+	if err := f.get(rest); err != nil {
 		return res, err
 	}
 	res.Transfer = time.Since(t0)
@@ -169,9 +120,103 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	res.Decode = time.Since(t1)
 	res.Snapshot, res.ImageReuse = s, in.reuse
 	for _, l := range m.Layers { // the snapshot now holds the bytes
-		os.Remove(c.blob(l.Digest))
+		os.Remove(f.c.blob(l.Digest))
 	}
 	return res, nil
+}
+
+// lockPull checks name and takes its pull lock, and refuses a name a
+// snapshot of this host has: the caller releases the lock
+// (RemoveAndUnlock). One pull per name at a time: a second would remove
+// the first's half-made folder when it starts its own.
+func lockPull(stateDir, name string) (*base.FileLock, snapshot.Store, error) {
+	st := snapshot.Store{Dir: statedir.Layout{Root: stateDir}.Snapshots()}
+	if err := base.ValidName(name); err != nil {
+		return nil, st, err
+	}
+	lock, err := base.Lock(statedir.Layout{Root: stateDir}.PullLock(name), false)
+	if errors.Is(err, base.ErrLocked) {
+		return nil, st, base.Errorf(base.Busy, "another kvbox is pulling snapshot %q", name)
+	} else if err != nil {
+		return nil, st, err
+	}
+	if _, err := st.Get(name); err == nil {
+		lock.RemoveAndUnlock()
+		return nil, st, base.Errorf(base.Exists, "snapshot %q already exists (kvbox snapshots rm %s, or pull under another name)", name, name)
+	}
+	return lock, st, nil
+}
+
+// checkArtifact refuses the artifact of manifest m unless this host can
+// restore it (its compatibility record) and its manifest is one kvbox
+// pushes (checkManifest): what to fetch, part by part.
+func checkArtifact(conn *libvirt.Connect, refStr string, m *v1.Manifest, domainType string) (*plan, error) {
+	var compat snapshot.Compat
+	if err := json.Unmarshal([]byte(m.Annotations[AnnotCompat]), &compat); err != nil {
+		return nil, fmt.Errorf("%s: bad %s annotation: %w", refStr, AnnotCompat, err)
+	}
+	if err := compat.Check(conn, domainType); err != nil {
+		return nil, err
+	}
+	p, err := checkManifest(m)
+	if err != nil {
+		return nil, fmt.Errorf("pull of %s refused: %w", refStr, err)
+	}
+	return p, nil
+}
+
+// metaFirst sorts the artifact's parts into its metadata (small, and how
+// many bytes they declare) and the rest, each in the manifest's order.
+func metaFirst(p *plan) (small, rest []part, smallBytes int64) {
+	for _, t := range p.titles {
+		if slices.Contains(metaParts, t) {
+			small = append(small, p.parts[t])
+			smallBytes += p.parts[t].desc.Size
+		} else {
+			rest = append(rest, p.parts[t])
+		}
+	}
+	return small, rest, smallBytes
+}
+
+// missing is how many bytes of ps are not in the cache yet (fetcher.get
+// verifies those it finds).
+func (c cache) missing(ps []part) int64 {
+	var n int64
+	for _, pt := range ps {
+		if fi, err := os.Stat(c.blob(pt.desc.Digest)); err != nil || fi.Size() != pt.desc.Size {
+			n += pt.desc.Size
+		}
+	}
+	return n
+}
+
+// fetcher brings a pull's parts into the cache.
+type fetcher struct {
+	ctx   context.Context
+	c     cache
+	ref   name.Reference
+	ropts []remote.Option
+	o     Options
+	res   *PullResult // counts the parts found cached
+}
+
+// get fetches each of ps not in the cache complete already, and checks it
+// against its digest.
+func (f fetcher) get(ps []part) error {
+	for _, pt := range ps {
+		l := pt.desc
+		if f.c.verify(l.Digest, l.Size) {
+			f.res.Cached++
+			f.o.logf("  %-24s cached", pt.title)
+			continue
+		}
+		if err := fetch(f.ctx, f.c, f.ref.Context().Digest(l.Digest.String()), l, f.ropts, f.o.Progress); err != nil {
+			return fmt.Errorf("%s: %w", pt.title, err)
+		}
+		f.o.logf("  %-24s %s fetched and verified", pt.title, human(l.Size))
+	}
+	return nil
 }
 
 // refusal says which pull an artifact's refusal is of.
