@@ -365,62 +365,92 @@ func ExtractFromBox(r io.Reader, dst string, o FromBox) (string, error) {
 	return extractTree(r, dst, &o)
 }
 
+// extractTree reads the tar stream r into dst: the stream's top entry is
+// the copy (box: a copy from a box, checked as hostile input).
 func extractTree(r io.Reader, dst string, box *FromBox) (string, error) {
 	tr := tar.NewReader(r)
-	h, err := tr.Next()
-	if err == io.EOF {
-		return "", errors.New("the copy's stream is empty")
-	}
+	h, top, err := topEntry(tr, box)
 	if err != nil {
-		return "", fmt.Errorf("read the copy's stream: %w", err)
-	}
-	top, _, _ := strings.Cut(strings.TrimPrefix(path.Clean(h.Name), "/"), "/")
-	if !filepath.IsLocal(top) || top == "." || path.Clean(h.Name) != top || (box != nil && !plainName(h.Name)) {
-		return "", fmt.Errorf("the copy's stream starts with %q, not its top entry", h.Name)
+		return "", err
 	}
 	topDir := h.Typeflag == tar.TypeDir
 	name := top
 	if box != nil {
 		name = box.Name
-		if h.Typeflag == tar.TypeSymlink {
-			return "", fmt.Errorf("the copy is a symlink (to %q): kvbox cp writes no link from a box that points outside what it copies (copy what it points to, or kvbox cp BOX:SRC - | tar -x)", h.Linkname)
-		}
 	}
-
-	final, err := resolveDest(dst, name, topDir)
+	final, exists, err := destination(dst, name, topDir, box != nil)
 	if err != nil {
 		return "", err
 	}
-	parent := filepath.Dir(final)
+	if exists && topDir {
+		return mergeInto(final, top, h, tr)
+	}
+	return extractNew(r, tr, h, final, top, box)
+}
+
+// topEntry reads the stream's first entry, which must be its top entry:
+// one plain name (box: as WriteTree writes it), and no symlink from a box.
+func topEntry(tr *tar.Reader, box *FromBox) (*tar.Header, string, error) {
+	h, err := tr.Next()
+	if err == io.EOF {
+		return nil, "", errors.New("the copy's stream is empty")
+	}
+	if err != nil {
+		return nil, "", fmt.Errorf("read the copy's stream: %w", err)
+	}
+	top, _, _ := strings.Cut(strings.TrimPrefix(path.Clean(h.Name), "/"), "/")
+	if !filepath.IsLocal(top) || top == "." || path.Clean(h.Name) != top || (box != nil && !plainName(h.Name)) {
+		return nil, "", fmt.Errorf("the copy's stream starts with %q, not its top entry", h.Name)
+	}
+	if box != nil && h.Typeflag == tar.TypeSymlink {
+		return nil, "", fmt.Errorf("the copy is a symlink (to %q): kvbox cp writes no link from a box that points outside what it copies (copy what it points to, or kvbox cp BOX:SRC - | tar -x)", h.Linkname)
+	}
+	return h, top, nil
+}
+
+// destination is where the copy named name lands in dst, and whether
+// something is there already: a directory a tree is merged into (never
+// a tree from a box), or a file a file replaces.
+func destination(dst, name string, topDir, fromBox bool) (string, bool, error) {
+	final, err := resolveDest(dst, name, topDir)
+	if err != nil {
+		return "", false, err
+	}
 	fst, ferr := os.Lstat(final)
 	exists := ferr == nil
 	switch {
 	case ferr != nil && !errors.Is(ferr, fs.ErrNotExist):
-		return "", statError(final, ferr)
-	case exists && topDir && box != nil:
-		return "", fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
+		return "", false, statError(final, ferr)
+	case exists && topDir && fromBox:
+		return "", false, fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
 	case exists && topDir && !fst.IsDir():
-		return "", fmt.Errorf("%s: exists and is not a directory", final)
+		return "", false, fmt.Errorf("%s: exists and is not a directory", final)
 	case exists && !topDir && fst.IsDir():
-		return "", fmt.Errorf("%s: is a directory (a file cannot replace it)", final)
+		return "", false, fmt.Errorf("%s: is a directory (a file cannot replace it)", final)
 	}
+	return final, exists, nil
+}
 
-	if exists && topDir {
-		// Merge into the existing directory, each file whole (a copy into
-		// a box only: the stream is the host's).
-		root, err := os.OpenRoot(final)
-		if err != nil {
-			return "", statError(final, err)
-		}
-		defer root.Close()
-		x := &extractor{root: root, base: final, strip: top}
-		if err := x.run(h, tr); err != nil {
-			return "", err
-		}
-		return final, nil
+// mergeInto merges the tree whose top entry is h into the existing
+// directory final, each file whole (a copy into a box only: the stream is
+// the host's).
+func mergeInto(final, top string, h *tar.Header, tr *tar.Reader) (string, error) {
+	root, err := os.OpenRoot(final)
+	if err != nil {
+		return "", statError(final, err)
 	}
-	// A new tree or a file: build it under a temporary directory beside
-	// final, then rename it into place.
+	defer root.Close()
+	x := &extractor{root: root, base: final, strip: top}
+	if err := x.run(h, tr); err != nil {
+		return "", err
+	}
+	return final, nil
+}
+
+// extractNew builds a new tree or a file under a temporary directory
+// beside final, then renames it into place.
+func extractNew(r io.Reader, tr *tar.Reader, h *tar.Header, final, top string, box *FromBox) (string, error) {
+	parent := filepath.Dir(final)
 	tmp, err := os.MkdirTemp(parent, tmpPrefix)
 	if err != nil {
 		return "", statError(parent, errors.Unwrap(err))
@@ -439,32 +469,47 @@ func extractTree(r io.Reader, dst string, box *FromBox) (string, error) {
 		return "", err
 	}
 	if box != nil {
-		// The stream is read to its end before the copy is put in place:
-		// a box's side that fails after the last entry leaves nothing,
-		// and the zeroes tar pads a stream with to its record size (GNU
-		// tar: 10 KiB) are taken. More than maxTrailer after the end is
-		// refused.
-		n, err := io.Copy(io.Discard, io.LimitReader(r, maxTrailer+1))
-		if err != nil {
-			return "", fmt.Errorf("read the copy's stream: %w", err)
-		}
-		if n > maxTrailer {
-			return "", fmt.Errorf("the copy's stream goes on for more than %d bytes after its end", maxTrailer)
+		if err := readTrailer(r); err != nil {
+			return "", err
 		}
 	}
-	from := filepath.Join(tmp, "t")
-	if topDir && box != nil {
+	if err := putInPlace(filepath.Join(tmp, "t"), final, h.Typeflag == tar.TypeDir && box != nil); err != nil {
+		return "", err
+	}
+	return final, nil
+}
+
+// readTrailer reads a box's stream to its end before its copy is put in
+// place: a box's side that fails after the last entry leaves nothing, and
+// the zeroes tar pads a stream with to its record size (GNU tar: 10 KiB)
+// are taken. More than maxTrailer after the end is refused.
+func readTrailer(r io.Reader) error {
+	n, err := io.Copy(io.Discard, io.LimitReader(r, maxTrailer+1))
+	if err != nil {
+		return fmt.Errorf("read the copy's stream: %w", err)
+	}
+	if n > maxTrailer {
+		return fmt.Errorf("the copy's stream goes on for more than %d bytes after its end", maxTrailer)
+	}
+	return nil
+}
+
+// putInPlace renames from to final; a tree from a box (noReplace) never
+// replaces what appeared at final meanwhile (RENAME_NOREPLACE).
+func putInPlace(from, final string, noReplace bool) error {
+	var err error
+	if noReplace {
 		err = unix.Renameat2(unix.AT_FDCWD, from, unix.AT_FDCWD, final, unix.RENAME_NOREPLACE)
 		if errors.Is(err, unix.EEXIST) {
-			return "", fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
+			return fmt.Errorf("%s: %w: a tree from a box is never merged into what is on the host (remove it, or copy to a new name)", final, ErrExists)
 		}
 	} else {
 		err = os.Rename(from, final)
 	}
 	if err != nil {
-		return "", fmt.Errorf("put %s in place: %w", final, unwrapPath(err))
+		return fmt.Errorf("put %s in place: %w", final, unwrapPath(err))
 	}
-	return final, nil
+	return nil
 }
 
 // plainName reports a tar entry name as WriteTree writes them: relative,
@@ -718,84 +763,103 @@ func (x *extractor) entry(h *tar.Header, tr *tar.Reader) error {
 			return err
 		}
 	}
-	mode := x.mode(h)
 	switch h.Typeflag {
 	case tar.TypeDir:
-		if rel != "." {
-			st, err := x.root.Lstat(rel)
-			switch {
-			case errors.Is(err, fs.ErrNotExist):
-				// Owner-writable until its own mode is set at the end.
-				if err := x.root.Mkdir(rel, 0o700); err != nil {
-					return err
-				}
-			case err != nil:
-				return err
-			case !st.IsDir():
-				return fmt.Errorf("%s: exists and is not a directory", x.path(rel))
-			}
-		}
-		x.dirs = append(x.dirs, h)
+		return x.dir(h, rel)
 	case tar.TypeReg, tar.TypeGNUSparse:
-		if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
-			return fmt.Errorf("%s: is a directory (a file cannot replace it)", x.path(rel))
-		}
-		tmp := tmpName(rel)
-		f, err := x.root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-		if err != nil {
-			return err
-		}
-		err = writeHoles(f, tr, h.Size, x.buf)
-		if err == nil {
-			err = f.Chmod(mode)
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err == nil {
-			err = x.root.Chtimes(tmp, atime(h), h.ModTime)
-		}
-		if err == nil {
-			err = x.root.Rename(tmp, rel)
-		}
-		if err != nil {
-			x.root.Remove(tmp)
-			return fmt.Errorf("write %s: %w", x.path(rel), unwrapPath(err))
-		}
-		delete(x.links, rel)
+		return x.file(h, tr, rel)
 	case tar.TypeSymlink:
-		if x.box {
-			depth := strings.Count(rel, "/") - 1 // rel is "t/…/name"
-			if !linkInside(depth, h.Linkname) {
-				x.warned++
-				if x.warned <= maxWarnings && x.warn != nil {
-					x.warn(fmt.Sprintf("skipped %s: a symlink to %q, outside the copy", x.path(rel), h.Linkname))
-				}
-				return nil
-			}
-		}
-		if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
-			return fmt.Errorf("%s: is a directory (a symlink cannot replace it)", x.path(rel))
-		}
-		tmp := tmpName(rel)
-		if err := x.root.Symlink(h.Linkname, tmp); err != nil {
-			return err
-		}
-		// os.Root has no lutimes: the link's own times through its full
-		// path, not following it (every directory above it is one this
-		// copy made or the destination itself).
-		ts := []unix.Timespec{unix.NsecToTimespec(atime(h).UnixNano()), unix.NsecToTimespec(h.ModTime.UnixNano())}
-		unix.UtimesNanoAt(unix.AT_FDCWD, filepath.Join(x.base, tmp), ts, unix.AT_SYMLINK_NOFOLLOW)
-		if err := x.root.Rename(tmp, rel); err != nil {
-			x.root.Remove(tmp)
-			return err
-		}
-		if x.links != nil {
-			x.links[rel] = true
-		}
+		return x.symlink(h, rel)
 	default:
 		// Hard links, devices, fifos: WriteTree never sends them.
 		return fmt.Errorf("the copy's stream holds %q of tar type %q, which kvbox cp does not copy", h.Name, h.Typeflag)
+	}
+}
+
+// dir makes directory rel unless it is there; its mode and times are set
+// at the end (x.dirs).
+func (x *extractor) dir(h *tar.Header, rel string) error {
+	if rel != "." {
+		st, err := x.root.Lstat(rel)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+			// Owner-writable until its own mode is set at the end.
+			if err := x.root.Mkdir(rel, 0o700); err != nil {
+				return err
+			}
+		case err != nil:
+			return err
+		case !st.IsDir():
+			return fmt.Errorf("%s: exists and is not a directory", x.path(rel))
+		}
+	}
+	x.dirs = append(x.dirs, h)
+	return nil
+}
+
+// file writes file rel whole: written beside it with its holes, mode and
+// times, then renamed over it.
+func (x *extractor) file(h *tar.Header, tr *tar.Reader, rel string) error {
+	if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
+		return fmt.Errorf("%s: is a directory (a file cannot replace it)", x.path(rel))
+	}
+	tmp := tmpName(rel)
+	f, err := x.root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	err = writeHoles(f, tr, h.Size, x.buf)
+	if err == nil {
+		err = f.Chmod(x.mode(h))
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = x.root.Chtimes(tmp, atime(h), h.ModTime)
+	}
+	if err == nil {
+		err = x.root.Rename(tmp, rel)
+	}
+	if err != nil {
+		x.root.Remove(tmp)
+		return fmt.Errorf("write %s: %w", x.path(rel), unwrapPath(err))
+	}
+	delete(x.links, rel)
+	return nil
+}
+
+// symlink writes symlink rel (made beside it, then renamed over it); a box's
+// symlink that points outside the copy is skipped with a warning.
+func (x *extractor) symlink(h *tar.Header, rel string) error {
+	if x.box {
+		depth := strings.Count(rel, "/") - 1 // rel is "t/…/name"
+		if !linkInside(depth, h.Linkname) {
+			x.warned++
+			if x.warned <= maxWarnings && x.warn != nil {
+				x.warn(fmt.Sprintf("skipped %s: a symlink to %q, outside the copy", x.path(rel), h.Linkname))
+			}
+			return nil
+		}
+	}
+	if st, err := x.root.Lstat(rel); err == nil && st.IsDir() {
+		return fmt.Errorf("%s: is a directory (a symlink cannot replace it)", x.path(rel))
+	}
+	tmp := tmpName(rel)
+	if err := x.root.Symlink(h.Linkname, tmp); err != nil {
+		return err
+	}
+	// os.Root has no lutimes: the link's own times through its full
+	// path, not following it (every directory above it is one this
+	// copy made or the destination itself).
+	ts := []unix.Timespec{unix.NsecToTimespec(atime(h).UnixNano()), unix.NsecToTimespec(h.ModTime.UnixNano())}
+	unix.UtimesNanoAt(unix.AT_FDCWD, filepath.Join(x.base, tmp), ts, unix.AT_SYMLINK_NOFOLLOW)
+	if err := x.root.Rename(tmp, rel); err != nil {
+		x.root.Remove(tmp)
+		return err
+	}
+	if x.links != nil {
+		x.links[rel] = true
 	}
 	return nil
 }
