@@ -50,78 +50,114 @@ const (
 // header extensions; every read is bounded by the header's own fields and
 // by the first cluster, where QEMU keeps them.
 func ReadQCOW2Header(r io.ReaderAt) (QCOW2Header, error) {
+	h, l, err := readQCOW2Fixed(r)
+	if err != nil {
+		return h, err
+	}
+	// Extensions end where the backing file name begins, or at the end
+	// of the first cluster.
+	end := l.cluster
+	if l.backingOff != 0 {
+		if err := readQCOW2Backing(r, &h, l); err != nil {
+			return h, err
+		}
+		end = l.backingOff
+	}
+	return h, readQCOW2Extensions(r, &h, l.headerLen, end)
+}
+
+// qcow2Layout is where the parts of a qcow2 header's first cluster are,
+// as its fixed fields say.
+type qcow2Layout struct {
+	cluster    uint64 // the cluster size
+	headerLen  uint64 // where the extensions begin
+	backingOff uint64 // where the backing file name is (0: none)
+	backingLen uint32
+}
+
+// readQCOW2Fixed reads and checks the header's fixed fields: the magic,
+// the version, the cluster size and, in version 3, the header's length.
+func readQCOW2Fixed(r io.ReaderAt) (QCOW2Header, qcow2Layout, error) {
 	var h QCOW2Header
+	var l qcow2Layout
 	var b [104]byte
 	n, err := r.ReadAt(b[:], 0)
 	if n < 72 {
 		if err == nil || errors.Is(err, io.EOF) {
 			err = errors.New("too short for a qcow2 header")
 		}
-		return h, err
+		return h, l, err
 	}
 	be := binary.BigEndian
 	if string(b[:4]) != "QFI\xfb" {
-		return h, errors.New("not a qcow2 image (bad magic)")
+		return h, l, errors.New("not a qcow2 image (bad magic)")
 	}
 	h.Version = be.Uint32(b[4:])
-	backingOff, backingLen := be.Uint64(b[8:]), be.Uint32(b[16:])
+	l.backingOff, l.backingLen = be.Uint64(b[8:]), be.Uint32(b[16:])
 	h.ClusterBits = be.Uint32(b[20:])
 	h.VirtualSize = be.Uint64(b[24:])
 	h.CryptMethod = be.Uint32(b[32:])
 	h.Snapshots = be.Uint32(b[60:])
 	if h.Version != 2 && h.Version != 3 {
-		return h, fmt.Errorf("qcow2 version %d (2 or 3)", h.Version)
+		return h, l, fmt.Errorf("qcow2 version %d (2 or 3)", h.Version)
 	}
 	if h.ClusterBits < 9 || h.ClusterBits > 21 {
-		return h, fmt.Errorf("qcow2 cluster bits %d (9 to 21)", h.ClusterBits)
+		return h, l, fmt.Errorf("qcow2 cluster bits %d (9 to 21)", h.ClusterBits)
 	}
-	cluster := uint64(1) << h.ClusterBits
-	headerLen := uint64(72)
+	l.cluster = uint64(1) << h.ClusterBits
+	l.headerLen = uint64(72)
 	if h.Version == 3 {
 		if n < 104 {
-			return h, errors.New("too short for a qcow2 version 3 header")
+			return h, l, errors.New("too short for a qcow2 version 3 header")
 		}
 		h.IncompatibleFeatures = be.Uint64(b[72:])
 		h.AutoclearFeatures = be.Uint64(b[88:])
-		headerLen = uint64(be.Uint32(b[100:]))
-		if headerLen < 104 || headerLen > cluster {
-			return h, fmt.Errorf("qcow2 header length %d", headerLen)
+		l.headerLen = uint64(be.Uint32(b[100:]))
+		if l.headerLen < 104 || l.headerLen > l.cluster {
+			return h, l, fmt.Errorf("qcow2 header length %d", l.headerLen)
 		}
 		// The header's length is rounded up to 8 bytes before extensions.
-		headerLen = (headerLen + 7) &^ 7
+		l.headerLen = (l.headerLen + 7) &^ 7
 	}
 	h.HasDataFile = h.IncompatibleFeatures&QCOW2IncompatDataFile != 0
-	// Extensions end where the backing file name begins, or at the end
-	// of the first cluster.
-	end := cluster
-	if backingOff != 0 {
-		if backingLen == 0 || backingLen > qcow2MaxBackingName || backingOff < headerLen || backingOff+uint64(backingLen) > cluster {
-			return h, fmt.Errorf("qcow2 backing file name of %d bytes at %d, outside the first cluster", backingLen, backingOff)
-		}
-		name := make([]byte, backingLen)
-		if _, err := r.ReadAt(name, int64(backingOff)); err != nil {
-			return h, fmt.Errorf("qcow2 backing file name: %w", err)
-		}
-		h.BackingFile = string(name)
-		end = backingOff
+	return h, l, nil
+}
+
+// readQCOW2Backing reads the backing file name, which must lie after the
+// header and within the first cluster.
+func readQCOW2Backing(r io.ReaderAt, h *QCOW2Header, l qcow2Layout) error {
+	if l.backingLen == 0 || l.backingLen > qcow2MaxBackingName || l.backingOff < l.headerLen || l.backingOff+uint64(l.backingLen) > l.cluster {
+		return fmt.Errorf("qcow2 backing file name of %d bytes at %d, outside the first cluster", l.backingLen, l.backingOff)
 	}
-	off := headerLen
+	name := make([]byte, l.backingLen)
+	if _, err := r.ReadAt(name, int64(l.backingOff)); err != nil {
+		return fmt.Errorf("qcow2 backing file name: %w", err)
+	}
+	h.BackingFile = string(name)
+	return nil
+}
+
+// readQCOW2Extensions reads the header extensions from off to end: the
+// backing format, the data file and whether it is encrypted, at most
+// qcow2MaxExts of them, each within end.
+func readQCOW2Extensions(r io.ReaderAt, h *QCOW2Header, off, end uint64) error {
+	be := binary.BigEndian
 	for i := 0; ; i++ {
 		if i == qcow2MaxExts {
-			return h, errors.New("qcow2 header has too many extensions")
+			return errors.New("qcow2 header has too many extensions")
 		}
 		if off+8 > end {
 			if h.Version == 2 {
 				break // a version 2 image may have no end marker
 			}
-			return h, errors.New("qcow2 header extensions run past the first cluster")
+			return errors.New("qcow2 header extensions run past the first cluster")
 		}
 		var e [8]byte
 		if _, err := r.ReadAt(e[:], int64(off)); err != nil {
 			if h.Version == 2 && errors.Is(err, io.EOF) {
 				break
 			}
-			return h, fmt.Errorf("qcow2 header extension: %w", err)
+			return fmt.Errorf("qcow2 header extension: %w", err)
 		}
 		typ, l := be.Uint32(e[:]), uint64(be.Uint32(e[4:]))
 		if typ == qcow2ExtEnd {
@@ -129,13 +165,13 @@ func ReadQCOW2Header(r io.ReaderAt) (QCOW2Header, error) {
 		}
 		off += 8
 		if off+l > end {
-			return h, fmt.Errorf("qcow2 header extension %#x of %d bytes runs past the first cluster", typ, l)
+			return fmt.Errorf("qcow2 header extension %#x of %d bytes runs past the first cluster", typ, l)
 		}
 		switch typ {
 		case qcow2ExtBackingFormat, qcow2ExtDataFile:
 			v := make([]byte, l)
 			if _, err := r.ReadAt(v, int64(off)); err != nil {
-				return h, fmt.Errorf("qcow2 header extension %#x: %w", typ, err)
+				return fmt.Errorf("qcow2 header extension %#x: %w", typ, err)
 			}
 			if typ == qcow2ExtBackingFormat {
 				h.BackingFormat = string(v)
@@ -147,5 +183,5 @@ func ReadQCOW2Header(r io.ReaderAt) (QCOW2Header, error) {
 		}
 		off += (l + 7) &^ 7
 	}
-	return h, nil
+	return nil
 }
