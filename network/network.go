@@ -59,23 +59,9 @@ func (c Config) Ensure() error { return c.ensure(hasUplink()) }
 func (c Config) EnsureNAT() error { return c.ensure(true) }
 
 func (c Config) ensure(nat bool) error {
-	link, err := netlink.LinkByName(c.Bridge)
-	created := false
+	link, created, err := c.bridgeLink()
 	if err != nil {
-		var nf netlink.LinkNotFoundError
-		if !errors.As(err, &nf) {
-			return fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
-		}
-		br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge}}
-		switch err := netlink.LinkAdd(br); {
-		case err == nil:
-			created = true
-		case !errors.Is(err, os.ErrExist):
-			return fmt.Errorf("create bridge %s: %w", c.Bridge, err)
-		}
-		if link, err = netlink.LinkByName(c.Bridge); err != nil {
-			return fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
-		}
+		return err
 	}
 	if link.Type() != "bridge" {
 		return fmt.Errorf("%s exists and is a %s, not a bridge", c.Bridge, link.Type())
@@ -89,6 +75,39 @@ func (c Config) ensure(nat bool) error {
 		}
 		return err
 	}
+	if err := c.bridgeUp(link); err != nil {
+		return err
+	}
+	return c.firewall(nat)
+}
+
+// bridgeLink is the bridge's link, made when there is none (created).
+func (c Config) bridgeLink() (netlink.Link, bool, error) {
+	link, err := netlink.LinkByName(c.Bridge)
+	if err == nil {
+		return link, false, nil
+	}
+	var nf netlink.LinkNotFoundError
+	if !errors.As(err, &nf) {
+		return nil, false, fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
+	}
+	created := false
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: c.Bridge}}
+	switch err := netlink.LinkAdd(br); {
+	case err == nil:
+		created = true
+	case !errors.Is(err, os.ErrExist):
+		return nil, false, fmt.Errorf("create bridge %s: %w", c.Bridge, err)
+	}
+	if link, err = netlink.LinkByName(c.Bridge); err != nil {
+		return nil, created, fmt.Errorf("look up bridge %s: %w", c.Bridge, err)
+	}
+	return link, created, nil
+}
+
+// bridgeUp sets the bridge up as boxes need it: link-local group
+// addresses forwarded, the gateway's address, no IPv6 for the host, up.
+func (c Config) bridgeUp(link netlink.Link) error {
 	if b, ok := link.(*netlink.Bridge); !ok || b.GroupFwdMask == nil || *b.GroupFwdMask != groupFwdMask {
 		if err := setGroupFwdMask(link.Attrs().Index, groupFwdMask); err != nil {
 			return fmt.Errorf("bridge %s: forward link-local group addresses: %w", c.Bridge, err)
@@ -113,6 +132,12 @@ func (c Config) ensure(nat bool) error {
 	if err := netlink.LinkSetUp(link); err != nil {
 		return fmt.Errorf("bring %s up: %w", c.Bridge, err)
 	}
+	return nil
+}
+
+// firewall makes the bridge's firewall rules, and NAT when nat, what they
+// should be, changing nothing when they are.
+func (c Config) firewall(nat bool) error {
 	ipt, err := iptables.New()
 	if err != nil {
 		return fmt.Errorf("firewall for %s: %w", c.Bridge, err)
