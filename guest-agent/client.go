@@ -497,93 +497,117 @@ func (c *Client) Pipeline(ctx context.Context, calls ...Call) (errs []error, err
 	}
 	ok := false
 	defer func() { end(ok) }()
-	ids := map[uint32]int{}
-	var authID uint32
-	// frames are the requests of the calls pick takes, behind the token
-	// with auth.
-	frames := func(auth bool, pick func(Call) bool) ([]byte, error) {
-		var b []byte
-		if auth && c.Token != nil {
-			authID = c.nextID.Add(1)
-			f, err := requestFrame(authID, methodAuth, authMsg{Token: c.Token})
-			if err != nil {
-				return nil, err
-			}
-			b = append(b, f...)
-		}
-		for i, call := range calls {
-			if !pick(call) {
-				continue
-			}
-			id := c.nextID.Add(1)
-			f, err := requestFrame(id, call.Method, call.Params)
-			if err != nil {
-				return nil, err
-			}
-			b = append(b, f...)
-			ids[id] = i
-		}
-		return b, nil
+	p := &pipelined{c: c, calls: calls, ids: map[uint32]int{}}
+	if err := p.send(ctx); err != nil {
+		return nil, err
 	}
-	// On a first contact a change of token waits for the HELLO's echo: a
-	// HELLO retried before it (a guest slow to answer, or stuck on a stale
-	// frame) must present the token the agent still has.
-	// So does envd-init: a HELLO retried with the calls makes a slow
-	// guest serve them twice, and two envd-inits at once would race on
-	// the configuration file.
-	held := func(call Call) bool { return call.Method == methodSetToken || call.Method == methodEnvdInit }
-	if c.needsHello() {
-		err := c.hello(ctx, func() ([]byte, error) {
-			clear(ids)
-			return frames(true, func(call Call) bool { return !held(call) })
-		})
-		if err != nil {
-			return nil, err
-		}
-		late, err := frames(false, held)
-		if err != nil {
-			return nil, err
-		}
-		if len(late) > 0 {
-			if err := c.write(ctx, late); err != nil {
-				return nil, err
-			}
-		}
-	} else {
-		b, err := frames(false, func(Call) bool { return true })
-		if err != nil {
-			return nil, err
-		}
-		if err := c.write(ctx, b); err != nil {
-			return nil, err
-		}
+	if errs, err = p.replies(ctx); err != nil {
+		return nil, err
 	}
-	errs = make([]error, len(calls))
-	for len(ids) > 0 || authID != 0 {
-		f, err := c.recv(ctx)
+	ok = true
+	return errs, nil
+}
+
+// pipelined is a Pipeline's calls in flight.
+type pipelined struct {
+	c      *Client
+	calls  []Call
+	ids    map[uint32]int // the request id of calls[i], to i
+	authID uint32         // the token's request, 0 once answered or when none
+}
+
+// heldForHello says a call goes only once the HELLO is answered. On a
+// first contact a change of token waits for the HELLO's echo: a HELLO
+// retried before it (a guest slow to answer, or stuck on a stale frame)
+// must present the token the agent still has. So does envd-init: a HELLO
+// retried with the calls makes a slow guest serve them twice, and two
+// envd-inits at once would race on the configuration file.
+func heldForHello(call Call) bool {
+	return call.Method == methodSetToken || call.Method == methodEnvdInit
+}
+
+// send writes the calls: with the HELLO and the token on a client not in
+// sync yet (those held for it once it is answered), else all at once.
+func (p *pipelined) send(ctx context.Context) error {
+	if !p.c.needsHello() {
+		b, err := p.frames(false, func(Call) bool { return true })
+		if err != nil {
+			return err
+		}
+		return p.c.write(ctx, b)
+	}
+	err := p.c.hello(ctx, func() ([]byte, error) {
+		clear(p.ids)
+		return p.frames(true, func(call Call) bool { return !heldForHello(call) })
+	})
+	if err != nil {
+		return err
+	}
+	late, err := p.frames(false, heldForHello)
+	if err != nil {
+		return err
+	}
+	if len(late) > 0 {
+		return p.c.write(ctx, late)
+	}
+	return nil
+}
+
+// frames are the requests of the calls pick takes, behind the token with
+// auth.
+func (p *pipelined) frames(auth bool, pick func(Call) bool) ([]byte, error) {
+	var b []byte
+	if auth && p.c.Token != nil {
+		p.authID = p.c.nextID.Add(1)
+		f, err := requestFrame(p.authID, methodAuth, authMsg{Token: p.c.Token})
+		if err != nil {
+			return nil, err
+		}
+		b = append(b, f...)
+	}
+	for i, call := range p.calls {
+		if !pick(call) {
+			continue
+		}
+		id := p.c.nextID.Add(1)
+		f, err := requestFrame(id, call.Method, call.Params)
+		if err != nil {
+			return nil, err
+		}
+		b = append(b, f...)
+		p.ids[id] = i
+	}
+	return b, nil
+}
+
+// replies reads frames until every call and the token are answered: each
+// call's outcome, or the token's refusal.
+func (p *pipelined) replies(ctx context.Context) ([]error, error) {
+	errs := make([]error, len(p.calls))
+	for len(p.ids) > 0 || p.authID != 0 {
+		f, err := p.c.recv(ctx)
 		if err != nil {
 			return nil, err
 		}
 		if f.Type != frameResponse {
 			continue
 		}
-		if f.ID == authID {
-			authID = 0
+		if f.ID == p.authID {
+			p.authID = 0
 			var r authReply
 			err := decodeResponse(methodAuth, f.Payload, &r)
-			if err := c.authResult(r, err); err != nil {
+			if err := p.c.authResult(r, err); err != nil {
 				// The calls behind it are refused too; their replies
 				// are left behind (the next call starts with a HELLO).
 				return nil, err
 			}
 			continue
 		}
-		if i, mine := ids[f.ID]; mine {
-			delete(ids, f.ID)
-			errs[i] = decodeResponse(calls[i].Method, f.Payload, calls[i].Result)
+		if i, mine := p.ids[f.ID]; mine {
+			delete(p.ids, f.ID)
+			errs[i] = decodeResponse(p.calls[i].Method, f.Payload, p.calls[i].Result)
 		}
 	}
-	ok = true
 	return errs, nil
 }
 
