@@ -331,53 +331,9 @@ func (ss *session) request(f frame) {
 	case methodPing:
 		ss.reply(gen, f.ID, s.info(), nil)
 	case methodExec:
-		var er ExecRequest
-		if err := json.Unmarshal(req.Params, &er); err != nil {
-			ss.reply(gen, f.ID, nil, fmt.Errorf("bad exec request: %v", err))
-			return
-		}
-		ss.mu.Lock()
-		busy := ss.proc != nil
-		ss.mu.Unlock()
-		if busy {
-			ss.reply(gen, f.ID, nil, errors.New("an exec is already running on this connection"))
-			return
-		}
-		p, err := startProcess(ss, gen, f.ID, er)
-		if err != nil {
-			ss.reply(gen, f.ID, nil, err)
-			return
-		}
-		ss.mu.Lock()
-		ss.proc = p
-		ss.mu.Unlock()
-		ss.reply(gen, f.ID, nil, nil)
-		p.run()
+		ss.exec(gen, f.ID, req.Params)
 	case methodIdentify:
-		// Boosted from here, on the reader: in a clone's pipeline the
-		// clock, the entropy and the ping behind the identity are then
-		// served boosted too, and the guest's other processes wait from
-		// the first frame the agent can tell is a re-identification.
-		end := func() {}
-		if s.Boost {
-			end = s.boosts.start()
-		}
-		var id Identity
-		if err := json.Unmarshal(req.Params, &id); err != nil {
-			end()
-			ss.reply(gen, f.ID, nil, fmt.Errorf("bad identity: %v", err))
-			return
-		}
-		go func() {
-			err := s.identify(id)
-			ss.reply(gen, f.ID, nil, err)
-			end() // after the answer the host waits for
-			if err == nil {
-				// Said after the answer: the host waits for that, and
-				// the console is slow under emulation.
-				s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
-			}
-		}()
+		ss.identify(gen, f.ID, req.Params)
 	case methodSetClock:
 		var m clockMsg
 		if err := json.Unmarshal(req.Params, &m); err != nil {
@@ -406,6 +362,64 @@ func (ss *session) request(f frame) {
 	default:
 		ss.reply(gen, f.ID, nil, fmt.Errorf("unknown method %q", req.Method))
 	}
+}
+
+// exec starts the command of an exec request, one at a time on a
+// connection: its stdin, resizes and signals come as frames with its
+// request's id, its output and exit go out from goroutines of its own.
+func (ss *session) exec(gen uint64, id uint32, params json.RawMessage) {
+	var er ExecRequest
+	if err := json.Unmarshal(params, &er); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad exec request: %v", err))
+		return
+	}
+	ss.mu.Lock()
+	busy := ss.proc != nil
+	ss.mu.Unlock()
+	if busy {
+		ss.reply(gen, id, nil, errors.New("an exec is already running on this connection"))
+		return
+	}
+	p, err := startProcess(ss, gen, id, er)
+	if err != nil {
+		ss.reply(gen, id, nil, err)
+		return
+	}
+	ss.mu.Lock()
+	ss.proc = p
+	ss.mu.Unlock()
+	ss.reply(gen, id, nil, nil)
+	p.run()
+}
+
+// identify applies a new identity in the background, the guest boosted
+// until it is answered.
+func (ss *session) identify(gen uint64, reqID uint32, params json.RawMessage) {
+	s := ss.srv
+	// Boosted from here, on the reader: in a clone's pipeline the clock,
+	// the entropy and the ping behind the identity are then served
+	// boosted too, and the guest's other processes wait from the first
+	// frame the agent can tell is a re-identification.
+	end := func() {}
+	if s.Boost {
+		end = s.boosts.start()
+	}
+	var id Identity
+	if err := json.Unmarshal(params, &id); err != nil {
+		end()
+		ss.reply(gen, reqID, nil, fmt.Errorf("bad identity: %v", err))
+		return
+	}
+	go func() {
+		err := s.identify(id)
+		ss.reply(gen, reqID, nil, err)
+		end() // after the answer the host waits for
+		if err == nil {
+			// Said after the answer: the host waits for that, and the
+			// console is slow under emulation.
+			s.logf("identity applied: hostname=%q mac=%q address=%q", id.Hostname, id.MAC, id.Address)
+		}
+	}()
 }
 
 func (ss *session) finished(p *process) {
