@@ -187,79 +187,89 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 	qpath := r.URL.Query().Get("path")
 	mt, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	var written []writtenEntry
+	var status int
+	var err error
 	switch {
 	case mt == "multipart/form-data":
-		mr := multipart.NewReader(r.Body, params["boundary"])
-		for {
-			part, err := mr.NextRawPart()
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			if err != nil {
-				httpError(w, http.StatusBadRequest, "multipart body: "+err.Error())
-				return
-			}
-			// The part's filename is the whole target path: Part.FileName
-			// would keep only its last element.
-			_, dp, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
-			if dp["name"] != "file" {
-				part.Close()
-				continue
-			}
-			// ?path= names the target of a one-file write (SDKs before
-			// 2.15 send the part without a usable filename then); the
-			// filename names each file of a write of several.
-			target := qpath
-			if target == "" {
-				target = dp["filename"]
-			}
-			var body io.Reader = part
-			if strings.EqualFold(part.Header.Get("Content-Encoding"), "gzip") {
-				zr, err := gzip.NewReader(part)
-				if err != nil {
-					httpError(w, http.StatusBadRequest, "gzip part: "+err.Error())
-					return
-				}
-				body = zr
-			}
-			e, status, err := s.writeFile(target, body, u)
-			part.Close()
-			if err != nil {
-				httpError(w, status, err.Error())
-				return
-			}
-			written = append(written, e)
-		}
-		if len(written) == 0 {
-			httpError(w, http.StatusBadRequest, `multipart body: no part named "file"`)
-			return
-		}
+		written, status, err = s.writeParts(multipart.NewReader(r.Body, params["boundary"]), qpath, u)
 	case mt == "application/octet-stream" || mt == "":
-		if qpath == "" {
-			httpError(w, http.StatusBadRequest, "an octet-stream upload needs ?path=")
-			return
-		}
-		var body io.Reader = r.Body
-		if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
-			zr, err := gzip.NewReader(r.Body)
-			if err != nil {
-				httpError(w, http.StatusBadRequest, "gzip body: "+err.Error())
-				return
-			}
-			body = zr
-		}
-		e, status, err := s.writeFile(qpath, body, u)
-		if err != nil {
-			httpError(w, status, err.Error())
-			return
-		}
-		written = append(written, e)
+		written, status, err = s.writeBody(r, qpath, u)
 	default:
-		httpError(w, http.StatusBadRequest, fmt.Sprintf("content type %q: send multipart/form-data or application/octet-stream", mt))
+		status, err = http.StatusBadRequest, fmt.Errorf("content type %q: send multipart/form-data or application/octet-stream", mt)
+	}
+	if err != nil {
+		httpError(w, status, err.Error())
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(w).Encode(written)
+}
+
+// writeParts writes each part named "file" of a multipart body (gzip-
+// encoded or not) to qpath, else to the part's filename.
+func (s *Server) writeParts(mr *multipart.Reader, qpath string, u *guestexec.User) ([]writtenEntry, int, error) {
+	var written []writtenEntry
+	for {
+		part, err := mr.NextRawPart()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, http.StatusBadRequest, fmt.Errorf("multipart body: %w", err)
+		}
+		// The part's filename is the whole target path: Part.FileName
+		// would keep only its last element.
+		_, dp, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+		if dp["name"] != "file" {
+			part.Close()
+			continue
+		}
+		// ?path= names the target of a one-file write (SDKs before
+		// 2.15 send the part without a usable filename then); the
+		// filename names each file of a write of several.
+		target := qpath
+		if target == "" {
+			target = dp["filename"]
+		}
+		var body io.Reader = part
+		if strings.EqualFold(part.Header.Get("Content-Encoding"), "gzip") {
+			zr, err := gzip.NewReader(part)
+			if err != nil {
+				return nil, http.StatusBadRequest, fmt.Errorf("gzip part: %w", err)
+			}
+			body = zr
+		}
+		e, status, err := s.writeFile(target, body, u)
+		part.Close()
+		if err != nil {
+			return nil, status, err
+		}
+		written = append(written, e)
+	}
+	if len(written) == 0 {
+		return nil, http.StatusBadRequest, errors.New(`multipart body: no part named "file"`)
+	}
+	return written, 0, nil
+}
+
+// writeBody writes the request's body (gzip-encoded or not) to qpath.
+func (s *Server) writeBody(r *http.Request, qpath string, u *guestexec.User) ([]writtenEntry, int, error) {
+	if qpath == "" {
+		return nil, http.StatusBadRequest, errors.New("an octet-stream upload needs ?path=")
+	}
+	var body io.Reader = r.Body
+	if strings.EqualFold(r.Header.Get("Content-Encoding"), "gzip") {
+		zr, err := gzip.NewReader(r.Body)
+		if err != nil {
+			return nil, http.StatusBadRequest, fmt.Errorf("gzip body: %w", err)
+		}
+		body = zr
+	}
+	e, status, err := s.writeFile(qpath, body, u)
+	if err != nil {
+		return nil, status, err
+	}
+	return []writtenEntry{e}, 0, nil
 }
 
 // writeFile writes body to target (relative to u's home) as u, making the
