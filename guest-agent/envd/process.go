@@ -221,6 +221,48 @@ func (s *Server) find(sel *process.ProcessSelector) (*proc, error) {
 // start starts the process of m as u, with the stream that asked for it
 // subscribed before any output is read.
 func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexec.User) (*proc, *subscriber, error) {
+	cmd, err := s.command(m, u)
+	if err != nil {
+		return nil, nil, err
+	}
+	p := &proc{s: s, tag: m.GetTag(), cfg: m.Process, cmd: cmd, subs: map[*subscriber]struct{}{}}
+	childEnds, err := p.stdio(m)
+	defer func() {
+		for _, f := range childEnds {
+			f.Close()
+		}
+	}()
+	if err == nil {
+		err = runAs(cmd, u)
+	}
+	if err != nil {
+		p.closeEnds()
+		return nil, nil, err
+	}
+	sub := p.subscribe()
+	startFn := cmd.Start
+	if s.opts.StartProcess != nil {
+		startFn = func() error { return s.opts.StartProcess(cmd.Start) }
+	}
+	if err := startFn(); err != nil {
+		p.closeEnds()
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start %s as %s in %s: %w", cmd.Path, u.Name, cmd.Dir, err))
+	}
+	p.pid = uint32(cmd.Process.Pid)
+	s.procs.mu.Lock()
+	if s.procs.byPID == nil {
+		s.procs.byPID = map[uint32]*proc{}
+	}
+	s.procs.byPID[p.pid] = p
+	s.procs.mu.Unlock()
+	go p.run(p.deadline(ctx))
+	return p, sub, nil
+}
+
+// command is m's command as u: its working directory (m's, else the
+// configured default, else u's home), its binary found in its PATH, and
+// its tag not taken by a running process.
+func (s *Server) command(m *process.StartRequest, u *guestexec.User) (*exec.Cmd, error) {
 	cfg := s.Config()
 	env := processEnv(cfg, u, m.Process.Envs)
 	dir := m.Process.GetCwd()
@@ -232,11 +274,11 @@ func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexe
 	} else {
 		var err error
 		if dir, err = resolvePath(dir, u); err != nil {
-			return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+			return nil, connect.NewError(connect.CodeInvalidArgument, err)
 		}
 	}
 	if err := guestexec.CheckWorkdir(dir); err != nil {
-		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
 	pathEnv := ""
 	for _, kv := range env {
@@ -246,100 +288,95 @@ func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexe
 	}
 	bin, err := guestexec.LookPath(m.Process.Cmd, pathEnv)
 	if err != nil {
-		return nil, nil, connect.NewError(connect.CodeInvalidArgument, err)
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
 	if tag := m.GetTag(); tag != "" {
 		if _, err := s.find(&process.ProcessSelector{Selector: &process.ProcessSelector_Tag{Tag: tag}}); err == nil {
-			return nil, nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("a process with tag %q is running", tag))
+			return nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("a process with tag %q is running", tag))
 		}
 	}
+	return &exec.Cmd{Path: bin, Args: append([]string{m.Process.Cmd}, m.Process.Args...), Env: env, Dir: dir}, nil
+}
 
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{m.Process.Cmd}, m.Process.Args...), Env: env, Dir: dir}
-	p := &proc{s: s, tag: m.GetTag(), cfg: m.Process, cmd: cmd, subs: map[*subscriber]struct{}{}}
-	var childEnds []*os.File
-	defer func() {
-		for _, f := range childEnds {
-			f.Close()
-		}
-	}()
-	fail := func(err error) (*proc, *subscriber, error) {
-		for _, f := range p.outs {
-			f.Close()
-		}
-		if p.stdin != nil {
-			p.stdin.Close()
-		}
-		return nil, nil, err
-	}
+// stdio gives the command a pty (m.Pty) or pipes for its output and, when
+// asked, its stdin, the process's ends kept in p. It returns the child's
+// ends, which the caller closes once the child has them (or failed).
+func (p *proc) stdio(m *process.StartRequest) (childEnds []*os.File, err error) {
+	cmd := p.cmd
 	if m.Pty != nil {
 		master, slave, err := guestexec.OpenPTY()
 		if err != nil {
-			return nil, nil, connect.NewError(connect.CodeInternal, err)
+			return nil, connect.NewError(connect.CodeInternal, err)
 		}
 		childEnds = append(childEnds, slave)
 		guestexec.SetWinsize(slave, uint16(m.Pty.GetSize().GetRows()), uint16(m.Pty.GetSize().GetCols()))
 		cmd.Stdin, cmd.Stdout, cmd.Stderr = slave, slave, slave
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
 		p.master, p.stdin, p.outs = master, master, []*os.File{master}
-	} else {
-		for i := range 2 {
-			r, w, err := os.Pipe()
-			if err != nil {
-				return fail(connect.NewError(connect.CodeInternal, err))
-			}
-			childEnds = append(childEnds, w)
-			p.outs = append(p.outs, r)
-			if i == 0 {
-				cmd.Stdout = w
-			} else {
-				cmd.Stderr = w
-			}
-		}
-		if m.GetStdin() {
-			r, w, err := os.Pipe()
-			if err != nil {
-				return fail(connect.NewError(connect.CodeInternal, err))
-			}
-			childEnds = append(childEnds, r)
-			cmd.Stdin, p.stdin = r, w
-		} // else the process reads /dev/null
-		// A group of its own: a signal or a timeout reaches its children,
-		// and the agent's priority changes (one call for its group) do
-		// not reach it.
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		return childEnds, nil
 	}
+	for i := range 2 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return childEnds, connect.NewError(connect.CodeInternal, err)
+		}
+		childEnds = append(childEnds, w)
+		p.outs = append(p.outs, r)
+		if i == 0 {
+			cmd.Stdout = w
+		} else {
+			cmd.Stderr = w
+		}
+	}
+	if m.GetStdin() {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return childEnds, connect.NewError(connect.CodeInternal, err)
+		}
+		childEnds = append(childEnds, r)
+		cmd.Stdin, p.stdin = r, w
+	} // else the process reads /dev/null
+	// A group of its own: a signal or a timeout reaches its children, and
+	// the agent's priority changes (one call for its group) do not reach
+	// it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	return childEnds, nil
+}
+
+// closeEnds closes the process's ends of its stdio, for a process that did
+// not start.
+func (p *proc) closeEnds() {
+	for _, f := range p.outs {
+		f.Close()
+	}
+	if p.stdin != nil {
+		p.stdin.Close()
+	}
+}
+
+// runAs makes cmd run as u: envd as root takes on u's ids, envd as
+// another user starts processes only as itself.
+func runAs(cmd *exec.Cmd, u *guestexec.User) error {
 	if os.Geteuid() == 0 {
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.UID, Gid: u.GID, Groups: u.Groups}
 	} else if u.UID != uint32(os.Geteuid()) {
-		return fail(connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("envd runs as uid %d and cannot start processes as user %s", os.Geteuid(), u.Name)))
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("envd runs as uid %d and cannot start processes as user %s", os.Geteuid(), u.Name))
 	}
-	sub := p.subscribe()
-	startFn := cmd.Start
-	if s.opts.StartProcess != nil {
-		startFn = func() error { return s.opts.StartProcess(cmd.Start) }
+	return nil
+}
+
+// deadline kills the process at the deadline of the call that started it:
+// Connect-Timeout-Ms bounds the process's life, not only the stream's; the
+// process outlives a client that goes away, not its deadline. nil: none.
+func (p *proc) deadline(ctx context.Context) *time.Timer {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return nil
 	}
-	if err := startFn(); err != nil {
-		return fail(connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start %s as %s in %s: %w", bin, u.Name, dir, err)))
-	}
-	p.pid = uint32(cmd.Process.Pid)
-	s.procs.mu.Lock()
-	if s.procs.byPID == nil {
-		s.procs.byPID = map[uint32]*proc{}
-	}
-	s.procs.byPID[p.pid] = p
-	s.procs.mu.Unlock()
-	// Connect-Timeout-Ms bounds the process's life, not only the
-	// stream's: the process outlives a client that goes away, not its
-	// deadline.
-	var timer *time.Timer
-	if dl, ok := ctx.Deadline(); ok {
-		timer = time.AfterFunc(time.Until(dl), func() {
-			p.timedOut.Store(true)
-			p.kill(unix.SIGKILL)
-		})
-	}
-	go p.run(timer)
-	return p, sub, nil
+	return time.AfterFunc(time.Until(dl), func() {
+		p.timedOut.Store(true)
+		p.kill(unix.SIGKILL)
+	})
 }
 
 func (p *proc) subscribe() *subscriber {
