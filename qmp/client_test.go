@@ -64,13 +64,17 @@ func jsonEqual(t *testing.T, got, want string) {
 	}
 }
 
+// shape is a wrapper's call and the QMP command it must send.
+type shape struct {
+	name string
+	call func(c *Client) error
+	want string
+}
+
+// The run state's and migration's wrappers send QEMU's argument shapes.
 func TestRequestShapes(t *testing.T) {
 	ctx := context.Background()
-	tests := []struct {
-		name string
-		call func(c *Client) error
-		want string
-	}{
+	checkShapes(t, []shape{
 		{"stop", func(c *Client) error { return c.Stop(ctx) }, `{"execute":"stop"}`},
 		{"cont", func(c *Client) error { return c.Cont(ctx) }, `{"execute":"cont"}`},
 		{"query-status", func(c *Client) error { _, err := c.QueryStatus(ctx); return err }, `{"execute":"query-status"}`},
@@ -96,6 +100,13 @@ func TestRequestShapes(t *testing.T) {
 			`{"execute":"migrate-incoming","arguments":{"uri":"file:/s/state"}}`},
 		{"migrate_cancel", func(c *Client) error { return c.MigrateCancel(ctx) }, `{"execute":"migrate_cancel"}`},
 		{"query-migrate", func(c *Client) error { _, err := c.QueryMigrate(ctx); return err }, `{"execute":"query-migrate"}`},
+	})
+}
+
+// The block layer's and jobs' wrappers send QEMU's argument shapes.
+func TestBlockRequestShapes(t *testing.T) {
+	ctx := context.Background()
+	checkShapes(t, []shape{
 		{"query-named-block-nodes", func(c *Client) error { _, err := c.QueryNamedBlockNodes(ctx); return err },
 			`{"execute":"query-named-block-nodes","arguments":{"flat":true}}`},
 		{"query-block", func(c *Client) error { _, err := c.QueryBlock(ctx); return err }, `{"execute":"query-block"}`},
@@ -146,7 +157,12 @@ func TestRequestShapes(t *testing.T) {
 		{"job-dismiss", func(c *Client) error { return c.JobDismiss(ctx, "j1") }, `{"execute":"job-dismiss","arguments":{"id":"j1"}}`},
 		{"job-finalize", func(c *Client) error { return c.JobFinalize(ctx, "j1") }, `{"execute":"job-finalize","arguments":{"id":"j1"}}`},
 		{"job-cancel", func(c *Client) error { return c.JobCancel(ctx, "j1") }, `{"execute":"job-cancel","arguments":{"id":"j1"}}`},
-	}
+	})
+}
+
+// checkShapes calls each wrapper on a fake monitor and compares the one
+// command it sent with want.
+func checkShapes(t *testing.T, tests []shape) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := &fakeMonitor{reply: func(execute string, _ map[string]any) string {
