@@ -27,8 +27,47 @@ import (
 func TestVM(t *testing.T) {
 	gate.Long(t)
 	gate.Tools(t, "qemu-system-x86_64", "qemu-img")
+	vm := bootTinyVM(t)
+	booted := time.Now()
+	c := vm.dial(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	vm.ctx = ctx
+	in, err := c.Ping(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ready after %v: %+v", time.Since(booted), in)
+
+	vm.exec(t, c)
+	vm.tty(t, c)
+	vm.probePorts(t, c)
+	vm.twoPorts(t, c)
+	vm.hostGone(t, c)
+	// Reconnect to port 0 (stale bytes possible) and re-identify.
+	c, err = DialSerial(ctx, vm.socks[:1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	vm.identify(t, c)
+	vm.agentRestart(t, c)
+}
+
+// tinyVM is TestVM's guest: its folder (disk, console log, sockets) and
+// its four agent ports' sockets.
+type tinyVM struct {
+	dir   string
+	socks []string
+	ctx   context.Context // bounds each call to the agent
+}
+
+// bootTinyVM starts QEMU on an overlay of the tiny image with four agent
+// ports and one the agent does not serve (probe.sock), killed when t ends.
+func bootTinyVM(t *testing.T) *tinyVM {
 	img := gate.TinyImage(t)
-	dir := t.TempDir()
+	vm := &tinyVM{dir: t.TempDir()}
+	dir := vm.dir
 	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", filepath.Join(img, "disk.qcow2"), filepath.Join(dir, "disk.qcow2")).CombinedOutput(); err != nil {
 		t.Fatalf("qemu-img: %v %s", err, out)
 	}
@@ -47,10 +86,9 @@ func TestVM(t *testing.T) {
 		// A NIC on a hub with no other port: its frames go nowhere.
 		"-netdev", "hubport,id=n0,hubid=0", "-device", "virtio-net-pci,netdev=n0,mac=52:54:00:00:00:01",
 		"-device", "virtio-serial-pci,id=vser0"}
-	var socks []string
 	for k := range 4 {
 		p := filepath.Join(dir, fmt.Sprintf("agent.%d.sock", k))
-		socks = append(socks, p)
+		vm.socks = append(vm.socks, p)
 		args = append(args, "-chardev", fmt.Sprintf("socket,id=agent%d,path=%s,server=on,wait=off", k, p),
 			"-device", fmt.Sprintf("virtserialport,bus=vser0.0,chardev=agent%d,name=%s%d", k, SerialPortPrefix, k))
 	}
@@ -70,13 +108,17 @@ func TestVM(t *testing.T) {
 			t.Logf("console:\n%s", b)
 		}
 	})
+	return vm
+}
 
+// dial connects to port 0 once the guest opens it.
+func (vm *tinyVM) dial(t *testing.T) *Client {
 	// Ready = answers Ping. One DialSerial with the whole boot timeout:
 	// QEMU holds the connection until the guest opens the port, and the
 	// HELLO is answered as soon as the agent reads it.
-	booted := time.Now()
+	t0 := time.Now()
 	for {
-		if _, err := os.Stat(socks[0]); err == nil || time.Since(booted) > 10*time.Second {
+		if _, err := os.Stat(vm.socks[0]); err == nil || time.Since(t0) > 10*time.Second {
 			break
 		}
 		time.Sleep(10 * time.Millisecond)
@@ -84,48 +126,50 @@ func TestVM(t *testing.T) {
 	// QEMU binds the socket before it listens: a connect in between is
 	// refused, so that is tried again.
 	dctx, dcancel := context.WithTimeout(context.Background(), 90*time.Second)
-	c, err := DialSerial(dctx, socks[:1])
+	c, err := DialSerial(dctx, vm.socks[:1])
 	for errors.Is(err, syscall.ECONNREFUSED) && dctx.Err() == nil {
 		time.Sleep(20 * time.Millisecond)
-		c, err = DialSerial(dctx, socks[:1])
+		c, err = DialSerial(dctx, vm.socks[:1])
 	}
 	dcancel()
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	in, err := c.Ping(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("ready after %v: %+v", time.Since(booted), in)
+	return c
+}
 
-	sh := func(c *Client, script string) (string, int) {
-		t.Helper()
-		var out, errb bytes.Buffer
-		code, err := c.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", script}}, nil, &out, &errb, nil)
-		if err != nil {
-			t.Fatalf("%s: %v", script, err)
-		}
-		return out.String() + errb.String(), code
+// sh runs script in the guest through c: its output (stdout, then
+// stderr) and exit code.
+func (vm *tinyVM) sh(t *testing.T, c *Client, script string) (string, int) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code, err := c.Exec(vm.ctx, ExecRequest{Argv: []string{"sh", "-c", script}}, nil, &out, &errb, nil)
+	if err != nil {
+		t.Fatalf("%s: %v", script, err)
 	}
-	if out, code := sh(c, "echo hi; echo err >&2; exit 4"); out != "hi\nerr\n" || code != 4 {
+	return out.String() + errb.String(), code
+}
+
+// exec: output, exit code and a large stdin.
+func (vm *tinyVM) exec(t *testing.T, c *Client) {
+	if out, code := vm.sh(t, c, "echo hi; echo err >&2; exit 4"); out != "hi\nerr\n" || code != 4 {
 		t.Errorf("exec: %q %d", out, code)
 	}
 	var out bytes.Buffer
 	payload := bytes.Repeat([]byte("kvbox\n"), 100000)
-	if code, err := c.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", "cat | md5sum"}}, bytes.NewReader(payload), &out, nil, nil); err != nil || code != 0 {
+	if code, err := c.Exec(vm.ctx, ExecRequest{Argv: []string{"sh", "-c", "cat | md5sum"}}, bytes.NewReader(payload), &out, nil, nil); err != nil || code != 0 {
 		t.Fatal(code, err)
 	}
 	t.Logf("stdin md5 in guest: %s", out.String())
+}
 
-	// TTY.
+// tty: a shell on a terminal of the size asked.
+func (vm *tinyVM) tty(t *testing.T, c *Client) {
 	var tty syncBuffer
 	pr, pw := testPipe()
 	done := make(chan error, 1)
 	go func() {
-		_, err := c.Exec(ctx, ExecRequest{Argv: []string{"sh"}, TTY: true, Rows: 30, Cols: 100}, pr, &tty, nil, nil)
+		_, err := c.Exec(vm.ctx, ExecRequest{Argv: []string{"sh"}, TTY: true, Rows: 30, Cols: 100}, pr, &tty, nil, nil)
 		done <- err
 	}()
 	pw.Write([]byte("stty size; tty; exit\n"))
@@ -135,26 +179,30 @@ func TestVM(t *testing.T) {
 	if s := tty.String(); !strings.Contains(s, "30 100") || !strings.Contains(s, "/dev/pts/") {
 		t.Errorf("tty output %q", s)
 	}
+}
 
-	// What a port does with no host connected (virtio_console): reads
-	// return EOF at once, writes block. With a host: reads block.
+// probePorts: what a port does with no host connected (virtio_console):
+// reads return EOF at once, writes block. With a host: reads block.
+func (vm *tinyVM) probePorts(t *testing.T, c *Client) {
 	probe := `for p in /sys/class/virtio-ports/*; do [ "$(cat $p/name)" = org.kvbox-test.probe ] && d=/dev/${p##*/}; done
 		timeout 1 cat $d; echo "read without host: rc=$?"
 		timeout 1 sh -c "echo x > $d"; echo "write without host: rc=$?"`
-	got, _ := sh(c, probe)
+	got, _ := vm.sh(t, c, probe)
 	t.Logf("probe:\n%s", got)
 	if !strings.Contains(got, "read without host: rc=0") {
 		t.Errorf("read without host did not return EOF at once: %q", got)
 	}
-	if hc, err := net.Dial("unix", filepath.Join(dir, "probe.sock")); err == nil {
+	if hc, err := net.Dial("unix", filepath.Join(vm.dir, "probe.sock")); err == nil {
 		time.Sleep(100 * time.Millisecond)
-		got, _ = sh(c, strings.Replace(probe, "without", "with", 2))
+		got, _ = vm.sh(t, c, strings.Replace(probe, "without", "with", 2))
 		t.Logf("probe with a host:\n%s", got)
 		hc.Close()
 	}
+}
 
-	// Two ports at once.
-	c2, err := DialSerial(ctx, socks)
+// twoPorts: two connections, on ports of their own, run at once.
+func (vm *tinyVM) twoPorts(t *testing.T, c *Client) {
+	c2, err := DialSerial(vm.ctx, vm.socks)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,19 +211,23 @@ func TestVM(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if out, code := sh(cl, "sleep 0.3; echo par"); out != "par\n" || code != 0 {
+			if out, code := vm.sh(t, cl, "sleep 0.3; echo par"); out != "par\n" || code != 0 {
 				t.Errorf("parallel: %q %d", out, code)
 			}
 		}()
 	}
 	wg.Wait()
 	c2.Close()
+}
 
+// hostGone: a host that disconnects mid-exec (c is closed) kills the
+// process, and the agent's read side parks while ports have no host.
+func (vm *tinyVM) hostGone(t *testing.T, c *Client) {
 	// Agent CPU use while port 0 has no host: the read side must park.
-	agentPid, _ := sh(c, "pidof kvbox-agent")
+	agentPid, _ := vm.sh(t, c, "pidof kvbox-agent")
 	agentPid = strings.TrimSpace(agentPid)
-	cpu := func() int {
-		s, _ := sh(c, "cat /proc/"+agentPid+"/stat")
+	cpu := func(c *Client) int {
+		s, _ := vm.sh(t, c, "cat /proc/"+agentPid+"/stat")
 		f := strings.Fields(s[strings.LastIndex(s, ")")+2:])
 		u, _ := strconv.Atoi(f[11])
 		st, _ := strconv.Atoi(f[12])
@@ -185,30 +237,27 @@ func TestVM(t *testing.T) {
 	go c.Exec(context.Background(), ExecRequest{Argv: []string{"sh", "-c", "echo $$ > /tmp/victim; exec sleep 1000"}}, nil, nil, nil, nil)
 	time.Sleep(300 * time.Millisecond)
 	c.Close()
-	before := -1
 	time.Sleep(100 * time.Millisecond)
-	c, err = DialSerial(ctx, socks[1:2])
-	if err != nil {
-		t.Fatal(err)
-	}
-	before = cpu()
-	time.Sleep(3 * time.Second) // ports 0, 2, 3 have no host now
-	after := cpu()
-	t.Logf("agent cpu ticks over 3 s idle with 3 ports unconnected: %d", after-before)
-	if after-before > 30 {
-		t.Errorf("agent spins: %d ticks in 3 s", after-before)
-	}
-	if out, _ := sh(c, "v=$(cat /tmp/victim); kill -0 $v 2>/dev/null && echo alive || echo dead"); out != "dead\n" {
-		t.Errorf("exec of a disconnected host: %q", out)
-	}
-	c.Close()
-
-	// Reconnect to port 0 (stale bytes possible) and re-identify.
-	c, err = DialSerial(ctx, socks[:1])
+	c, err := DialSerial(vm.ctx, vm.socks[1:2])
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
+	before := cpu(c)
+	time.Sleep(3 * time.Second) // ports 0, 2, 3 have no host now
+	after := cpu(c)
+	t.Logf("agent cpu ticks over 3 s idle with 3 ports unconnected: %d", after-before)
+	if after-before > 30 {
+		t.Errorf("agent spins: %d ticks in 3 s", after-before)
+	}
+	if out, _ := vm.sh(t, c, "v=$(cat /tmp/victim); kill -0 $v 2>/dev/null && echo alive || echo dead"); out != "dead\n" {
+		t.Errorf("exec of a disconnected host: %q", out)
+	}
+}
+
+// identify: a new identity, clock and entropy, as the guest shows them.
+func (vm *tinyVM) identify(t *testing.T, c *Client) {
+	ctx := vm.ctx
 	id := Identity{Hostname: "clone1", MAC: "52:54:00:00:00:42", Address: "172.30.0.42/24", Gateway: "172.30.0.1", DNS: []string{"172.30.0.1"}}
 	if err := c.Identify(ctx, id); err != nil {
 		t.Fatal(err)
@@ -219,7 +268,7 @@ func TestVM(t *testing.T) {
 	if err := c.AddEntropy(ctx, bytes.Repeat([]byte{7}, 64)); err != nil {
 		t.Fatal(err)
 	}
-	got, _ = sh(c, "hostname; cat /sys/class/net/eth0/address; ip -4 -o addr show dev eth0 | awk '{print $4}'; ip route | grep default; cat /etc/hosts /etc/resolv.conf /var/lib/kvbox-agent/identity.json; date -u +%Y")
+	got, _ := vm.sh(t, c, "hostname; cat /sys/class/net/eth0/address; ip -4 -o addr show dev eth0 | awk '{print $4}'; ip route | grep default; cat /etc/hosts /etc/resolv.conf /var/lib/kvbox-agent/identity.json; date -u +%Y")
 	for _, want := range []string{"clone1", "52:54:00:00:00:42", "172.30.0.42/24", "default via 172.30.0.1", "127.0.1.1\tclone1", "nameserver 172.30.0.1", `"address": "172.30.0.42/24"`, "2030"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("after Identify: %q lacks %q", got, want)
@@ -228,11 +277,14 @@ func TestVM(t *testing.T) {
 	if in, err := c.Ping(ctx); err != nil || !in.Capabilities.Identify || !in.Capabilities.Clock || !in.Capabilities.Entropy || !in.Capabilities.TTY {
 		t.Errorf("capabilities: %+v %v", in, err)
 	}
+}
 
-	// The agent restarts (init respawns it) while this host stays
-	// connected: the call in flight fails with ErrAgentRestarted, the next
-	// one works, and the persisted identity is applied again.
-	_, err = c.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", "hostname other; kill $(pidof kvbox-agent); sleep 100"}}, nil, nil, nil, nil)
+// agentRestart: the agent restarts (init respawns it) while this host
+// stays connected: the call in flight fails with ErrAgentRestarted, the
+// next one works, and the persisted identity is applied again.
+func (vm *tinyVM) agentRestart(t *testing.T, c *Client) {
+	ctx := vm.ctx
+	_, err := c.Exec(ctx, ExecRequest{Argv: []string{"sh", "-c", "hostname other; kill $(pidof kvbox-agent); sleep 100"}}, nil, nil, nil, nil)
 	if !errors.Is(err, ErrAgentRestarted) {
 		t.Fatalf("exec across a restart: %v", err)
 	}
@@ -247,7 +299,7 @@ func TestVM(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	if out, _ := sh(c, "ps -o pid,args | grep -c '[s]leep 100'"); out != "0\n" {
+	if out, _ := vm.sh(t, c, "ps -o pid,args | grep -c '[s]leep 100'"); out != "0\n" {
 		t.Errorf("the exec of the stopped agent survived: %q", out)
 	}
 }
