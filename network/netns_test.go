@@ -93,32 +93,76 @@ func TestEnsurePortFilter(t *testing.T) {
 	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
 		t.Fatal(err)
 	}
-	offline := func() int {
-		t.Helper()
-		c, err := nftables.New()
-		if err != nil {
-			t.Fatal(err)
-		}
-		set, err := c.GetSetByName(filterTable(), "offline")
-		if err != nil {
-			t.Fatalf("the offline set: %v", err)
-		}
-		els, err := c.GetSetElements(set)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return len(els)
-	}
-	if n := offline(); n != 1 {
+	if n := offlineTaps(t); n != 1 {
 		t.Errorf("an offline box's tap: %d elements in the offline set", n)
 	}
 
-	// What an older kvbox left: no input chain, its own rules in the
-	// others, no inet or arp table.
 	conn, err := nftables.New()
 	if err != nil {
 		t.Fatal(err)
 	}
+	completesOlderTable(t, conn, all)
+	addsOfflineSet(t, conn)
+	// Part of the inet table: made again whole.
+	conn.DelChain(&nftables.Chain{Table: &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}, Name: "output"})
+	if err := conn.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := EnsurePortFilter(); err != nil {
+		t.Fatal(err)
+	}
+	if have := kvboxChains(t); len(have) != all {
+		t.Errorf("chains after completing the inet table: %v", have)
+	}
+
+	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != all {
+		t.Errorf("removed with a box in the filter: %v, %v", err, kvboxChains(t))
+	}
+	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := ForgetPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
+		t.Fatal(err)
+	}
+	if n := offlineTaps(t); n != 0 {
+		t.Errorf("a forgotten box's tap left in the offline set (%d)", n)
+	}
+	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != 0 {
+		t.Errorf("left after the last box: %v, %v", err, kvboxChains(t))
+	}
+}
+
+// offlineTaps is how many taps the offline set holds.
+func offlineTaps(t *testing.T) int {
+	t.Helper()
+	c, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := c.GetSetByName(filterTable(), "offline")
+	if err != nil {
+		t.Fatalf("the offline set: %v", err)
+	}
+	els, err := c.GetSetElements(set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(els)
+}
+
+// toHostRulesOK checks that the to-host chain holds kvbox's rules.
+func toHostRulesOK(t *testing.T, conn *nftables.Conn, after string) {
+	t.Helper()
+	rules, err := conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "to-host"})
+	if err != nil || len(rules) != len(toHostRules(offlineSet(filterTable()))) {
+		t.Errorf("to-host after %s: %d rules, %v", after, len(rules), err)
+	}
+}
+
+// completesOlderTable: what an older kvbox left (no input chain, its own
+// rules in the others, no inet or arp table) is completed, the box's port
+// kept.
+func completesOlderTable(t *testing.T, conn *nftables.Conn, all int) {
 	conn.DelChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
 	conn.DelSet(offlineSet(filterTable()))
 	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "from-boxes"})
@@ -144,15 +188,15 @@ func TestEnsurePortFilter(t *testing.T) {
 	if els, err := conn.GetSetElements(set); err != nil || len(els) != 1 {
 		t.Errorf("the box's port after completing an older table: %d elements, %v", len(els), err)
 	}
-	if n := offline(); n != 0 {
+	if n := offlineTaps(t); n != 0 {
 		t.Errorf("an older table's new offline set: %d elements", n)
 	}
-	rules, err = conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "to-host"})
-	if err != nil || len(rules) != len(toHostRules(offlineSet(filterTable()))) {
-		t.Errorf("to-host after completing an older table: %d rules, %v", len(rules), err)
-	}
-	// A table with every chain but without the offline set (the kvbox
-	// before it) gets the set and the rule that uses it.
+	toHostRulesOK(t, conn, "completing an older table")
+}
+
+// addsOfflineSet: a table with every chain but without the offline set
+// (the kvbox before it) gets the set and the rule that uses it.
+func addsOfflineSet(t *testing.T, conn *nftables.Conn) {
 	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
 	conn.DelSet(offlineSet(filterTable()))
 	if err := conn.Flush(); err != nil {
@@ -161,41 +205,10 @@ func TestEnsurePortFilter(t *testing.T) {
 	if _, err := EnsurePortFilter(); err != nil {
 		t.Fatal(err)
 	}
-	if n := offline(); n != 0 {
+	if n := offlineTaps(t); n != 0 {
 		t.Errorf("the offline set added to a table without it: %d elements", n)
 	}
-	rules, err = conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "to-host"})
-	if err != nil || len(rules) != len(toHostRules(offlineSet(filterTable()))) {
-		t.Errorf("to-host after adding the offline set: %d rules, %v", len(rules), err)
-	}
-
-	// Part of the inet table: made again whole.
-	conn.DelChain(&nftables.Chain{Table: &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}, Name: "output"})
-	if err := conn.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := EnsurePortFilter(); err != nil {
-		t.Fatal(err)
-	}
-	if have := kvboxChains(t); len(have) != all {
-		t.Errorf("chains after completing the inet table: %v", have)
-	}
-
-	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != all {
-		t.Errorf("removed with a box in the filter: %v, %v", err, kvboxChains(t))
-	}
-	if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
-		t.Fatal(err)
-	}
-	if err := ForgetPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip); err != nil {
-		t.Fatal(err)
-	}
-	if n := offline(); n != 0 {
-		t.Errorf("a forgotten box's tap left in the offline set (%d)", n)
-	}
-	if err := removePortFilter(); err != nil || len(kvboxChains(t)) != 0 {
-		t.Errorf("left after the last box: %v, %v", err, kvboxChains(t))
-	}
+	toHostRulesOK(t, conn, "adding the offline set")
 }
 
 // A bridge kvbox makes forwards the link-local group addresses it may

@@ -153,35 +153,56 @@ func ipv4(src, dst netip.Addr, proto byte) []byte {
 	return h
 }
 
-// Every path by which a frame of a box reaches the host's kernel meets one
-// of kvbox's chains that drops what a box may not send: the bridge's
-// forwarding path (prerouting), the bridge's local path for the reserved
-// link-local group addresses (the bridge family's input hook, the tap as
-// input device), and the tap's own IP and ARP stacks (the inet and arp
-// families, the tap as device). What a box may send (IPv4 and ARP of its
-// own, passed up by the bridge to the host) still passes, and nothing of
-// any other device is touched.
-func TestPortFilterClosesEveryPath(t *testing.T) {
+// hookAt is a netfilter hook of a family, and its name in messages.
+type hookAt struct {
+	fam  nftables.TableFamily
+	hook nftables.ChainHook
+	name string
+}
+
+var (
+	bridgePre = hookAt{nftables.TableFamilyBridge, *nftables.ChainHookPrerouting, "bridge prerouting"}
+	bridgeIn  = hookAt{nftables.TableFamilyBridge, *nftables.ChainHookInput, "bridge input"}
+)
+
+// boxFrames are the box's frames TestPortFilterClosesEveryPath sends:
+// its port in the filter's set, its own IPv4 to the gateway, an IPv6
+// header, and the bridge's MAC.
+type boxFrames struct {
+	set       map[string]bool
+	own, ipv6 []byte
+	bridgeMAC string
+}
+
+func newBoxFrames(t *testing.T) boxFrames {
+	t.Helper()
 	k, err := portKey(boxTap, boxMAC, boxIP)
 	if err != nil {
 		t.Fatal(err)
 	}
-	set := map[string]bool{"ports/" + string(k): true}
-	gw := netip.MustParseAddr("172.30.0.1")
-	own := ipv4(boxIP, gw, unix.IPPROTO_UDP)
-	bridgeMAC := "fe:54:00:00:00:01"
 	ipv6 := make([]byte, 40)
 	ipv6[0] = 0x60
-	br := nftables.TableFamilyBridge
-	type hook struct {
-		fam  nftables.TableFamily
-		hook nftables.ChainHook
-		name string
-	}
-	pre, in := hook{br, *nftables.ChainHookPrerouting, "bridge prerouting"}, hook{br, *nftables.ChainHookInput, "bridge input"}
+	return boxFrames{set: map[string]bool{"ports/" + string(k): true}, own: ipv4(boxIP, netip.MustParseAddr("172.30.0.1"), unix.IPPROTO_UDP),
+		ipv6: ipv6, bridgeMAC: "fe:54:00:00:00:01"}
+}
+
+// Every path by which a frame of a box reaches the host's kernel meets one
+// of kvbox's chains that drops what a box may not send: the bridge's
+// forwarding path (prerouting), the bridge's local path for the reserved
+// link-local group addresses (the bridge family's input hook, the tap as
+// input device: TestPortFilterReservedGroups), and the tap's own IP and
+// ARP stacks (the inet and arp families, the tap as device:
+// TestPortFilterTapStacks). What a box may send (IPv4 and ARP of its own,
+// passed up by the bridge to the host) still passes, and nothing of any
+// other device is touched.
+func TestPortFilterClosesEveryPath(t *testing.T) {
+	b := newBoxFrames(t)
+	own, ipv6, bridgeMAC := b.own, b.ipv6, b.bridgeMAC
+	pre, in := bridgePre, bridgeIn
+	post := hookAt{nftables.TableFamilyBridge, *nftables.ChainHookPostrouting, "bridge postrouting"}
 	for _, tc := range []struct {
 		name string
-		at   hook
+		at   hookAt
 		p    hookPacket
 		want string
 	}{
@@ -192,21 +213,25 @@ func TestPortFilterClosesEveryPath(t *testing.T) {
 		{"spoofed MAC", pre, hookPacket{iif: boxTap, frame: frame(bridgeMAC, spoofed, unix.ETH_P_IP, own)}, "drop"},
 		{"IPv6", pre, hookPacket{iif: boxTap, frame: frame("33:33:00:00:00:01", boxMAC, unix.ETH_P_IPV6, ipv6)}, "drop"},
 		{"another device's link-local frame", in, hookPacket{iif: "eth0", frame: frame("01:80:c2:00:00:03", spoofed, unix.ETH_P_IP, own)}, "accept"},
-		{"the host's frame to a box", hook{br, *nftables.ChainHookPostrouting, "bridge postrouting"}, hookPacket{oif: boxTap, frame: frame(boxMAC, bridgeMAC, unix.ETH_P_IP, own)}, "accept"},
-		{"the host's IPv6 to a box", hook{br, *nftables.ChainHookPostrouting, "bridge postrouting"}, hookPacket{oif: boxTap, frame: frame(boxMAC, bridgeMAC, unix.ETH_P_IPV6, ipv6)}, "drop"},
+		{"the host's frame to a box", post, hookPacket{oif: boxTap, frame: frame(boxMAC, bridgeMAC, unix.ETH_P_IP, own)}, "accept"},
+		{"the host's IPv6 to a box", post, hookPacket{oif: boxTap, frame: frame(boxMAC, bridgeMAC, unix.ETH_P_IPV6, ipv6)}, "drop"},
 	} {
-		if got := verdictAt(t, tc.at.fam, tc.at.hook, tc.p, set); got != tc.want {
+		if got := verdictAt(t, tc.at.fam, tc.at.hook, tc.p, b.set); got != tc.want {
 			t.Errorf("%s: %s, want %s", tc.name, got, tc.want)
 		}
 	}
-	// The reserved link-local group addresses, carrying the box's own
-	// IPv4: forwarded (group_fwd_mask) they meet prerouting, kept local
-	// the bridge's input hook; either drops them.
+}
+
+// The reserved link-local group addresses, carrying the box's own IPv4:
+// forwarded (group_fwd_mask) they meet prerouting, kept local the bridge's
+// input hook; either drops them.
+func TestPortFilterReservedGroups(t *testing.T) {
+	b := newBoxFrames(t)
 	for i := 0; i < 16; i++ {
 		dst := fmt.Sprintf("01:80:c2:00:00:%02x", i)
-		for _, at := range []hook{pre, in} {
-			p := hookPacket{iif: boxTap, frame: frame(dst, boxMAC, unix.ETH_P_IP, own)}
-			if got := verdictAt(t, at.fam, at.hook, p, set); got != "drop" {
+		for _, at := range []hookAt{bridgePre, bridgeIn} {
+			p := hookPacket{iif: boxTap, frame: frame(dst, boxMAC, unix.ETH_P_IP, b.own)}
+			if got := verdictAt(t, at.fam, at.hook, p, b.set); got != "drop" {
 				t.Errorf("a box's IPv4 to %s at %s: %s", dst, at.name, got)
 			}
 		}
@@ -214,9 +239,12 @@ func TestPortFilterClosesEveryPath(t *testing.T) {
 	if groupFwdMask&0x4000 == 0 || groupFwdMask&0x7 != 0 {
 		t.Errorf("group_fwd_mask %#x: LLDP (0e) must be forwarded (the kernel runs no hook on its local path); 00-02 cannot be", groupFwdMask)
 	}
+}
 
-	// The tap's own stacks: nothing in, nothing out; the bridges (also
-	// named kvb*) and other devices untouched.
+// The tap's own stacks: nothing in, nothing out; the bridges (also named
+// kvb*) and other devices untouched.
+func TestPortFilterTapStacks(t *testing.T) {
+	b := newBoxFrames(t)
 	inet, arp := nftables.TableFamilyINet, nftables.TableFamilyARP
 	for _, tc := range []struct {
 		dev, kind string
@@ -228,15 +256,15 @@ func TestPortFilterClosesEveryPath(t *testing.T) {
 		{"eth0", "", "accept"},
 		{"kvbtap", "veth", "accept"},
 	} {
-		for _, at := range []hook{{inet, *nftables.ChainHookInput, "inet input"}, {inet, *nftables.ChainHookForward, "inet forward"}, {arp, nfARPIn, "arp input"}} {
-			p := hookPacket{iif: tc.dev, iifKind: tc.kind, oif: "eth0", frame: frame(bridgeMAC, boxMAC, unix.ETH_P_IP, own)}
-			if got := verdictAt(t, at.fam, at.hook, p, set); got != tc.want {
+		for _, at := range []hookAt{{inet, *nftables.ChainHookInput, "inet input"}, {inet, *nftables.ChainHookForward, "inet forward"}, {arp, nfARPIn, "arp input"}} {
+			p := hookPacket{iif: tc.dev, iifKind: tc.kind, oif: "eth0", frame: frame(b.bridgeMAC, boxMAC, unix.ETH_P_IP, b.own)}
+			if got := verdictAt(t, at.fam, at.hook, p, b.set); got != tc.want {
 				t.Errorf("from %s (%s) at %s: %s, want %s", tc.dev, tc.kind, at.name, got, tc.want)
 			}
 		}
-		for _, at := range []hook{{inet, *nftables.ChainHookOutput, "inet output"}, {inet, *nftables.ChainHookForward, "inet forward"}, {arp, nfARPOut, "arp output"}} {
-			p := hookPacket{iif: "eth0", oif: tc.dev, oifKind: tc.kind, frame: frame(boxMAC, bridgeMAC, unix.ETH_P_IP, own)}
-			if got := verdictAt(t, at.fam, at.hook, p, set); got != tc.want {
+		for _, at := range []hookAt{{inet, *nftables.ChainHookOutput, "inet output"}, {inet, *nftables.ChainHookForward, "inet forward"}, {arp, nfARPOut, "arp output"}} {
+			p := hookPacket{iif: "eth0", oif: tc.dev, oifKind: tc.kind, frame: frame(boxMAC, b.bridgeMAC, unix.ETH_P_IP, b.own)}
+			if got := verdictAt(t, at.fam, at.hook, p, b.set); got != tc.want {
 				t.Errorf("to %s (%s) at %s: %s, want %s", tc.dev, tc.kind, at.name, got, tc.want)
 			}
 		}
