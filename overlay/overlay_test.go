@@ -37,14 +37,13 @@ func qemuIO(t *testing.T, path string, cmds ...string) error {
 	return nil
 }
 
-func TestOverlayLifecycle(t *testing.T) {
-	needTools(t)
-	ctx := context.Background()
-	dir := t.TempDir()
-	base := filepath.Join(dir, "base.qcow2")
-	snap1 := filepath.Join(dir, "snap1.qcow2")
-	snap2 := filepath.Join(dir, "snap2.qcow2")
-
+// makeChain makes base (16 MiB, 1 MiB of 0x11), snap1 above it (64 KiB
+// of 0xab at 0) and snap2 above that (64 KiB of 0xcd at 512 KiB) in dir.
+func makeChain(ctx context.Context, t *testing.T, dir string) (base, snap1, snap2 string) {
+	t.Helper()
+	base = filepath.Join(dir, "base.qcow2")
+	snap1 = filepath.Join(dir, "snap1.qcow2")
+	snap2 = filepath.Join(dir, "snap2.qcow2")
 	if err := CreateSized(ctx, base, 16<<20); err != nil {
 		t.Fatal(err)
 	}
@@ -63,6 +62,13 @@ func TestOverlayLifecycle(t *testing.T) {
 	if err := qemuIO(t, snap2, "write -P 0xcd 512k 64k"); err != nil {
 		t.Fatal(err)
 	}
+	return base, snap1, snap2
+}
+
+func TestOverlayLifecycle(t *testing.T) {
+	needTools(t)
+	ctx := context.Background()
+	base, snap1, snap2 := makeChain(ctx, t, t.TempDir())
 
 	info, err := Info(ctx, snap2)
 	if err != nil {
