@@ -108,8 +108,25 @@ func TestEnvdFeature(t *testing.T) {
 	if resp, body := httpOver(t, stream(), statRequest("/", "tok-1")); resp.StatusCode != 200 {
 		t.Errorf("the token over the agent stream: %d %s", resp.StatusCode, body)
 	}
-	// Keep-alive: two requests on one stream.
-	conn := stream()
+	keepAlive(t, stream())
+	lc, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp, body := httpOver(t, lc, statRequest("/", "")); resp.StatusCode != 401 {
+		t.Errorf("no token on the guest's listener: %d %s", resp.StatusCode, body)
+	}
+	lc.Close()
+
+	restartServesSame(t, state)
+	if !slices.Contains(Features(), FeatureEnvd) {
+		t.Error("not advertised")
+	}
+}
+
+// keepAlive: two requests on one stream are both answered.
+func keepAlive(t *testing.T, conn net.Conn) {
+	t.Helper()
 	for range 2 {
 		raw := "GET /health HTTP/1.1\r\nHost: envd\r\n\r\n"
 		io.WriteString(conn, raw)
@@ -121,16 +138,12 @@ func TestEnvdFeature(t *testing.T) {
 			t.Fatalf("health #%d on one stream: %v %v", i, resp, err)
 		}
 	}
-	lc, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if resp, body := httpOver(t, lc, statRequest("/", "")); resp.StatusCode != 401 {
-		t.Errorf("no token on the guest's listener: %d %s", resp.StatusCode, body)
-	}
-	lc.Close()
+}
 
-	// An agent that restarts serves the same sandbox.
+// restartServesSame: an agent that restarts on the state dir serves the
+// same sandbox (TestEnvdFeature's configuration, tok-1).
+func restartServesSame(t *testing.T, state string) {
+	t.Helper()
 	s2 := envdTestServer(t, state)
 	if err := s2.RestoreEnvd(); err != nil {
 		t.Fatal(err)
@@ -145,9 +158,6 @@ func TestEnvdFeature(t *testing.T) {
 	b, _ := os.ReadFile(filepath.Join(state, envdConfigFile))
 	if json.Unmarshal(b, &kept) != nil || kept.AccessToken != "tok-1" {
 		t.Errorf("kept %s", b)
-	}
-	if !slices.Contains(Features(), FeatureEnvd) {
-		t.Error("not advertised")
 	}
 }
 
