@@ -146,48 +146,12 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 	p := &process{ss: ss, gen: gen, id: id, argv0: req.Argv[0], tty: req.TTY, cmd: cmd,
 		queue: make(chan frame, stdinWindow+1)}
 
-	var childEnds []*os.File
-	defer func() {
-		for _, f := range childEnds {
-			f.Close()
-		}
-	}()
-	if req.TTY {
-		master, slave, err := guestexec.OpenPTY()
-		if err != nil {
-			return nil, err
-		}
-		childEnds = append(childEnds, slave)
-		guestexec.SetWinsize(slave, req.Rows, req.Cols)
-		cmd.Stdin, cmd.Stdout, cmd.Stderr = slave, slave, slave
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
-		p.master, p.stdinW, p.outs = master, master, []*os.File{master}
-	} else {
-		var pipes [3][2]*os.File
-		for i := range pipes {
-			r, w, err := os.Pipe()
-			if err != nil {
-				for _, f := range p.outs {
-					f.Close()
-				}
-				if p.stdinW != nil {
-					p.stdinW.Close()
-				}
-				return nil, err
-			}
-			pipes[i] = [2]*os.File{r, w}
-			if i == 0 {
-				childEnds = append(childEnds, r)
-				p.stdinW = w
-			} else {
-				childEnds = append(childEnds, w)
-				p.outs = append(p.outs, r)
-			}
-		}
-		cmd.Stdin, cmd.Stdout, cmd.Stderr = pipes[0][0], pipes[1][1], pipes[2][1]
-		// Own process group, so an abort kills the children too.
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	stdio, childEnds, err := guestexec.Wire(cmd, req.TTY, req.Rows, req.Cols, true)
+	if err != nil {
+		return nil, err
 	}
+	defer childEnds.Close()
+	p.master, p.stdinW, p.outs = stdio.PTY, stdio.Stdin, stdio.Outs
 	if u != nil {
 		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: u.UID, Gid: u.GID, Groups: u.Groups}
 	}
@@ -203,12 +167,7 @@ func startProcess(ss *session, gen uint64, id uint32, req ExecRequest) (*process
 }
 
 func (p *process) closeAll() {
-	for _, f := range p.outs {
-		f.Close()
-	}
-	if p.stdinW != nil {
-		p.stdinW.Close()
-	}
+	guestexec.Stdio{Stdin: p.stdinW, Outs: p.outs}.Close()
 }
 
 // run starts the goroutines that move data and report the exit.
@@ -256,26 +215,15 @@ func exitCode(ps *os.ProcessState, err error) int {
 // pump copies one output stream into frames. Writing a frame blocks while
 // the host does not read, which blocks the process: no unbounded buffering.
 func (p *process) pump(f *os.File, t frameType) {
-	buf := make([]byte, chunkSize)
-	for {
-		if p.exited.Done() {
-			f.SetReadDeadline(p.exited.Deadline())
+	p.exited.Pump(f, chunkSize, func(b []byte) bool {
+		if err := p.ss.send(p.gen, t, p.id, b); err != nil {
+			// The host is gone or another one took over: stop
+			// reading, the process gets EPIPE or the abort's kill.
+			f.Close()
+			return false
 		}
-		n, err := f.Read(buf)
-		if n > 0 {
-			if serr := p.ss.send(p.gen, t, p.id, buf[:n]); serr != nil {
-				// The host is gone or another one took over: stop
-				// reading, the process gets EPIPE or the abort's kill.
-				f.Close()
-				return
-			}
-		}
-		if err != nil {
-			// io.EOF for pipes, EIO for a pty master whose slave
-			// side is closed, a deadline after the exit.
-			return
-		}
-	}
+		return true
+	})
 }
 
 // stdin queues one host frame; the host keeps at most stdinWindow in

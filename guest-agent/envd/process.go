@@ -226,17 +226,14 @@ func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexe
 		return nil, nil, err
 	}
 	p := &proc{s: s, tag: m.GetTag(), cfg: m.Process, cmd: cmd, subs: map[*subscriber]struct{}{}}
-	childEnds, err := p.stdio(m)
-	defer func() {
-		for _, f := range childEnds {
-			f.Close()
-		}
-	}()
-	if err == nil {
-		err = runAs(cmd, u)
-	}
+	stdio, childEnds, err := guestexec.Wire(cmd, m.Pty != nil, uint16(m.Pty.GetSize().GetRows()), uint16(m.Pty.GetSize().GetCols()), m.GetStdin())
 	if err != nil {
-		p.closeEnds()
+		return nil, nil, connect.NewError(connect.CodeInternal, err)
+	}
+	defer childEnds.Close()
+	p.master, p.stdin, p.outs = stdio.PTY, stdio.Stdin, stdio.Outs
+	if err := runAs(cmd, u); err != nil {
+		stdio.Close()
 		return nil, nil, err
 	}
 	sub := p.subscribe()
@@ -245,7 +242,7 @@ func (s *Server) start(ctx context.Context, m *process.StartRequest, u *guestexe
 		startFn = func() error { return s.opts.StartProcess(cmd.Start) }
 	}
 	if err := startFn(); err != nil {
-		p.closeEnds()
+		stdio.Close()
 		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start %s as %s in %s: %w", cmd.Path, u.Name, cmd.Dir, err))
 	}
 	p.pid = uint32(cmd.Process.Pid)
@@ -296,62 +293,6 @@ func (s *Server) command(m *process.StartRequest, u *guestexec.User) (*exec.Cmd,
 		}
 	}
 	return &exec.Cmd{Path: bin, Args: append([]string{m.Process.Cmd}, m.Process.Args...), Env: env, Dir: dir}, nil
-}
-
-// stdio gives the command a pty (m.Pty) or pipes for its output and, when
-// asked, its stdin, the process's ends kept in p. It returns the child's
-// ends, which the caller closes once the child has them (or failed).
-func (p *proc) stdio(m *process.StartRequest) (childEnds []*os.File, err error) {
-	cmd := p.cmd
-	if m.Pty != nil {
-		master, slave, err := guestexec.OpenPTY()
-		if err != nil {
-			return nil, connect.NewError(connect.CodeInternal, err)
-		}
-		childEnds = append(childEnds, slave)
-		guestexec.SetWinsize(slave, uint16(m.Pty.GetSize().GetRows()), uint16(m.Pty.GetSize().GetCols()))
-		cmd.Stdin, cmd.Stdout, cmd.Stderr = slave, slave, slave
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
-		p.master, p.stdin, p.outs = master, master, []*os.File{master}
-		return childEnds, nil
-	}
-	for i := range 2 {
-		r, w, err := os.Pipe()
-		if err != nil {
-			return childEnds, connect.NewError(connect.CodeInternal, err)
-		}
-		childEnds = append(childEnds, w)
-		p.outs = append(p.outs, r)
-		if i == 0 {
-			cmd.Stdout = w
-		} else {
-			cmd.Stderr = w
-		}
-	}
-	if m.GetStdin() {
-		r, w, err := os.Pipe()
-		if err != nil {
-			return childEnds, connect.NewError(connect.CodeInternal, err)
-		}
-		childEnds = append(childEnds, r)
-		cmd.Stdin, p.stdin = r, w
-	} // else the process reads /dev/null
-	// A group of its own: a signal or a timeout reaches its children, and
-	// the agent's priority changes (one call for its group) do not reach
-	// it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	return childEnds, nil
-}
-
-// closeEnds closes the process's ends of its stdio, for a process that did
-// not start.
-func (p *proc) closeEnds() {
-	for _, f := range p.outs {
-		f.Close()
-	}
-	if p.stdin != nil {
-		p.stdin.Close()
-	}
 }
 
 // runAs makes cmd run as u: envd as root takes on u's ids, envd as
@@ -511,31 +452,20 @@ func (p *proc) run(timer *time.Timer) {
 
 // pump reads one output (0 stdout, 1 stderr, or the pty) into data events.
 func (p *proc) pump(f *os.File, i int) {
-	buf := make([]byte, chunkSize)
-	for {
-		if p.exited.Done() {
-			f.SetReadDeadline(p.exited.Deadline())
+	p.exited.Pump(f, chunkSize, func(b []byte) bool {
+		b = append([]byte(nil), b...)
+		data := &process.ProcessEvent_DataEvent{}
+		switch {
+		case p.master != nil:
+			data.Output = &process.ProcessEvent_DataEvent_Pty{Pty: b}
+		case i == 0:
+			data.Output = &process.ProcessEvent_DataEvent_Stdout{Stdout: b}
+		default:
+			data.Output = &process.ProcessEvent_DataEvent_Stderr{Stderr: b}
 		}
-		n, err := f.Read(buf)
-		if n > 0 {
-			b := append([]byte(nil), buf[:n]...)
-			data := &process.ProcessEvent_DataEvent{}
-			switch {
-			case p.master != nil:
-				data.Output = &process.ProcessEvent_DataEvent_Pty{Pty: b}
-			case i == 0:
-				data.Output = &process.ProcessEvent_DataEvent_Stdout{Stdout: b}
-			default:
-				data.Output = &process.ProcessEvent_DataEvent_Stderr{Stderr: b}
-			}
-			p.broadcast(&process.ProcessEvent{Event: &process.ProcessEvent_Data{Data: data}}, false)
-		}
-		if err != nil {
-			// io.EOF for a pipe, EIO for a pty whose other side is
-			// closed, a deadline after the exit.
-			return
-		}
-	}
+		p.broadcast(&process.ProcessEvent{Event: &process.ProcessEvent_Data{Data: data}}, false)
+		return true
+	})
 }
 
 // input writes to the process's stdin or terminal.

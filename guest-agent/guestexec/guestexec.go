@@ -182,3 +182,24 @@ func (d *Drain) Deadline() time.Time {
 	}
 	return next
 }
+
+// Pump reads the output f in chunks of up to size bytes, each handed to
+// out, until it ends (EOF for a pipe, EIO for a pty whose other side is
+// closed), its read deadline passes once the process has exited, or out
+// returns false. out may not keep the chunk: its buffer is read into
+// again.
+func (d *Drain) Pump(f *os.File, size int, out func([]byte) bool) {
+	buf := make([]byte, size)
+	for {
+		if d.Done() {
+			f.SetReadDeadline(d.Deadline())
+		}
+		n, err := f.Read(buf)
+		if n > 0 && !out(buf[:n]) {
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}
