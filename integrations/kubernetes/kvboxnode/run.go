@@ -35,6 +35,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apiserver/pkg/server/dynamiccertificates"
 	"k8s.io/client-go/informers"
+	corev1informers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -96,6 +97,82 @@ func Run(ctx context.Context, c Config) error {
 	// virtual-kubelet's own lines, through its logrus adapter (its slog
 	// adapter panics on an Error whose first argument is not a string).
 	vklog.L = vklogrus.FromLogrus(logrus.NewEntry(logrus.StandardLogger()))
+	if err := c.check(); err != nil {
+		return err
+	}
+	// The address alone first: a wrong one is refused before anything is
+	// registered; again once the boxes' subnet is known.
+	ifaces, err := checkAddress(c)
+	if err != nil {
+		return err
+	}
+	tlsConfig, caPEM, err := serverTLS(c)
+	if err != nil {
+		return err
+	}
+	client, err := newClient(c.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	subnet, netCfg, err := nodeNetwork(ctx, client, c, ifaces)
+	if err != nil {
+		return err
+	}
+	lib, err := c.Open(ctx, netCfg)
+	if err != nil {
+		return err
+	}
+	defer lib.Close()
+	facts, err := lib.Facts(ctx)
+	if err != nil {
+		return err
+	}
+	n, capacity, err := describeNode(ctx, client, c, facts, netCfg, subnet)
+	if err != nil {
+		return err
+	}
+
+	eb := record.NewBroadcaster()
+	recorder := eb.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "kvbox-node", Host: c.Name})
+	cache, prov, found, err := startPods(ctx, client, c, lib, capacity, recorder)
+	if err != nil {
+		return err
+	}
+	st := watchStatus(ctx, c, lib, n, cache)
+	podFactory, podInformer, pc, err := podController(client, c, prov, recorder)
+	if err != nil {
+		return err
+	}
+	nc, err := nodeController(client, st, n)
+	if err != nil {
+		return err
+	}
+	handler, err := kubeletAPI(client, c.Name, caPEM, prov, podInformer)
+	if err != nil {
+		return err
+	}
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	eb.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.CoreV1().Events(corev1.NamespaceAll)})
+	defer eb.Shutdown()
+	listen, srv, err := serveKubeletAPI(c, handler, tlsConfig)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	podFactory.Start(ctx.Done())
+	return runControllers(ctx, c, pc, nc, prov, func() {
+		c.Log.Info("node ready", "node", c.Name, "kubelet-api", "https://"+listen, "subnet", subnet, "bridge", c.Bridge,
+			"cpus", capacity.CPUs, "memory", quantity(capacity.Memory), "boxes", capacity.Boxes, "domain-type", facts.Compat.DomainType,
+			"arch", facts.Compat.Arch, "qemu", version(facts.Compat.QEMU), "machines", len(facts.Compat.Machines),
+			"agent-protocol", facts.Compat.AgentProtocol(), "pods-found", len(found), "cached-snapshots", len(n.Status.Images))
+	})
+}
+
+// check refuses a configuration Run cannot start with, in one line, and
+// fills in the default RuntimeClass.
+func (c *Config) check() error {
 	if errs := validation.IsDNS1123Subdomain(c.Name); len(errs) > 0 {
 		return fmt.Errorf("--name %q is not a valid node name: %s", c.Name, errs[0])
 	}
@@ -108,80 +185,81 @@ func Run(ctx context.Context, c Config) error {
 	if c.RuntimeClass == "" {
 		c.RuntimeClass = DefaultRuntimeClass
 	}
+	return nil
+}
+
+// checkAddress is the host's interfaces, with the node address checked
+// against them and the configured network.
+func checkAddress(c Config) ([]Interface, error) {
 	ifaces, err := HostInterfaces()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	// The address alone first: a wrong one is refused before anything is
-	// registered; again once the boxes' subnet is known.
 	if err := CheckNodeAddress(c.Address, ifaces, network.Config{Bridge: c.Bridge, Subnet: c.Subnet}); err != nil {
-		return err
+		return nil, err
 	}
-	tlsConfig, caPEM, err := serverTLS(c)
-	if err != nil {
-		return err
-	}
-	client, err := newClient(c.Kubeconfig)
-	if err != nil {
-		return err
-	}
+	return ifaces, nil
+}
 
-	// The Node exists, tainted, before the subnet is asked for: the node
-	// IPAM gives a registered node its podCIDR.
+// nodeNetwork registers the Node and settles its boxes' network: the
+// configured subnet, or the podCIDR the cluster's node IPAM gives the
+// registered Node (tainted before the subnet is asked for); the node
+// address is checked again against it.
+func nodeNetwork(ctx context.Context, client kubernetes.Interface, c Config, ifaces []Interface) (netip.Prefix, network.Config, error) {
 	reg, err := registerNode(ctx, client, c)
 	if err != nil {
-		return err
+		return netip.Prefix{}, network.Config{}, err
 	}
 	subnet := c.Subnet
 	if !subnet.IsValid() {
 		if subnet, err = waitPodCIDR(ctx, client, c.Name, reg); err != nil {
-			return err
+			return netip.Prefix{}, network.Config{}, err
 		}
 	}
 	netCfg, err := network.Parse(c.Bridge, subnet.String())
 	if err != nil {
-		return err
+		return netip.Prefix{}, network.Config{}, err
 	}
 	if err := CheckNodeAddress(c.Address, ifaces, netCfg); err != nil {
-		return err
+		return netip.Prefix{}, network.Config{}, err
 	}
-	lib, err := c.Open(ctx, netCfg)
-	if err != nil {
-		return err
-	}
-	defer lib.Close()
-	facts, err := lib.Facts(ctx)
-	if err != nil {
-		return err
-	}
+	return subnet, netCfg, nil
+}
+
+// describeNode is the Node as this host makes it: its capacity, and its
+// labels (the host's restore class), which the registered Node is given.
+func describeNode(ctx context.Context, client kubernetes.Interface, c Config, facts HostFacts, netCfg network.Config, subnet netip.Prefix) (*corev1.Node, Capacity, error) {
 	capacity, err := ResolveCapacity(c.Capacity, HostResources{CPUs: facts.CPUs, Memory: facts.Memory}, netCfg)
 	if err != nil {
-		return err
+		return nil, Capacity{}, err
 	}
 	nodeLabels, skipped := Labels(c.Name, facts.Compat)
 	if len(skipped) > 0 {
 		c.Log.Warn("machine types left out of the node's labels (not valid label keys)", "machines", strings.Join(skipped, ","))
 	}
 	if err := checkLabelValues(nodeLabels); err != nil {
-		return err
+		return nil, Capacity{}, err
 	}
 	if err := labelNode(ctx, client, c.Name, nodeLabels); err != nil {
-		return err
+		return nil, Capacity{}, err
 	}
 	var uts unix.Utsname
 	_ = unix.Uname(&uts)
 	n := NewNode(NodeFacts{Name: c.Name, Address: c.Address, Port: c.Port, Host: facts.Compat, Labels: nodeLabels, Capacity: capacity,
 		Kernel: unix.ByteSliceToString(uts.Release[:]), PodCIDR: subnet})
+	return n, capacity, nil
+}
 
-	eb := record.NewBroadcaster()
-	recorder := eb.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "kvbox-node", Host: c.Name})
+// startPods loads the snapshot cache and makes the provider, which finds
+// this host's pods again (their names are returned).
+func startPods(ctx context.Context, client kubernetes.Interface, c Config, lib Library, capacity Capacity, recorder record.EventRecorder) (*Cache, *Provider, []string, error) {
 	dir := filepath.Join(c.StateDir, "kvbox-node")
 	cache, err := NewCache(lib, filepath.Join(dir, "cache"), c.CacheBudget, c.InsecureRegistries, c.Log)
 	if err != nil {
-		return err
+		return nil, nil, nil, err
 	}
 	if err := cache.Load(ctx); err != nil {
-		return fmt.Errorf("snapshot cache: %w", err)
+		return nil, nil, nil, fmt.Errorf("snapshot cache: %w", err)
 	}
 	prov := NewProvider(ctx, lib, cache, ProviderConfig{NodeName: c.Name, NodeIP: c.Address.String(), RuntimeClass: c.RuntimeClass,
 		Dir: dir, Allocatable: capacity.ResourceList(), Objects: apiObjects{client}, Recorder: recorder, Log: c.Log,
@@ -198,34 +276,45 @@ func Run(ctx context.Context, c Config) error {
 	if err != nil {
 		c.Log.Warn("while finding this host's pods again", "err", err)
 	}
+	return cache, prov, found, nil
+}
 
+// watchStatus is the node's status from a first look at the host and the
+// cache's images on: the images again whenever the cache changes, and the
+// cache collected until ctx ends.
+func watchStatus(ctx context.Context, c Config, lib Library, n *corev1.Node, cache *Cache) *nodeStatus {
 	st := &nodeStatus{cfg: c, lib: lib, node: n}
 	n.Status.Conditions = Conditions(st.look(ctx), c.Thresholds, nil, metav1.Now())
 	n.Status.Images = cache.Images()
 	cache.OnChange(func() { st.setImages(cache.Images()) })
 	go cache.Collect(ctx)
+	return st
+}
 
-	// virtual-kubelet's controllers, put together here rather than by its
-	// nodeutil.NewNode, whose informers watch every Secret and ConfigMap of
-	// the cluster: pods' environments are read per pod with the node's own
-	// rights (apiObjects), and the downward API is resolved by the
-	// provider (Env), so the informers of Secrets, ConfigMaps and Services
-	// it asks for are never started.
+// podController is virtual-kubelet's pod controller over the pods bound to
+// this node, put together here rather than by its nodeutil.NewNode, whose
+// informers watch every Secret and ConfigMap of the cluster: pods'
+// environments are read per pod with the node's own rights (apiObjects),
+// and the downward API is resolved by the provider (Env), so the informers
+// of Secrets, ConfigMaps and Services it asks for are never started.
+func podController(client kubernetes.Interface, c Config, prov *Provider, recorder record.EventRecorder) (informers.SharedInformerFactory, corev1informers.PodInformer, *vknode.PodController, error) {
 	podFactory := informers.NewSharedInformerFactoryWithOptions(client, time.Minute, nodeutil.PodInformerFilter(c.Name))
 	idle := informers.NewSharedInformerFactory(client, 0)
 	podInformer := podFactory.Core().V1().Pods()
-	workers := c.Workers
-	if workers <= 0 {
-		workers = max(2, 2*runtime.NumCPU())
-	}
 	pc, err := vknode.NewPodController(vknode.PodControllerConfig{
 		PodClient: client.CoreV1(), PodInformer: podInformer, EventRecorder: recorder, Provider: prov,
 		ConfigMapInformer: idle.Core().V1().ConfigMaps(), SecretInformer: idle.Core().V1().Secrets(), ServiceInformer: idle.Core().V1().Services(),
 		SkipDownwardAPIResolution: true,
 	})
 	if err != nil {
-		return fmt.Errorf("pod controller: %w", err)
+		return nil, nil, nil, fmt.Errorf("pod controller: %w", err)
 	}
+	return podFactory, podInformer, pc, nil
+}
+
+// nodeController is virtual-kubelet's node controller: the node's status
+// and lease.
+func nodeController(client kubernetes.Interface, st *nodeStatus, n *corev1.Node) (*vknode.NodeController, error) {
 	nc, err := vknode.NewNodeController(st, n, client.CoreV1().Nodes(),
 		vknode.WithNodeEnableLeaseV1(nodeutil.NodeLeaseV1Client(client), vknode.DefaultLeaseDuration),
 		vknode.WithNodeStatusUpdateErrorHandler(func(ctx context.Context, err error) error {
@@ -237,35 +326,52 @@ func Run(ctx context.Context, c Config) error {
 			return err
 		}))
 	if err != nil {
-		return fmt.Errorf("node controller: %w", err)
+		return nil, fmt.Errorf("node controller: %w", err)
 	}
-	auth, err := nodeutil.WebhookAuth(client, c.Name, func(w *nodeutil.WebhookAuthConfig) error {
+	return nc, nil
+}
+
+// kubeletAPI is the kubelet API's handler (logs, exec, attach,
+// port-forward, pods, stats), behind the API server's authentication and
+// authorization: client certificates from the CA in caPEM, or tokens it
+// vouches for.
+func kubeletAPI(client kubernetes.Interface, name string, caPEM []byte, prov *Provider, podInformer corev1informers.PodInformer) (http.Handler, error) {
+	auth, err := nodeutil.WebhookAuth(client, name, func(w *nodeutil.WebhookAuthConfig) error {
 		ca, err := dynamiccertificates.NewStaticCAContent("client-ca", caPEM)
 		w.AuthnConfig.ClientCertificateCAContentProvider = ca
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("kubelet API authentication: %w", err)
+		return nil, fmt.Errorf("kubelet API authentication: %w", err)
 	}
-	handler := nodeutil.WithAuth(auth, api.PodHandler(api.PodHandlerConfig{
+	return nodeutil.WithAuth(auth, api.PodHandler(api.PodHandlerConfig{
 		RunInContainer: prov.RunInContainer, AttachToContainer: prov.AttachToContainer, GetContainerLogs: prov.GetContainerLogs,
 		GetPods: prov.GetPods, GetPodsFromKubernetes: func(context.Context) ([]*corev1.Pod, error) { return podInformer.Lister().List(labels.Everything()) },
 		GetStatsSummary: prov.GetStatsSummary, GetMetricsResource: prov.GetMetricsResource, PortForward: prov.PortForward,
-	}, false))
+	}, false)), nil
+}
 
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	eb.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.CoreV1().Events(corev1.NamespaceAll)})
-	defer eb.Shutdown()
-	listen := net.JoinHostPort(c.Address.String(), strconv.Itoa(c.Port))
+// serveKubeletAPI serves the kubelet API over TLS on the node address;
+// listen is its HOST:PORT.
+func serveKubeletAPI(c Config, handler http.Handler, tlsConfig *tls.Config) (listen string, srv *http.Server, err error) {
+	listen = net.JoinHostPort(c.Address.String(), strconv.Itoa(c.Port))
 	l, err := tls.Listen("tcp", listen, tlsConfig)
 	if err != nil {
-		return fmt.Errorf("kubelet API on %s: %w", listen, err)
+		return "", nil, fmt.Errorf("kubelet API on %s: %w", listen, err)
 	}
-	srv := &http.Server{Handler: handler, TLSConfig: tlsConfig, ReadHeaderTimeout: 30 * time.Second}
+	srv = &http.Server{Handler: handler, TLSConfig: tlsConfig, ReadHeaderTimeout: 30 * time.Second}
 	go srv.Serve(l)
-	defer srv.Close()
-	podFactory.Start(ctx.Done())
+	return listen, srv, nil
+}
+
+// runControllers runs the pod controller, and once it has synced the
+// pods and every pod's status is reported, the node controller, until ctx
+// ends (nil) or one of them fails; ready is called once both are ready.
+func runControllers(ctx context.Context, c Config, pc *vknode.PodController, nc *vknode.NodeController, prov *Provider, ready func()) error {
+	workers := c.Workers
+	if workers <= 0 {
+		workers = max(2, 2*runtime.NumCPU())
+	}
 	done := make(chan error, 2)
 	go func() { done <- pc.Run(ctx, workers) }()
 	select {
@@ -284,11 +390,8 @@ func Run(ctx context.Context, c Config) error {
 	case <-ctx.Done():
 		return nil
 	}
-	c.Log.Info("node ready", "node", c.Name, "kubelet-api", "https://"+listen, "subnet", subnet, "bridge", c.Bridge,
-		"cpus", capacity.CPUs, "memory", quantity(capacity.Memory), "boxes", capacity.Boxes, "domain-type", facts.Compat.DomainType,
-		"arch", facts.Compat.Arch, "qemu", version(facts.Compat.QEMU), "machines", len(facts.Compat.Machines),
-		"agent-protocol", facts.Compat.AgentProtocol(), "pods-found", len(found), "cached-snapshots", len(n.Status.Images))
-	err = <-done
+	ready()
+	err := <-done
 	if ctx.Err() != nil {
 		return nil
 	}
