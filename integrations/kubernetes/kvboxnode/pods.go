@@ -579,18 +579,10 @@ func (p *Provider) supervise(ctx context.Context, ps *podState, resumed bool) {
 	pod := ps.pod.DeepCopy()
 	hasCommand := len(pod.Spec.Containers[0].Command) > 0
 	ps.mu.Unlock()
-	env, err := p.env(ctx, ps, pod)
-	for err != nil {
-		// As a kubelet: the container waits until its config can be made.
-		p.waitAs(ps, "CreateContainerConfigError", err.Error())
-		if !sleep(ctx, 10*time.Second) {
-			return
-		}
-		env, err = p.env(ctx, ps, pod)
+	env, ok := p.waitEnv(ctx, ps, pod)
+	if !ok {
+		return
 	}
-	ps.mu.Lock()
-	ps.env = env
-	ps.mu.Unlock()
 
 	var results chan commandResult
 	startCommand := func() {
@@ -602,6 +594,68 @@ func (p *Provider) supervise(ctx context.Context, ps *podState, resumed bool) {
 	} else if !resumed {
 		p.event(ps, corev1.EventTypeNormal, "Started", "Box running; the pod has no command")
 	}
+	p.markRunning(ps, resumed)
+	var deadline <-chan time.Time
+	if t := p.activeDeadline(ps, pod); t != nil {
+		defer t.Stop()
+		deadline = t.C
+	}
+	period, probeDelay := p.readinessSchedule(pod)
+	probe := &prober{}
+	tick := time.NewTimer(0)
+	defer tick.Stop()
+	var crash backoff
+	var restartAt <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-deadline:
+			p.pastDeadline(ctx, ps)
+			return
+		case res := <-results:
+			results = nil
+			var done bool
+			if restartAt, done = p.commandEnded(ctx, ps, pod, res, &crash); done {
+				return
+			}
+		case <-restartAt:
+			restartAt = nil
+			p.update(ps, func() {
+				ps.restarts++
+				ps.waiting, ps.running = nil, &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(p.now())}
+			})
+			startCommand()
+		case <-tick.C:
+			tick.Reset(period)
+			if done := p.checkReady(ctx, ps, pod, probe, probeDelay); done {
+				return
+			}
+		}
+	}
+}
+
+// waitEnv is the pod's container environment, kept in ps: as a kubelet,
+// the container waits until its config can be made (false: ctx ended
+// first).
+func (p *Provider) waitEnv(ctx context.Context, ps *podState, pod *corev1.Pod) ([]string, bool) {
+	env, err := p.env(ctx, ps, pod)
+	for err != nil {
+		p.waitAs(ps, "CreateContainerConfigError", err.Error())
+		if !sleep(ctx, 10*time.Second) {
+			return nil, false
+		}
+		env, err = p.env(ctx, ps, pod)
+	}
+	ps.mu.Lock()
+	ps.env = env
+	ps.mu.Unlock()
+	return env, true
+}
+
+// markRunning says the pod's container runs (since the pod's start time
+// when a restart found its box) and the pod with it.
+func (p *Provider) markRunning(ps *podState, resumed bool) {
 	p.update(ps, func() {
 		if ps.running == nil && !ps.terminal() {
 			at := metav1.NewTime(p.now())
@@ -614,97 +668,100 @@ func (p *Provider) supervise(ctx context.Context, ps *podState, resumed bool) {
 			ps.phase = corev1.PodRunning
 		}
 	})
-	var deadline <-chan time.Time
-	if d := pod.Spec.ActiveDeadlineSeconds; d != nil {
-		ps.mu.Lock()
-		left := time.Duration(*d)*time.Second - p.now().Sub(ps.startTime.Time)
-		ps.mu.Unlock()
-		t := time.NewTimer(max(left, 0))
-		defer t.Stop()
-		deadline = t.C
+}
+
+// activeDeadline is a timer that fires at the pod's activeDeadlineSeconds
+// from its start, or nil when it has none.
+func (p *Provider) activeDeadline(ps *podState, pod *corev1.Pod) *time.Timer {
+	d := pod.Spec.ActiveDeadlineSeconds
+	if d == nil {
+		return nil
 	}
+	ps.mu.Lock()
+	left := time.Duration(*d)*time.Second - p.now().Sub(ps.startTime.Time)
+	ps.mu.Unlock()
+	return time.NewTimer(max(left, 0))
+}
+
+// readinessSchedule is how often the pod's readiness is looked at (its
+// readinessProbe's period, else Check) and when its probe may first run.
+func (p *Provider) readinessSchedule(pod *corev1.Pod) (period time.Duration, probeDelay time.Time) {
 	r := pod.Spec.Containers[0].ReadinessProbe
-	period := p.cfg.Check
+	period = p.cfg.Check
 	if r != nil && r.PeriodSeconds > 0 {
 		period = time.Duration(r.PeriodSeconds) * time.Second
 	}
-	var probeDelay time.Time
 	if r != nil {
 		probeDelay = p.now().Add(time.Duration(r.InitialDelaySeconds) * time.Second)
 	}
-	probe := &prober{}
-	tick := time.NewTimer(0)
-	defer tick.Stop()
-	var crash backoff
-	var restartAt <-chan time.Time
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-deadline:
-			p.cfg.Log.Info("pod past its activeDeadlineSeconds", "pod", ps.key)
-			p.event(ps, corev1.EventTypeWarning, "DeadlineExceeded", "Pod was active on the node longer than the specified deadline")
-			p.end(ctx, ps, func() {
-				p.finish(ps, corev1.PodFailed, "DeadlineExceeded", "Pod was active on the node longer than the specified deadline", 137, "DeadlineExceeded")
-			})
-			return
-		case res := <-results:
-			results = nil
-			if res.err != nil && p.boxGone(ctx, ps) {
-				p.boxStopped(ctx, ps, pod)
-				return
-			}
-			restart := pod.Spec.RestartPolicy == corev1.RestartPolicyAlways ||
-				(pod.Spec.RestartPolicy == corev1.RestartPolicyOnFailure && res.code != 0)
-			term := &corev1.ContainerStateTerminated{ExitCode: res.code, Reason: res.reason, Message: res.msg,
-				StartedAt: res.startedAt, FinishedAt: metav1.NewTime(p.now()), ContainerID: "kvbox://" + ps.box}
-			p.cfg.Log.Info("pod's command ended", "pod", ps.key, "exit-code", res.code, "reason", res.reason, "restart", restart)
-			if !restart {
-				phase := corev1.PodSucceeded
-				if res.code != 0 {
-					phase = corev1.PodFailed
-				}
-				p.end(ctx, ps, func() {
-					ps.terminated = term
-					p.finish(ps, phase, "", "", res.code, res.reason)
-				})
-				return
-			}
-			if p.now().Sub(res.startedAt.Time) > 10*time.Minute {
-				crash = backoff{}
-			}
-			wait := crash.step()
-			p.event(ps, corev1.EventTypeWarning, "BackOff", "Back-off %s restarting the command", wait)
-			p.update(ps, func() {
-				ps.last, ps.running, ps.ready = term, nil, false
-				ps.waiting = &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff",
-					Message: fmt.Sprintf("back-off %s restarting the failed command of pod %s", wait, ps.key)}
-			})
-			t := time.NewTimer(wait)
-			restartAt = t.C
-		case <-restartAt:
-			restartAt = nil
-			p.update(ps, func() {
-				ps.restarts++
-				ps.waiting, ps.running = nil, &corev1.ContainerStateRunning{StartedAt: metav1.NewTime(p.now())}
-			})
-			startCommand()
-		case <-tick.C:
-			tick.Reset(period)
-			ready, err := p.ready(ctx, ps, pod, probe, p.now().After(probeDelay))
-			if err != nil && p.boxGone(ctx, ps) {
-				p.boxStopped(ctx, ps, pod)
-				return
-			}
-			ps.mu.Lock()
-			running := ps.running != nil
-			changed := ps.ready != (ready && running)
-			ps.mu.Unlock()
-			if changed {
-				p.update(ps, func() { ps.ready = ready && ps.running != nil })
-			}
-		}
+	return period, probeDelay
+}
+
+// pastDeadline fails a pod active longer than its activeDeadlineSeconds.
+func (p *Provider) pastDeadline(ctx context.Context, ps *podState) {
+	p.cfg.Log.Info("pod past its activeDeadlineSeconds", "pod", ps.key)
+	p.event(ps, corev1.EventTypeWarning, "DeadlineExceeded", "Pod was active on the node longer than the specified deadline")
+	p.end(ctx, ps, func() {
+		p.finish(ps, corev1.PodFailed, "DeadlineExceeded", "Pod was active on the node longer than the specified deadline", 137, "DeadlineExceeded")
+	})
+}
+
+// commandEnded is what follows a run of the pod's command: the pod ends
+// (its restart policy says no more), or the command runs again when
+// restartAt fires, after the crash back-off. done says supervise returns
+// (the pod ended, or its box stopped and boxStopped took it on).
+func (p *Provider) commandEnded(ctx context.Context, ps *podState, pod *corev1.Pod, res commandResult, crash *backoff) (restartAt <-chan time.Time, done bool) {
+	if res.err != nil && p.boxGone(ctx, ps) {
+		p.boxStopped(ctx, ps, pod)
+		return nil, true
 	}
+	restart := pod.Spec.RestartPolicy == corev1.RestartPolicyAlways ||
+		(pod.Spec.RestartPolicy == corev1.RestartPolicyOnFailure && res.code != 0)
+	term := &corev1.ContainerStateTerminated{ExitCode: res.code, Reason: res.reason, Message: res.msg,
+		StartedAt: res.startedAt, FinishedAt: metav1.NewTime(p.now()), ContainerID: "kvbox://" + ps.box}
+	p.cfg.Log.Info("pod's command ended", "pod", ps.key, "exit-code", res.code, "reason", res.reason, "restart", restart)
+	if !restart {
+		phase := corev1.PodSucceeded
+		if res.code != 0 {
+			phase = corev1.PodFailed
+		}
+		p.end(ctx, ps, func() {
+			ps.terminated = term
+			p.finish(ps, phase, "", "", res.code, res.reason)
+		})
+		return nil, true
+	}
+	if p.now().Sub(res.startedAt.Time) > 10*time.Minute {
+		*crash = backoff{}
+	}
+	wait := crash.step()
+	p.event(ps, corev1.EventTypeWarning, "BackOff", "Back-off %s restarting the command", wait)
+	p.update(ps, func() {
+		ps.last, ps.running, ps.ready = term, nil, false
+		ps.waiting = &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff",
+			Message: fmt.Sprintf("back-off %s restarting the failed command of pod %s", wait, ps.key)}
+	})
+	t := time.NewTimer(wait)
+	return t.C, false
+}
+
+// checkReady looks at the pod's readiness (its probe once past
+// probeDelay) and reports a change. done says its box stopped and
+// boxStopped took the pod on: supervise returns.
+func (p *Provider) checkReady(ctx context.Context, ps *podState, pod *corev1.Pod, probe *prober, probeDelay time.Time) (done bool) {
+	ready, err := p.ready(ctx, ps, pod, probe, p.now().After(probeDelay))
+	if err != nil && p.boxGone(ctx, ps) {
+		p.boxStopped(ctx, ps, pod)
+		return true
+	}
+	ps.mu.Lock()
+	running := ps.running != nil
+	changed := ps.ready != (ready && running)
+	ps.mu.Unlock()
+	if changed {
+		p.update(ps, func() { ps.ready = ready && ps.running != nil })
+	}
+	return false
 }
 
 // end finishes a pod that ran: its box goes (a finished pod holds no
