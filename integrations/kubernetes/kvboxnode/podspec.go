@@ -30,6 +30,33 @@ func CheckPod(p *corev1.Pod, runtimeClass string) error {
 	no := func(field, why string) error {
 		return fmt.Errorf("pod %s/%s: %s is not supported on a kvbox node: %s", p.Namespace, p.Name, field, why)
 	}
+	if err := checkPodFields(s, runtimeClass, no); err != nil {
+		return err
+	}
+	if err := checkPodSecurity(s.SecurityContext, no); err != nil {
+		return err
+	}
+	saVolume, err := serviceAccountVolume(s.Volumes, no)
+	if err != nil {
+		return err
+	}
+	c := &s.Containers[0]
+	cno := func(field, why string) error { return no("container "+c.Name+": "+field, why) }
+	if err := checkContainerFields(c, saVolume, cno); err != nil {
+		return err
+	}
+	if err := checkContainerSecurity(c.SecurityContext, cno); err != nil {
+		return err
+	}
+	return checkRunAsUser(p, cno)
+}
+
+// refuse is how a check says a field is refused: field is what the pod
+// sets, why what to do instead.
+type refuse func(field, why string) error
+
+// checkPodFields refuses the pod-level fields a box cannot honour.
+func checkPodFields(s *corev1.PodSpec, runtimeClass string, no refuse) error {
 	switch {
 	case len(s.Containers) != 1:
 		return no(fmt.Sprintf("a pod of %d containers", len(s.Containers)), "a pod is one box, give it one container")
@@ -64,19 +91,27 @@ func CheckPod(p *corev1.Pod, runtimeClass string) error {
 	case s.Resources != nil:
 		return no("pod-level resources", "give the container's")
 	}
-	if err := checkPodSecurity(s.SecurityContext, no); err != nil {
-		return err
-	}
+	return nil
+}
+
+// serviceAccountVolume is the name of the pod's service account token
+// volume ("" for none); any other volume is refused.
+func serviceAccountVolume(volumes []corev1.Volume, no refuse) (string, error) {
 	saVolume := ""
-	for _, v := range s.Volumes {
+	for _, v := range volumes {
 		if strings.HasPrefix(v.Name, serviceAccountVolumePrefix) && v.Projected != nil && saVolume == "" {
 			saVolume = v.Name
 			continue
 		}
-		return no(fmt.Sprintf("volume %q", v.Name), "a box has its snapshot's disk and nothing mounted from the host")
+		return "", no(fmt.Sprintf("volume %q", v.Name), "a box has its snapshot's disk and nothing mounted from the host")
 	}
-	c := &s.Containers[0]
-	cno := func(field, why string) error { return no("container "+c.Name+": "+field, why) }
+	return saVolume, nil
+}
+
+// checkContainerFields refuses the container's fields a box cannot honour:
+// its probes, hooks, streams, devices, mounts (but the service account
+// token's, saVolume), host ports and file-backed environment.
+func checkContainerFields(c *corev1.Container, saVolume string, cno refuse) error {
 	switch {
 	case c.Image == "":
 		return cno("no image", "give the registry reference of a kvbox snapshot (kvbox snapshots push)")
@@ -116,9 +151,13 @@ func CheckPod(p *corev1.Pod, runtimeClass string) error {
 			return cno("env "+e.Name+" from fileKeyRef", "give a value, a configMap or a secret")
 		}
 	}
-	if err := checkContainerSecurity(c.SecurityContext, cno); err != nil {
-		return err
-	}
+	return nil
+}
+
+// checkRunAsUser refuses a user the guest cannot have: a negative uid, or
+// runAsNonRoot without a uid other than 0.
+func checkRunAsUser(p *corev1.Pod, cno refuse) error {
+	s, c := &p.Spec, &p.Spec.Containers[0]
 	if u, ok := RunAsUser(p); ok && u < 0 {
 		return cno("a negative runAsUser", "give a uid of the guest")
 	}
