@@ -169,62 +169,65 @@ func checkRunAsUser(p *corev1.Pod, cno refuse) error {
 	return nil
 }
 
-func checkPodSecurity(sc *corev1.PodSecurityContext, no func(string, string) error) error {
-	if sc == nil {
-		return nil
-	}
-	why := "a box is a virtual machine: the guest's own kernel and users apply, not the host's"
-	switch {
-	case sc.SELinuxOptions != nil:
-		return no("securityContext.seLinuxOptions", why)
-	case sc.WindowsOptions != nil:
-		return no("securityContext.windowsOptions", why)
-	case sc.RunAsGroup != nil:
-		return no("securityContext.runAsGroup", "a command runs with its user's groups in the guest")
-	case len(sc.SupplementalGroups) > 0 || sc.SupplementalGroupsPolicy != nil:
-		return no("securityContext.supplementalGroups", "a command runs with its user's groups in the guest")
-	case sc.FSGroup != nil || sc.FSGroupChangePolicy != nil:
-		return no("securityContext.fsGroup", "a box mounts no volume")
-	case len(sc.Sysctls) > 0:
-		return no("securityContext.sysctls", "set them in the snapshot's guest")
-	case sc.SeccompProfile != nil:
-		return no("securityContext.seccompProfile", why)
-	case sc.AppArmorProfile != nil:
-		return no("securityContext.appArmorProfile", why)
-	case sc.SELinuxChangePolicy != nil:
-		return no("securityContext.seLinuxChangePolicy", why)
+// Why a security-context field is refused.
+const (
+	whyVM     = "a box is a virtual machine: the guest's own kernel and users apply, not the host's"
+	whyGroups = "a command runs with its user's groups in the guest"
+)
+
+// refusal is one field of a security context, whether it is set, and why
+// it is refused then.
+type refusal struct {
+	set   bool
+	field string
+	why   string
+}
+
+// firstRefused refuses the first field of rs that is set, in their order.
+func firstRefused(no refuse, rs ...refusal) error {
+	for _, r := range rs {
+		if r.set {
+			return no("securityContext."+r.field, r.why)
+		}
 	}
 	return nil
 }
 
-func checkContainerSecurity(sc *corev1.SecurityContext, no func(string, string) error) error {
+// checkPodSecurity refuses the pod's security-context fields a virtual
+// machine does not map.
+func checkPodSecurity(sc *corev1.PodSecurityContext, no refuse) error {
 	if sc == nil {
 		return nil
 	}
-	why := "a box is a virtual machine: the guest's own kernel and users apply, not the host's"
-	switch {
-	case sc.Privileged != nil && *sc.Privileged:
-		return no("securityContext.privileged", why)
-	case sc.Capabilities != nil:
-		return no("securityContext.capabilities", why)
-	case sc.SELinuxOptions != nil:
-		return no("securityContext.seLinuxOptions", why)
-	case sc.WindowsOptions != nil:
-		return no("securityContext.windowsOptions", why)
-	case sc.RunAsGroup != nil:
-		return no("securityContext.runAsGroup", "a command runs with its user's groups in the guest")
-	case sc.ReadOnlyRootFilesystem != nil && *sc.ReadOnlyRootFilesystem:
-		return no("securityContext.readOnlyRootFilesystem", "a box's disk is its own overlay of the snapshot's")
-	case sc.AllowPrivilegeEscalation != nil:
-		return no("securityContext.allowPrivilegeEscalation", why)
-	case sc.ProcMount != nil:
-		return no("securityContext.procMount", why)
-	case sc.SeccompProfile != nil:
-		return no("securityContext.seccompProfile", why)
-	case sc.AppArmorProfile != nil:
-		return no("securityContext.appArmorProfile", why)
+	return firstRefused(no,
+		refusal{sc.SELinuxOptions != nil, "seLinuxOptions", whyVM},
+		refusal{sc.WindowsOptions != nil, "windowsOptions", whyVM},
+		refusal{sc.RunAsGroup != nil, "runAsGroup", whyGroups},
+		refusal{len(sc.SupplementalGroups) > 0 || sc.SupplementalGroupsPolicy != nil, "supplementalGroups", whyGroups},
+		refusal{sc.FSGroup != nil || sc.FSGroupChangePolicy != nil, "fsGroup", "a box mounts no volume"},
+		refusal{len(sc.Sysctls) > 0, "sysctls", "set them in the snapshot's guest"},
+		refusal{sc.SeccompProfile != nil, "seccompProfile", whyVM},
+		refusal{sc.AppArmorProfile != nil, "appArmorProfile", whyVM},
+		refusal{sc.SELinuxChangePolicy != nil, "seLinuxChangePolicy", whyVM})
+}
+
+// checkContainerSecurity refuses the container's security-context fields
+// a virtual machine does not map.
+func checkContainerSecurity(sc *corev1.SecurityContext, no refuse) error {
+	if sc == nil {
+		return nil
 	}
-	return nil
+	return firstRefused(no,
+		refusal{sc.Privileged != nil && *sc.Privileged, "privileged", whyVM},
+		refusal{sc.Capabilities != nil, "capabilities", whyVM},
+		refusal{sc.SELinuxOptions != nil, "seLinuxOptions", whyVM},
+		refusal{sc.WindowsOptions != nil, "windowsOptions", whyVM},
+		refusal{sc.RunAsGroup != nil, "runAsGroup", whyGroups},
+		refusal{sc.ReadOnlyRootFilesystem != nil && *sc.ReadOnlyRootFilesystem, "readOnlyRootFilesystem", "a box's disk is its own overlay of the snapshot's"},
+		refusal{sc.AllowPrivilegeEscalation != nil, "allowPrivilegeEscalation", whyVM},
+		refusal{sc.ProcMount != nil, "procMount", whyVM},
+		refusal{sc.SeccompProfile != nil, "seccompProfile", whyVM},
+		refusal{sc.AppArmorProfile != nil, "appArmorProfile", whyVM})
 }
 
 // RunAsUser is the uid the pod's command and kubectl exec run as in the
