@@ -139,24 +139,13 @@ func (p *Provider) ready(ctx context.Context, ps *podState, pod *corev1.Pod, pr 
 func (p *Provider) probe(ctx context.Context, box, ip string, pod *corev1.Pod, env []string, r *corev1.Probe, timeout time.Duration) bool {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	port := func(v intstr.IntOrString) (string, bool) {
-		if v.Type == intstr.Int {
-			return strconv.Itoa(v.IntValue()), true
-		}
-		for _, cp := range pod.Spec.Containers[0].Ports {
-			if cp.Name == v.StrVal {
-				return strconv.Itoa(int(cp.ContainerPort)), true
-			}
-		}
-		return "", false
-	}
 	switch {
 	case r.Exec != nil:
 		req := execRequest(pod, env, r.Exec.Command)
 		code, err := p.lib.Exec(ctx, box, req, nil, io.Discard, io.Discard, nil)
 		return err == nil && code == 0
 	case r.TCPSocket != nil:
-		pt, ok := port(r.TCPSocket.Port)
+		pt, ok := probePort(pod, r.TCPSocket.Port)
 		if !ok {
 			return false
 		}
@@ -167,57 +156,87 @@ func (p *Provider) probe(ctx context.Context, box, ip string, pod *corev1.Pod, e
 		conn.Close()
 		return true
 	case r.HTTPGet != nil:
-		g := r.HTTPGet
-		pt, ok := port(g.Port)
-		if !ok {
-			return false
-		}
-		conn, err := p.lib.Dial(ctx, box, "127.0.0.1:"+pt)
-		if err != nil {
-			return false
-		}
-		defer conn.Close()
-		if d, ok := ctx.Deadline(); ok {
-			conn.SetDeadline(d)
-		}
-		host := ip
-		if g.Host != "" {
-			host = g.Host
-		}
-		if g.Scheme == corev1.URISchemeHTTPS {
-			// As a kubelet: TLS without verifying the certificate.
-			tc := tls.Client(conn, &tls.Config{InsecureSkipVerify: true, ServerName: host})
-			if err := tc.HandshakeContext(ctx); err != nil {
-				return false
-			}
-			conn = tc
-		}
-		path := g.Path
-		if path == "" {
-			path = "/"
-		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+net.JoinHostPort(host, pt)+path, nil)
-		if err != nil {
-			return false
-		}
-		req.Header.Set("User-Agent", "kube-probe/kvbox")
-		for _, h := range g.HTTPHeaders {
-			if h.Name == "Host" {
-				req.Host = h.Value
-				continue
-			}
-			req.Header.Add(h.Name, h.Value)
-		}
-		req.Close = true
-		if err := req.Write(conn); err != nil {
-			return false
-		}
-		resp, err := http.ReadResponse(bufio.NewReader(conn), req)
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode >= 200 && resp.StatusCode < 400
+		return p.probeHTTP(ctx, box, ip, pod, r.HTTPGet)
 	}
 	return false
+}
+
+// probePort is the guest port a probe names: its number, or the name of
+// one of the container's ports.
+func probePort(pod *corev1.Pod, v intstr.IntOrString) (string, bool) {
+	if v.Type == intstr.Int {
+		return strconv.Itoa(v.IntValue()), true
+	}
+	for _, cp := range pod.Spec.Containers[0].Ports {
+		if cp.Name == v.StrVal {
+			return strconv.Itoa(int(cp.ContainerPort)), true
+		}
+	}
+	return "", false
+}
+
+// probeHTTP is an httpGet probe: one request through the box's agent
+// (over TLS unverified for HTTPS, as a kubelet), passed by a 2xx or 3xx.
+func (p *Provider) probeHTTP(ctx context.Context, box, ip string, pod *corev1.Pod, g *corev1.HTTPGetAction) bool {
+	pt, ok := probePort(pod, g.Port)
+	if !ok {
+		return false
+	}
+	conn, err := p.lib.Dial(ctx, box, "127.0.0.1:"+pt)
+	if err != nil {
+		return false
+	}
+	defer conn.Close()
+	if d, ok := ctx.Deadline(); ok {
+		conn.SetDeadline(d)
+	}
+	host := ip
+	if g.Host != "" {
+		host = g.Host
+	}
+	if g.Scheme == corev1.URISchemeHTTPS {
+		// As a kubelet: TLS without verifying the certificate.
+		tc := tls.Client(conn, &tls.Config{InsecureSkipVerify: true, ServerName: host})
+		if err := tc.HandshakeContext(ctx); err != nil {
+			return false
+		}
+		conn = tc
+	}
+	req, err := probeRequest(ctx, g, host, pt)
+	if err != nil {
+		return false
+	}
+	if err := req.Write(conn); err != nil {
+		return false
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), req)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode >= 200 && resp.StatusCode < 400
+}
+
+// probeRequest is an httpGet probe's request: its path ("/" for none),
+// its headers (a Host header sets the request's host), kube-probe's
+// user agent, and the connection closed after it.
+func probeRequest(ctx context.Context, g *corev1.HTTPGetAction, host, port string) (*http.Request, error) {
+	path := g.Path
+	if path == "" {
+		path = "/"
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+net.JoinHostPort(host, port)+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("User-Agent", "kube-probe/kvbox")
+	for _, h := range g.HTTPHeaders {
+		if h.Name == "Host" {
+			req.Host = h.Value
+			continue
+		}
+		req.Header.Add(h.Name, h.Value)
+	}
+	req.Close = true
+	return req, nil
 }
