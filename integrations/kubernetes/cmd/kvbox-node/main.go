@@ -37,14 +37,18 @@ func envOr(k, def string) string {
 	return def
 }
 
+// options are kvbox-node's flags: the node's configuration, the library's,
+// and the flags parsed into them when it runs.
+type options struct {
+	c                                            kvboxnode.Config
+	lib                                          libadapter.Config
+	address, subnet, domType                     string
+	memory, reserved, minFreeDisk, minFreeMemory string
+	cacheSize                                    string
+}
+
 func newCmd() *cobra.Command {
-	var (
-		c                                            kvboxnode.Config
-		address, subnet, domType                     string
-		memory, reserved, minFreeDisk, minFreeMemory string
-		cacheSize                                    string
-		lib                                          libadapter.Config
-	)
+	var o options
 	cmd := &cobra.Command{
 		Use:   "kvbox-node --name NAME --node-address IP --kubeconfig FILE --tls-cert-file F --tls-private-key-file F --client-ca-file F",
 		Short: "Run this libvirt host's kvbox boxes as a Kubernetes node's pods",
@@ -64,59 +68,80 @@ them again when it starts.`,
 		Args:          cobra.NoArgs,
 		SilenceUsage:  true,
 		SilenceErrors: true,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			var err error
-			if address != "" {
-				if c.Address, err = netip.ParseAddr(address); err != nil {
-					return fmt.Errorf("--node-address %q is not an IP address", address)
-				}
-			}
-			switch subnet {
-			case "", "podcidr":
-			default:
-				if c.Subnet, err = netip.ParsePrefix(subnet); err != nil {
-					return fmt.Errorf("--subnet %q: give a subnet like 10.244.7.0/24, or podcidr for the node's", subnet)
-				}
-			}
-			switch domType {
-			case "auto", "":
-				lib.DomainType = ""
-			case "kvm", "qemu":
-				lib.DomainType = domType
-			default:
-				return fmt.Errorf("--domain-type %q: give auto, kvm or qemu", domType)
-			}
-			for _, q := range []struct {
-				flag, v string
-				to      *int64
-			}{{"--memory", memory, &c.Capacity.Memory}, {"--reserved-memory", reserved, &c.Capacity.ReservedMemory},
-				{"--min-free-disk", minFreeDisk, &c.Thresholds.MinFreeDisk}, {"--min-free-memory", minFreeMemory, &c.Thresholds.MinFreeMemory},
-				{"--snapshot-cache-size", cacheSize, &c.CacheBudget}} {
-				v, err := resource.ParseQuantity(q.v)
-				if err != nil {
-					return fmt.Errorf("%s %q is not a quantity like 8Gi", q.flag, q.v)
-				}
-				*q.to = v.Value()
-			}
-			if c.Interval <= 0 {
-				return fmt.Errorf("--status-interval %s: give a positive duration", c.Interval)
-			}
-			if os.Geteuid() != 0 {
-				return fmt.Errorf("kvbox-node manages libvirt domains and kvbox's state dir: run it as root")
-			}
-			c.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
-			slog.SetDefault(c.Log)
-			lib.StateDir = c.StateDir
-			c.Open = libadapter.Opener(lib)
-			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			return kvboxnode.Run(ctx, c)
-		},
+		RunE:          func(*cobra.Command, []string) error { return run(&o) },
 	}
-	f := cmd.Flags()
+	o.addFlags(cmd)
+	return cmd
+}
+
+// run parses the flags and runs the node until interrupted.
+func run(o *options) error {
+	if err := o.parse(); err != nil {
+		return err
+	}
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("kvbox-node manages libvirt domains and kvbox's state dir: run it as root")
+	}
+	c := o.c
+	c.Log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	slog.SetDefault(c.Log)
+	o.lib.StateDir = c.StateDir
+	c.Open = libadapter.Opener(o.lib)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return kvboxnode.Run(ctx, c)
+}
+
+// parse puts the flags given as text into the configurations: the node
+// address, the subnet, the domain type, the quantities; and refuses a
+// status interval that is not positive.
+func (o *options) parse() error {
+	var err error
+	if o.address != "" {
+		if o.c.Address, err = netip.ParseAddr(o.address); err != nil {
+			return fmt.Errorf("--node-address %q is not an IP address", o.address)
+		}
+	}
+	switch o.subnet {
+	case "", "podcidr":
+	default:
+		if o.c.Subnet, err = netip.ParsePrefix(o.subnet); err != nil {
+			return fmt.Errorf("--subnet %q: give a subnet like 10.244.7.0/24, or podcidr for the node's", o.subnet)
+		}
+	}
+	switch o.domType {
+	case "auto", "":
+		o.lib.DomainType = ""
+	case "kvm", "qemu":
+		o.lib.DomainType = o.domType
+	default:
+		return fmt.Errorf("--domain-type %q: give auto, kvm or qemu", o.domType)
+	}
+	for _, q := range []struct {
+		flag, v string
+		to      *int64
+	}{{"--memory", o.memory, &o.c.Capacity.Memory}, {"--reserved-memory", o.reserved, &o.c.Capacity.ReservedMemory},
+		{"--min-free-disk", o.minFreeDisk, &o.c.Thresholds.MinFreeDisk}, {"--min-free-memory", o.minFreeMemory, &o.c.Thresholds.MinFreeMemory},
+		{"--snapshot-cache-size", o.cacheSize, &o.c.CacheBudget}} {
+		v, err := resource.ParseQuantity(q.v)
+		if err != nil {
+			return fmt.Errorf("%s %q is not a quantity like 8Gi", q.flag, q.v)
+		}
+		*q.to = v.Value()
+	}
+	if o.c.Interval <= 0 {
+		return fmt.Errorf("--status-interval %s: give a positive duration", o.c.Interval)
+	}
+	return nil
+}
+
+// addFlags defines kvbox-node's flags, with their defaults (some from the
+// environment kvbox's CLI reads too).
+func (o *options) addFlags(cmd *cobra.Command) {
+	f, c, lib := cmd.Flags(), &o.c, &o.lib
 	host, _ := os.Hostname()
 	f.StringVar(&c.Name, "name", "kvbox-"+strings.ToLower(strings.SplitN(host, ".", 2)[0]), "the Node's name")
-	f.StringVar(&address, "node-address", "", "the host's address the API server reaches this node on; the kubelet API listens there only (never one boxes reach)")
+	f.StringVar(&o.address, "node-address", "", "the host's address the API server reaches this node on; the kubelet API listens there only (never one boxes reach)")
 	f.IntVar(&c.Port, "kubelet-port", 10250, "the kubelet API's port")
 	f.StringVar(&c.Kubeconfig, "kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig with the API server and this node's credentials; empty: in-cluster (KUBECONFIG)")
 	f.StringVar(&c.TLSCertFile, "tls-cert-file", "", "the kubelet API's serving certificate, for the node address")
@@ -125,18 +150,17 @@ them again when it starts.`,
 	f.StringVar(&lib.URI, "connect", domain.DefaultURI(), "libvirt connection URI (LIBVIRT_DEFAULT_URI)")
 	f.StringVar(&c.StateDir, "state-dir", envOr("KVBOX_STATE_DIR", "/var/lib/kvbox"), "where kvbox keeps boxes, images and snapshots (KVBOX_STATE_DIR)")
 	f.StringVar(&c.Bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge this node's boxes are put on (KVBOX_BRIDGE)")
-	f.StringVar(&subnet, "subnet", "podcidr", "subnet of this node's boxes: podcidr for the node's podCIDR (the cluster's node IPAM), so that pod addresses are unique in the cluster, or a subnet")
-	f.StringVar(&domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
+	f.StringVar(&o.subnet, "subnet", "podcidr", "subnet of this node's boxes: podcidr for the node's podCIDR (the cluster's node IPAM), so that pod addresses are unique in the cluster, or a subnet")
+	f.StringVar(&o.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
 	f.IntVar(&c.Capacity.CPUs, "cpus", 0, "vCPUs kvbox may commit on this node; 0: the host's CPUs")
-	f.StringVar(&memory, "memory", "0", "RAM kvbox may commit on this node, e.g. 16Gi; 0: the host's less --reserved-memory")
-	f.StringVar(&reserved, "reserved-memory", "1Gi", "RAM kept for the host when --memory is derived")
+	f.StringVar(&o.memory, "memory", "0", "RAM kvbox may commit on this node, e.g. 16Gi; 0: the host's less --reserved-memory")
+	f.StringVar(&o.reserved, "reserved-memory", "1Gi", "RAM kept for the host when --memory is derived")
 	f.IntVar(&c.Capacity.MaxBoxes, "max-boxes", 0, fmt.Sprintf("boxes this node runs at most; 0: %d, or fewer if the subnet has fewer addresses", kvboxnode.DefaultMaxBoxes))
-	f.StringVar(&minFreeDisk, "min-free-disk", "1Gi", "the node reports DiskPressure with less free in the state dir's filesystem")
-	f.StringVar(&minFreeMemory, "min-free-memory", "256Mi", "the node reports MemoryPressure with less host memory available")
+	f.StringVar(&o.minFreeDisk, "min-free-disk", "1Gi", "the node reports DiskPressure with less free in the state dir's filesystem")
+	f.StringVar(&o.minFreeMemory, "min-free-memory", "256Mi", "the node reports MemoryPressure with less host memory available")
 	f.DurationVar(&c.Interval, "status-interval", 10*time.Second, "how often the host's health is looked at")
-	f.StringVar(&cacheSize, "snapshot-cache-size", "20Gi", "disk the node's snapshot cache may hold; past it the least recently used snapshot no box is cloned from goes (0: no limit)")
+	f.StringVar(&o.cacheSize, "snapshot-cache-size", "20Gi", "disk the node's snapshot cache may hold; past it the least recently used snapshot no box is cloned from goes (0: no limit)")
 	f.StringArrayVar(&c.InsecureRegistries, "insecure-registry", nil, "a registry (HOST[:PORT]) spoken to in plain HTTP (repeatable)")
 	f.StringVar(&c.RuntimeClass, "runtime-class", kvboxnode.DefaultRuntimeClass, "the RuntimeClass a pod may name")
 	f.IntVar(&c.Workers, "workers", 0, "pods synced at once (0: twice the CPUs)")
-	return cmd
 }
