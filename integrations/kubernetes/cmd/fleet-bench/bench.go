@@ -32,9 +32,8 @@ const (
 
 // bench pushes the snapshot, then times the two sections and prints them.
 func bench(ctx context.Context, f *fleet, cl *cleanups) error {
-	o := f.o
 	id := randomID()
-	ref, digest, err := pushSource(ctx, o, cl, id)
+	ref, digest, err := pushSource(ctx, f.o, cl, id)
 	if err != nil {
 		return err
 	}
@@ -42,9 +41,27 @@ func bench(ctx context.Context, f *fleet, cl *cleanups) error {
 	if err != nil {
 		return err
 	}
+	removeBenchPods(f, cl)
+	snap, err := warmUp(ctx, f, tr, id, ref, digest)
+	if err != nil {
+		return err
+	}
+	var t fleetTimes
+	if err := t.podsAndCLI(ctx, f, tr, id, ref, snap); err != nil {
+		return err
+	}
+	if err := t.scaleAndCount(ctx, f, tr, id, ref, snap); err != nil {
+		return err
+	}
+	t.print(f, ref, snap)
+	return nil
+}
+
+// removeBenchPods has the bench's Deployments and pods removed first at
+// the end: before the node goes, so that it removes their boxes itself;
+// what is left is removed from its state dir after.
+func removeBenchPods(f *fleet, cl *cleanups) {
 	pods := f.client.CoreV1().Pods(ns)
-	// Pods first: removed before the node goes, so that it removes their
-	// boxes itself; what is left is removed from its state dir after.
 	cl.add(func() error {
 		dctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
@@ -55,26 +72,40 @@ func bench(ctx context.Context, f *fleet, cl *cleanups) error {
 		}
 		return nil
 	})
+}
 
-	// The first pod pulls the snapshot into the node's cache; the CLI then
-	// clones that very snapshot. A first of each, not counted: the pull,
-	// the page cache.
+// warmUp runs a first pod, which pulls the snapshot into the node's cache,
+// and a first CLI clone of that very snapshot (snap, its name in the
+// node's cache): not counted, they pay for the pull and the page cache.
+func warmUp(ctx context.Context, f *fleet, tr *tracker, id, ref, digest string) (snap string, err error) {
 	say("pushed %s (%s); the first pod pulls it", ref, digest)
 	first, err := timePod(ctx, f, tr, "fleetbench-first-"+id, ref)
 	if err != nil {
-		return err
+		return "", err
 	}
-	snap := kvboxnode.CacheName(digest)
+	snap = kvboxnode.CacheName(digest)
 	say("first pod Running %.0f ms after its creation (its pull included); the node caches the snapshot as %s", ms(first.running), snap)
 	if _, err := f.kvbox("new", "--from", snap, "fleetbench-cli-first"); err != nil {
-		return err
+		return "", err
 	}
 	if _, err := f.kvbox("rm", "--force", "fleetbench-cli-first"); err != nil {
-		return err
+		return "", err
 	}
+	return snap, nil
+}
 
-	var podRunning, podReady, cli []time.Duration
-	for i := range o.n {
+// fleetTimes is what the bench measured: pods one at a time beside the
+// CLI's clones, then a Deployment scaled up beside kvbox new --count.
+type fleetTimes struct {
+	podRunning, podReady, cli []time.Duration
+	dep                       scaleTimes
+	many                      time.Duration
+}
+
+// podsAndCLI times o.n pods created one at a time, each followed by a
+// kvbox new --from of the same snapshot (removed at once).
+func (t *fleetTimes) podsAndCLI(ctx context.Context, f *fleet, tr *tracker, id, ref, snap string) error {
+	for i := range f.o.n {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -82,32 +113,39 @@ func bench(ctx context.Context, f *fleet, cl *cleanups) error {
 		if err != nil {
 			return err
 		}
-		podRunning, podReady = append(podRunning, r.running), append(podReady, r.ready)
+		t.podRunning, t.podReady = append(t.podRunning, r.running), append(t.podReady, r.ready)
 		box := fmt.Sprintf("fleetbench-cli-%d", i)
 		d, err := f.kvbox("new", "--from", snap, box)
 		if err != nil {
 			return err
 		}
-		cli = append(cli, d)
+		t.cli = append(t.cli, d)
 		if _, err := f.kvbox("rm", "--force", box); err != nil {
 			return err
 		}
-		say("%d/%d: pod Running %.0f ms (Ready %.0f ms), kvbox new --from %.0f ms", i+1, o.n, ms(r.running), ms(r.ready), ms(d))
+		say("%d/%d: pod Running %.0f ms (Ready %.0f ms), kvbox new --from %.0f ms", i+1, f.o.n, ms(r.running), ms(r.ready), ms(d))
 	}
+	return nil
+}
 
-	dep, err := timeScale(ctx, f, tr, "fleetbench-dep-"+id, ref, o.replicas)
+// scaleAndCount times a Deployment scaled 0 -> o.replicas, then kvbox new
+// --from --count o.replicas (its boxes removed after).
+func (t *fleetTimes) scaleAndCount(ctx context.Context, f *fleet, tr *tracker, id, ref, snap string) error {
+	replicas := f.o.replicas
+	dep, err := timeScale(ctx, f, tr, "fleetbench-dep-"+id, ref, replicas)
 	if err != nil {
 		return err
 	}
-	say("Deployment 0 → %d: all Running in %.0f ms", o.replicas, ms(dep.all))
+	t.dep = dep
+	say("Deployment 0 → %d: all Running in %.0f ms", replicas, ms(dep.all))
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	t0 := time.Now()
-	_, err = f.kvbox("new", "--from", snap, "--count", fmt.Sprint(o.replicas), "fleetbench-many")
-	many := time.Since(t0)
+	_, err = f.kvbox("new", "--from", snap, "--count", fmt.Sprint(replicas), "fleetbench-many")
+	t.many = time.Since(t0)
 	rm := []string{"rm", "--force"}
-	for i := 1; i <= o.replicas; i++ {
+	for i := 1; i <= replicas; i++ {
 		rm = append(rm, fmt.Sprintf("fleetbench-many-%d", i))
 	}
 	if _, rerr := f.kvbox(rm...); err == nil {
@@ -116,8 +154,15 @@ func bench(ctx context.Context, f *fleet, cl *cleanups) error {
 	if err != nil {
 		return err
 	}
-	say("kvbox new --from --count %d: %.0f ms", o.replicas, ms(many))
+	say("kvbox new --from --count %d: %.0f ms", replicas, ms(t.many))
+	return nil
+}
 
+// print prints the fleet section: the setting, medians and 90th
+// percentiles, and the ratios to the CLI.
+func (t *fleetTimes) print(f *fleet, ref, snap string) {
+	o := f.o
+	podRunning, podReady, cli, dep, many := t.podRunning, t.podReady, t.cli, t.dep, t.many
 	fmt.Printf("kvbox fleet bench: image %s, %s RAM, domain type %s; one kvbox-node (%s, podCIDR %s) on this host's libvirtd\n",
 		o.image, o.memory, f.domain, nodeName, f.subnet)
 	fmt.Printf("\n== fleet\n")
@@ -136,7 +181,6 @@ func bench(ctx context.Context, f *fleet, cl *cleanups) error {
 		o.replicas, ms(slices.Min(dep.each)), o.replicas, ms(dep.all), ms(pct(dep.each, 50)), ms(pct(dep.each, 90)))
 	fmt.Printf("peer: kvbox new --from --count %d: %.0f ms\n", o.replicas, ms(many))
 	fmt.Printf("ratio Deployment 0 -> %d all Running / kvbox new --from --count %d: %.2fx\n", o.replicas, o.replicas, ratio(dep.all, many))
-	return nil
 }
 
 func randomID() string {
