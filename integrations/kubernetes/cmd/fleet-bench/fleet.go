@@ -65,6 +65,24 @@ func (f *fleet) sh(args ...string) (string, error) {
 // up starts the control plane and the node, and adds their removal (and
 // that of everything in the node's state dir) to cl.
 func (f *fleet) up(ctx context.Context, cl *cleanups) error {
+	nodeBin, err := f.buildNode(ctx)
+	if err != nil {
+		return err
+	}
+	creds, err := f.startControlPlane(ctx, cl)
+	if err != nil {
+		return err
+	}
+	exited, logName, err := f.startNode(nodeBin, creds, cl)
+	if err != nil {
+		return err
+	}
+	return f.waitNodeReady(ctx, exited, logName)
+}
+
+// buildNode is the kvbox-node binary: the one given, else one built from
+// this tree.
+func (f *fleet) buildNode(ctx context.Context) (string, error) {
 	nodeBin := f.o.kvboxNode
 	if nodeBin == "" {
 		nodeBin = filepath.Join(f.tmp, "kvbox-node")
@@ -72,50 +90,62 @@ func (f *fleet) up(ctx context.Context, cl *cleanups) error {
 		b := detached(exec.Command("nice", "-n", "10", "go", "build", "-o", nodeBin, "./cmd/kvbox-node"))
 		b.Dir = filepath.Join(f.o.repo, "integrations", "kubernetes")
 		if out, err := b.CombinedOutput(); err != nil {
-			return fmt.Errorf("go build kvbox-node: %v\n%s", err, out)
+			return "", fmt.Errorf("go build kvbox-node: %v\n%s", err, out)
 		}
 	}
 	if err := ctx.Err(); err != nil {
-		return err
+		return "", err
 	}
+	return nodeBin, nil
+}
 
+// startControlPlane starts the control plane (testenv/fleet.sh up), makes
+// the bench's client of it, and the node's credentials; creds is their
+// folder.
+func (f *fleet) startControlPlane(ctx context.Context, cl *cleanups) (creds string, err error) {
 	cl.add(func() error { _, err := f.sh("down"); return err })
 	say("starting the control plane (testenv/fleet.sh up)")
 	if _, err := f.sh("up"); err != nil {
-		return err
+		return "", err
 	}
 	env, err := readEnv(filepath.Join(f.state, "env"))
 	if err != nil {
-		return err
+		return "", err
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", env["KUBECONFIG"])
 	if err != nil {
-		return err
+		return "", err
 	}
 	// The bench's client makes many requests in a row; client-go's
 	// default rate limit (5 a second) would be part of what is timed.
 	cfg.QPS, cfg.Burst = 200, 400
 	if f.client, err = kubernetes.NewForConfig(cfg); err != nil {
-		return err
+		return "", err
 	}
 	out, err := f.sh("node-credentials", nodeName, nodeAddr)
 	if err != nil {
-		return err
+		return "", err
 	}
-	creds := strings.TrimSpace(lastLine(out))
+	creds = strings.TrimSpace(lastLine(out))
 	if err := ctx.Err(); err != nil {
-		return err
+		return "", err
 	}
+	return creds, nil
+}
 
+// startNode starts kvbox-node on its own state dir, its output to a log
+// (logName); exited gets its end. Stopping it (SIGTERM, then a kill) and
+// removing the state dir go to cl.
+func (f *fleet) startNode(nodeBin, creds string, cl *cleanups) (exited chan error, logName string, err error) {
 	// The node's state dir: QEMU (libvirt's user) reads the snapshots in
 	// it. Removed with its boxes, snapshots and bridge at the end.
 	if err := os.Mkdir(f.o.nodeDir, 0o751); err != nil {
-		return fmt.Errorf("the node's state dir: %w", err)
+		return nil, "", fmt.Errorf("the node's state dir: %w", err)
 	}
 	cl.add(f.removeNodeDir)
 	logf, err := os.Create(filepath.Join(f.tmp, "kvbox-node.log"))
 	if err != nil {
-		return err
+		return nil, "", err
 	}
 	f.node = detached(exec.Command(nodeBin, "--name", nodeName, "--node-address", nodeAddr,
 		"--kubeconfig", filepath.Join(creds, "kubeconfig"), "--tls-cert-file", filepath.Join(creds, "kubelet.crt"),
@@ -124,9 +154,9 @@ func (f *fleet) up(ctx context.Context, cl *cleanups) error {
 	f.node.Stdout, f.node.Stderr = logf, logf
 	if err := f.node.Start(); err != nil {
 		logf.Close()
-		return fmt.Errorf("starting kvbox-node: %w", err)
+		return nil, "", fmt.Errorf("starting kvbox-node: %w", err)
 	}
-	exited := make(chan error, 1)
+	exited = make(chan error, 1)
 	go func() { exited <- f.node.Wait(); logf.Close() }()
 	cl.add(func() error {
 		f.node.Process.Signal(syscall.SIGTERM)
@@ -139,15 +169,21 @@ func (f *fleet) up(ctx context.Context, cl *cleanups) error {
 			return errors.New("kvbox-node did not stop within 15 s of SIGTERM: killed")
 		}
 	})
+	return exited, logf.Name(), nil
+}
 
+// waitNodeReady waits for the node to be Ready with a podCIDR, and keeps
+// its subnet and domain type; a node that exited meanwhile ends the wait
+// (its log says why).
+func (f *fleet) waitNodeReady(ctx context.Context, exited chan error, logName string) error {
 	say("waiting for node %s to be Ready with a podCIDR", nodeName)
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
-	err = wait.PollUntilContextCancel(wctx, 300*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextCancel(wctx, 300*time.Millisecond, true, func(ctx context.Context) (bool, error) {
 		select {
 		case err := <-exited:
 			exited <- err
-			return false, fmt.Errorf("kvbox-node exited (%v): see %s", err, logf.Name())
+			return false, fmt.Errorf("kvbox-node exited (%v): see %s", err, logName)
 		default:
 		}
 		nd, err := f.client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
