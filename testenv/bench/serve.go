@@ -36,27 +36,10 @@ func benchServe(ctx context.Context, e *env) error {
 	if _, err := os.Stat(filepath.Join(sdk, "node_modules", "e2b")); err != nil {
 		return fmt.Errorf("the E2B SDK %s: %w (make testenv installs it)", serveSDK, err)
 	}
-	// The template: a Debian box at the image's size with a server
-	// started, frozen; the box goes, the template when the bench ends.
-	src, tmpl := "bench-srv-src", "bench-srv-warm"
-	if _, err := e.kvboxCLI(ctx, "new", "--image", im.Name, "--timeout", "300s", src); err != nil {
+	tmpl, err := serveTemplate(ctx, e, im.Name)
+	if err != nil {
 		return err
 	}
-	defer e.kvboxCLI(context.Background(), "rm", "--force", src)
-	if _, err := e.kvboxCLI(ctx, "exec", src, "--", "sh", "-c",
-		"mkdir -p /srv/www && echo bench > /srv/www/index.html && cd /srv/www && setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null & "+
-			"for i in $(seq 300); do curl -sf localhost:8000/ >/dev/null && exit 0; sleep 0.2; done; exit 1"); err != nil {
-		return err
-	}
-	if _, err := e.kvboxCLI(ctx, "snapshots", "new", src, tmpl); err != nil {
-		return err
-	}
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, tmpl) })
-	if _, err := e.kvboxCLI(ctx, "rm", "--force", src); err != nil {
-		return err
-	}
-
 	srv, addr, err := startServe(ctx, e)
 	if err != nil {
 		return err
@@ -68,41 +51,100 @@ func benchServe(ctx context.Context, e *env) error {
 	}
 	defer node.stop()
 
-	type cli struct{ clone, first time.Duration }
-	cliOnce := func(i int) (cli, error) {
-		name := fmt.Sprintf("bench-srv-cli-%d", i)
-		defer e.kvboxCLI(context.Background(), "rm", "--force", name)
-		clone, err := e.kvboxCLI(ctx, "new", "--from", tmpl, name)
-		if err != nil {
-			return cli{}, err
-		}
-		exec, err := e.kvboxCLI(ctx, "exec", name, "--", "true")
-		return cli{clone, clone + exec}, err
+	var t serveTimes
+	if err := t.sdkAndCLI(ctx, e, node, tmpl); err != nil {
+		return err
 	}
-	// A first of each, not counted: page cache, the SDK's connections.
+	if err := t.coldBoots(ctx, e, im.Name); err != nil {
+		return err
+	}
+	if err := t.tenAtOnce(ctx, e, node, tmpl); err != nil {
+		return err
+	}
+	t.print(e, im.Name)
+	return nil
+}
+
+// serveTemplate is the template: a Debian box at the image's size with a
+// server started, frozen; the box goes, the template when the bench ends.
+func serveTemplate(ctx context.Context, e *env, img string) (string, error) {
+	src, tmpl := "bench-srv-src", "bench-srv-warm"
+	if _, err := e.kvboxCLI(ctx, "new", "--image", img, "--timeout", "300s", src); err != nil {
+		return "", err
+	}
+	defer e.kvboxCLI(context.Background(), "rm", "--force", src)
+	if _, err := e.kvboxCLI(ctx, "exec", src, "--", "sh", "-c",
+		"mkdir -p /srv/www && echo bench > /srv/www/index.html && cd /srv/www && setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null & "+
+			"for i in $(seq 300); do curl -sf localhost:8000/ >/dev/null && exit 0; sleep 0.2; done; exit 1"); err != nil {
+		return "", err
+	}
+	if _, err := e.kvboxCLI(ctx, "snapshots", "new", src, tmpl); err != nil {
+		return "", err
+	}
+	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
+	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, tmpl) })
+	if _, err := e.kvboxCLI(ctx, "rm", "--force", src); err != nil {
+		return "", err
+	}
+	return tmpl, nil
+}
+
+// serveTimes is what the serve section measured.
+type serveTimes struct {
+	sdkCreate, sdkFirst, cliClone, cliFirst []time.Duration
+	cold                                    []time.Duration
+	many                                    sdkMany
+	cliMany                                 time.Duration
+}
+
+// cliTimes is one warm clone through the CLI: new --from, and that with
+// exec true after it.
+type cliTimes struct{ clone, first time.Duration }
+
+// cliWarm times one warm clone of tmpl and a first command in it through
+// the CLI; the box goes after.
+func cliWarm(ctx context.Context, e *env, tmpl string, i int) (cliTimes, error) {
+	name := fmt.Sprintf("bench-srv-cli-%d", i)
+	defer e.kvboxCLI(context.Background(), "rm", "--force", name)
+	clone, err := e.kvboxCLI(ctx, "new", "--from", tmpl, name)
+	if err != nil {
+		return cliTimes{}, err
+	}
+	exec, err := e.kvboxCLI(ctx, "exec", name, "--", "true")
+	return cliTimes{clone, clone + exec}, err
+}
+
+// sdkAndCLI times e.n sandboxes through the SDK, each followed by a warm
+// clone through the CLI, after a first of each that is not counted (page
+// cache, the SDK's connections).
+func (t *serveTimes) sdkAndCLI(ctx context.Context, e *env, node *sdkProc, tmpl string) error {
 	if _, err := node.one(); err != nil {
 		return err
 	}
-	if _, err := cliOnce(-1); err != nil {
+	if _, err := cliWarm(ctx, e, tmpl, -1); err != nil {
 		return err
 	}
-	var sdkCreate, sdkFirst, cliClone, cliFirst []time.Duration
 	for i := range e.n {
 		r, err := node.one()
 		if err != nil {
 			return err
 		}
-		sdkCreate, sdkFirst = append(sdkCreate, r.create), append(sdkFirst, r.first)
-		c, err := cliOnce(i)
+		t.sdkCreate, t.sdkFirst = append(t.sdkCreate, r.create), append(t.sdkFirst, r.first)
+		c, err := cliWarm(ctx, e, tmpl, i)
 		if err != nil {
 			return err
 		}
-		cliClone, cliFirst = append(cliClone, c.clone), append(cliFirst, c.first)
+		t.cliClone, t.cliFirst = append(t.cliClone, c.clone), append(t.cliFirst, c.first)
 	}
-	var cold []time.Duration
+	return nil
+}
+
+// coldBoots times e.boots cold boots of the image and a first command in
+// each; each box goes after.
+func (t *serveTimes) coldBoots(ctx context.Context, e *env, img string) error {
 	for i := range e.boots {
 		name := fmt.Sprintf("bench-srv-cold-%d", i)
-		boot, err := e.kvboxCLI(ctx, "new", "--image", im.Name, "--timeout", "300s", name)
+		boot, err := e.kvboxCLI(ctx, "new", "--image", img, "--timeout", "300s", name)
 		if err == nil {
 			var ex time.Duration
 			ex, err = e.kvboxCLI(ctx, "exec", name, "--", "true")
@@ -112,28 +154,38 @@ func benchServe(ctx context.Context, e *env) error {
 		if err != nil {
 			return err
 		}
-		cold = append(cold, boot)
+		t.cold = append(t.cold, boot)
 	}
+	return nil
+}
+
+// tenAtOnce times ten creates at once through the SDK, then the CLI's new
+// --from --count 10 (its boxes removed after).
+func (t *serveTimes) tenAtOnce(ctx context.Context, e *env, node *sdkProc, tmpl string) error {
 	many, err := node.many(10)
 	if err != nil {
 		return err
 	}
+	t.many = many
 	t0 := time.Now()
 	_, err = e.kvboxCLI(ctx, "new", "--from", tmpl, "--count", "10", "bench-srv-many")
-	cliMany := time.Since(t0)
+	t.cliMany = time.Since(t0)
 	names := []string{"rm", "--force"}
 	for i := 1; i <= 10; i++ {
 		names = append(names, fmt.Sprintf("bench-srv-many-%d", i))
 	}
 	e.kvboxCLI(context.Background(), names...)
-	if err != nil {
-		return err
-	}
+	return err
+}
 
+// print prints the serve section: medians and 90th percentiles, the SDK's
+// cost over the CLI's, and the ratios.
+func (t *serveTimes) print(e *env, img string) {
+	sdkCreate, sdkFirst, cliClone, cliFirst, cold, many, cliMany := t.sdkCreate, t.sdkFirst, t.cliClone, t.cliFirst, t.cold, t.many, t.cliMany
 	row := func(what string, ds []time.Duration) {
 		fmt.Printf("  %-44s %7.0f ms %7.0f ms\n", what, ms(pct(ds, 50)), ms(pct(ds, 90)))
 	}
-	fmt.Printf("Debian template (%s), a server running; %d of each, SDK and CLI alternated; e2b %s over kvbox serve\n", im.Name, e.n, serveSDK)
+	fmt.Printf("Debian template (%s), a server running; %d of each, SDK and CLI alternated; e2b %s over kvbox serve\n", img, e.n, serveSDK)
 	fmt.Printf("  %-44s %10s %10s\n", "", "p50", "p90")
 	row("SDK Sandbox.create", sdkCreate)
 	row("SDK create to the first command's end", sdkFirst)
@@ -147,7 +199,6 @@ func benchServe(ctx context.Context, e *env) error {
 	fmt.Printf("10 creates at once through the SDK: all ten at their first command's end in %.0f ms; each create p50 %.0f ms, p90 %.0f ms\n",
 		ms(many.wall), ms(pct(many.creates, 50)), ms(pct(many.creates, 90)))
 	fmt.Printf("peer: kvbox new --from --count 10: %.0f ms\n", ms(cliMany))
-	return nil
 }
 
 // serveProc is the kvbox serve the section runs.
