@@ -213,6 +213,16 @@ func eth(dst net.HardwareAddr, id identity, t layers.EthernetType) *layers.Ether
 // took it.
 func (s *sender) probes(cfg config, dst net.HardwareAddr, id identity) {
 	payload := gopacket.Payload(fmt.Sprintf("%s raw %s to %s", cfg.Tag, id.name, dst))
+	s.probesV4(cfg, dst, id, payload)
+	s.arpClaims(cfg, dst, id)
+	s.probesV6(cfg, dst, id, payload)
+	s.routerAdvertisement(dst, id)
+}
+
+// probesV4 sends to each host IPv4 address, and to the broadcast and
+// all-hosts addresses: a UDP datagram, a TCP SYN, an echo request and an
+// ARP request.
+func (s *sender) probesV4(cfg config, dst net.HardwareAddr, id identity, payload gopacket.Payload) {
 	v4 := append([]string(nil), cfg.HostV4...)
 	v4 = append(v4, "255.255.255.255", "224.0.0.1", broadcast(cfg.Gateway, cfg.Prefix))
 	for _, a := range v4 {
@@ -234,13 +244,22 @@ func (s *sender) probes(cfg config, dst net.HardwareAddr, id identity) {
 		// asker on whichever interface took the frame.)
 		s.send(eth(dst, id, layers.EthernetTypeARP), arp(layers.ARPRequest, id.mac, id.ip4, net.HardwareAddr{0, 0, 0, 0, 0, 0}, to))
 	}
-	// Claims: this MAC is the gateway's and the spoofed address's.
+}
+
+// arpClaims sends ARP claims: this MAC is the gateway's and the spoofed
+// address's.
+func (s *sender) arpClaims(cfg config, dst net.HardwareAddr, id identity) {
 	gw := net.ParseIP(cfg.Gateway).To4()
 	for _, claim := range []net.IP{gw, net.ParseIP(cfg.SpoofIP).To4()} {
 		s.send(eth(dst, id, layers.EthernetTypeARP), arp(layers.ARPRequest, id.mac, claim, net.HardwareAddr{0, 0, 0, 0, 0, 0}, claim))
 		s.send(eth(dst, id, layers.EthernetTypeARP), arp(layers.ARPReply, id.mac, claim, id.mac, gw))
 	}
+}
 
+// probesV6 sends to each host IPv6 address, and to all nodes: a UDP
+// datagram, a TCP SYN, an echo request, a neighbour solicitation and a
+// neighbour advertisement.
+func (s *sender) probesV6(cfg config, dst net.HardwareAddr, id identity, payload gopacket.Payload) {
 	v6 := append([]string(nil), cfg.HostV6...)
 	v6 = append(v6, "ff02::1")
 	for _, a := range v6 {
@@ -274,9 +293,12 @@ func (s *sender) probes(cfg config, dst net.HardwareAddr, id identity) {
 		s.send(eth(dst, id, layers.EthernetTypeIPv6), n, na, &layers.ICMPv6NeighborAdvertisement{Flags: 0x20, TargetAddress: to,
 			Options: layers.ICMPv6Options{{Type: layers.ICMPv6OptTargetAddress, Data: id.mac}}})
 	}
-	// A router advertisement: a default route through this box, a
-	// prefix to make addresses from, a hop limit, an MTU and neighbour
-	// timers for the interface that takes it.
+}
+
+// routerAdvertisement sends a router advertisement: a default route
+// through this box, a prefix to make addresses from, a hop limit, an MTU
+// and neighbour timers for the interface that takes it.
+func (s *sender) routerAdvertisement(dst net.HardwareAddr, id identity) {
 	ra := &layers.IPv6{Version: 6, HopLimit: 255, NextHeader: layers.IPProtocolICMPv6, SrcIP: id.ip6, DstIP: net.ParseIP("ff02::1")}
 	icmp := &layers.ICMPv6{TypeCode: layers.CreateICMPv6TypeCode(layers.ICMPv6TypeRouterAdvertisement, 0)}
 	icmp.SetNetworkLayerForChecksum(ra)
