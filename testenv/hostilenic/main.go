@@ -455,53 +455,15 @@ func dialPinned(cfg config, ifc *net.Interface, rep *report) error {
 	if err != nil {
 		return err
 	}
-	conf := "/proc/sys/net/ipv6/conf/" + ifc.Name + "/"
-	restore := map[string]string{}
-	for _, k := range []string{"accept_dad", "disable_ipv6"} {
-		b, err := os.ReadFile(conf + k)
-		if err != nil {
-			return err
-		}
-		restore[k] = string(b)
-	}
-	defer func() {
-		for _, k := range []string{"disable_ipv6", "accept_dad"} {
-			os.WriteFile(conf+k, []byte(restore[k]), 0o644)
-		}
-	}()
-	os.WriteFile(conf+"accept_dad", []byte("0\n"), 0o644)
-	if err := os.WriteFile(conf+"disable_ipv6", []byte("0\n"), 0o644); err != nil {
+	restore, err := ipv6Settings(ifc.Name)
+	if err != nil {
 		return err
 	}
-	// The guest's own link-local address, without which it sends no IPv6.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		as, _ := netlink.AddrList(link, netlink.FAMILY_V6)
-		if len(as) > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("no IPv6 link-local address on %s", ifc.Name)
-		}
-		time.Sleep(50 * time.Millisecond)
+	defer restore()
+	if err := enableIPv6(link, ifc.Name); err != nil {
+		return err
 	}
-
-	// What the guest reaches through its NIC: the gateway (every address
-	// beyond it is reached through it) and the host's link-local IPv6
-	// addresses; loopback addresses are the guest's own.
-	var targets []net.IP
-	neighbours := []net.IP{net.ParseIP(cfg.Gateway)}
-	for _, a := range cfg.HostV4 {
-		if ip := net.ParseIP(a); !ip.IsLoopback() {
-			targets = append(targets, ip)
-		}
-	}
-	for _, a := range cfg.HostV6 {
-		if ip := net.ParseIP(a); ip.IsLinkLocalUnicast() {
-			targets = append(targets, ip)
-			neighbours = append(neighbours, ip)
-		}
-	}
+	targets, neighbours := pinTargets(cfg)
 	defer func() {
 		for _, n := range neighbours {
 			netlink.NeighDel(&netlink.Neigh{LinkIndex: ifc.Index, IP: n})
@@ -513,46 +475,123 @@ func dialPinned(cfg config, ifc *net.Interface, rep *report) error {
 		if err != nil {
 			return err
 		}
-		for _, n := range neighbours {
-			fam := netlink.FAMILY_V4
-			if n.To4() == nil {
-				fam = netlink.FAMILY_V6
-			}
-			if err := netlink.NeighSet(&netlink.Neigh{LinkIndex: ifc.Index, Family: fam, IP: n, HardwareAddr: mac, State: netlink.NUD_PERMANENT}); err != nil {
-				return fmt.Errorf("pin %s to %s: %w", n, mac, err)
-			}
+		if err := pin(ifc, neighbours, mac); err != nil {
+			return err
 		}
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		for _, to := range targets {
-			host := to.String()
-			if to.IsLinkLocalUnicast() {
-				host += "%" + ifc.Name
-			}
-			addr := net.JoinHostPort(host, fmt.Sprint(cfg.Port))
-			msg := fmt.Sprintf("%s kernel via %s to %s", cfg.Tag, mac, addr)
-			if u, err := net.Dial("udp", addr); err == nil {
-				u.Write([]byte(msg))
-				u.Close()
-			}
-			wg.Add(1)
-			rep.Dialed++
-			go func() {
-				defer wg.Done()
-				ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
-				defer cancel()
-				c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
-				if err != nil {
-					return
-				}
-				c.Write([]byte(msg))
-				c.Close()
-				mu.Lock()
-				rep.Connected = append(rep.Connected, msg)
-				mu.Unlock()
-			}()
-		}
-		wg.Wait()
+		dialAll(cfg, ifc, targets, mac, dialTimeout, rep)
 	}
 	return nil
+}
+
+// ipv6Settings reads the NIC's IPv6 settings dialPinned changes;
+// restore writes them back.
+func ipv6Settings(ifname string) (restore func(), err error) {
+	conf := "/proc/sys/net/ipv6/conf/" + ifname + "/"
+	was := map[string]string{}
+	for _, k := range []string{"accept_dad", "disable_ipv6"} {
+		b, err := os.ReadFile(conf + k)
+		if err != nil {
+			return nil, err
+		}
+		was[k] = string(b)
+	}
+	return func() {
+		for _, k := range []string{"disable_ipv6", "accept_dad"} {
+			os.WriteFile(conf+k, []byte(was[k]), 0o644)
+		}
+	}, nil
+}
+
+// enableIPv6 turns IPv6 on on the NIC, without duplicate address
+// detection, and waits for the guest's own link-local address, without
+// which it sends no IPv6.
+func enableIPv6(link netlink.Link, ifname string) error {
+	conf := "/proc/sys/net/ipv6/conf/" + ifname + "/"
+	os.WriteFile(conf+"accept_dad", []byte("0\n"), 0o644)
+	if err := os.WriteFile(conf+"disable_ipv6", []byte("0\n"), 0o644); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		as, _ := netlink.AddrList(link, netlink.FAMILY_V6)
+		if len(as) > 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no IPv6 link-local address on %s", ifname)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// pinTargets is what the guest reaches through its NIC: the host
+// addresses it dials (not loopback ones, which are the guest's own; the
+// link-local IPv6 ones), and the neighbours they are reached through (the
+// gateway, every address beyond it is reached through it, and those
+// link-local addresses).
+func pinTargets(cfg config) (targets, neighbours []net.IP) {
+	neighbours = []net.IP{net.ParseIP(cfg.Gateway)}
+	for _, a := range cfg.HostV4 {
+		if ip := net.ParseIP(a); !ip.IsLoopback() {
+			targets = append(targets, ip)
+		}
+	}
+	for _, a := range cfg.HostV6 {
+		if ip := net.ParseIP(a); ip.IsLinkLocalUnicast() {
+			targets = append(targets, ip)
+			neighbours = append(neighbours, ip)
+		}
+	}
+	return targets, neighbours
+}
+
+// pin sets each neighbour to mac in the guest's neighbour table, for good.
+func pin(ifc *net.Interface, neighbours []net.IP, mac net.HardwareAddr) error {
+	for _, n := range neighbours {
+		fam := netlink.FAMILY_V4
+		if n.To4() == nil {
+			fam = netlink.FAMILY_V6
+		}
+		if err := netlink.NeighSet(&netlink.Neigh{LinkIndex: ifc.Index, Family: fam, IP: n, HardwareAddr: mac, State: netlink.NUD_PERMANENT}); err != nil {
+			return fmt.Errorf("pin %s to %s: %w", n, mac, err)
+		}
+	}
+	return nil
+}
+
+// dialAll writes a UDP datagram to each target and dials it over TCP, all
+// dials at once, each within dialTimeout; what the host accepted goes to
+// rep.
+func dialAll(cfg config, ifc *net.Interface, targets []net.IP, mac net.HardwareAddr, dialTimeout time.Duration, rep *report) {
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for _, to := range targets {
+		host := to.String()
+		if to.IsLinkLocalUnicast() {
+			host += "%" + ifc.Name
+		}
+		addr := net.JoinHostPort(host, fmt.Sprint(cfg.Port))
+		msg := fmt.Sprintf("%s kernel via %s to %s", cfg.Tag, mac, addr)
+		if u, err := net.Dial("udp", addr); err == nil {
+			u.Write([]byte(msg))
+			u.Close()
+		}
+		wg.Add(1)
+		rep.Dialed++
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), dialTimeout)
+			defer cancel()
+			c, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+			if err != nil {
+				return
+			}
+			c.Write([]byte(msg))
+			c.Close()
+			mu.Lock()
+			rep.Connected = append(rep.Connected, msg)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
 }
