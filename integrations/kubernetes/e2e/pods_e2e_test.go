@@ -228,18 +228,6 @@ func waitPod(ctx context.Context, t *testing.T, c kubernetes.Interface, ns, name
 	return got
 }
 
-func podReady(p *corev1.Pod) bool {
-	if p.Status.Phase != corev1.PodRunning {
-		return false
-	}
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
-}
-
 // domain is what libvirt says of a box: its state, and its QEMU's pid.
 func domainState(t *testing.T, name string) (state string, exists bool) {
 	out, err := exec.Command("virsh", "-c", "qemu:///system", "domstate", name).CombinedOutput()
@@ -354,7 +342,7 @@ func TestFleetPods(t *testing.T) {
 		if p.Status.Phase == corev1.PodFailed {
 			t.Fatalf("pod %s failed: %s: %s", p.Name, p.Status.Reason, p.Status.Message)
 		}
-		return podReady(p)
+		return kvboxnode.PodReady(p)
 	})
 	t.Logf("pod %s Running and Ready on %s at %s, %.1fs after its creation (first pull on that node)", p.Name, p.Spec.NodeName, p.Status.PodIP, time.Since(t0).Seconds())
 	box := checkServing(ctx, t, f, p, page)
@@ -414,7 +402,7 @@ func TestFleetPods(t *testing.T) {
 			if webs[i].Status.Phase == corev1.PodFailed {
 				t.Fatalf("pod %s failed: %s: %s", webs[i].Name, webs[i].Status.Reason, webs[i].Status.Message)
 			}
-			if podReady(&webs[i]) {
+			if kvboxnode.PodReady(&webs[i]) {
 				ready++
 			}
 		}
@@ -527,7 +515,7 @@ func TestFleetPods(t *testing.T) {
 		}
 		webs = l.Items
 		for i := range webs {
-			if !podReady(&webs[i]) {
+			if !kvboxnode.PodReady(&webs[i]) {
 				return false
 			}
 		}
@@ -711,7 +699,7 @@ func readyPods(ctx context.Context, t *testing.T, pods corev1client.PodInterface
 	}
 	var out []corev1.Pod
 	for i := range l.Items {
-		if l.Items[i].DeletionTimestamp == nil && podReady(&l.Items[i]) {
+		if l.Items[i].DeletionTimestamp == nil && kvboxnode.PodReady(&l.Items[i]) {
 			out = append(out, l.Items[i])
 		}
 	}

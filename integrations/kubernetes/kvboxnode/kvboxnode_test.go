@@ -243,3 +243,27 @@ func TestParseMemAvailable(t *testing.T) {
 		t.Fatal("no MemAvailable line: no error")
 	}
 }
+
+func TestPodReady(t *testing.T) {
+	pod := func(phase corev1.PodPhase, conds ...corev1.PodCondition) *corev1.Pod {
+		return &corev1.Pod{Status: corev1.PodStatus{Phase: phase, Conditions: conds}}
+	}
+	ready := corev1.PodCondition{Type: corev1.PodReady, Status: corev1.ConditionTrue}
+	notReady := corev1.PodCondition{Type: corev1.PodReady, Status: corev1.ConditionFalse}
+	scheduled := corev1.PodCondition{Type: corev1.PodScheduled, Status: corev1.ConditionTrue}
+	for _, tc := range []struct {
+		name string
+		pod  *corev1.Pod
+		want bool
+	}{
+		{"running and ready", pod(corev1.PodRunning, scheduled, ready), true},
+		{"running, not ready", pod(corev1.PodRunning, scheduled, notReady), false},
+		{"running, no Ready condition", pod(corev1.PodRunning, scheduled), false},
+		{"pending", pod(corev1.PodPending, ready), false},
+		{"succeeded", pod(corev1.PodSucceeded, ready), false},
+	} {
+		if got := PodReady(tc.pod); got != tc.want {
+			t.Errorf("%s: PodReady = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

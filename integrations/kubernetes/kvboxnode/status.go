@@ -15,6 +15,21 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 )
 
+// PodReady says a pod runs and its Ready condition is true, as the API
+// server has its status: how the bench and the end-to-end tests read
+// what a node reported.
+func PodReady(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
 // podWithStatus is the pod as the API server has it, with the status this
 // node gives it. The caller holds ps.mu.
 func (p *Provider) podWithStatus(ps *podState) *corev1.Pod {

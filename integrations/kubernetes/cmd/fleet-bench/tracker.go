@@ -12,6 +12,8 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+
+	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
 )
 
 // trackState is what the watch saw of the bench's pods: when each was
@@ -65,7 +67,7 @@ func (tr *tracker) see(o any) {
 	if _, seen := s.running[p.UID]; !seen && p.Status.Phase == corev1.PodRunning {
 		s.running[p.UID] = now
 	}
-	if _, seen := s.ready[p.UID]; !seen && ready(p) {
+	if _, seen := s.ready[p.UID]; !seen && kvboxnode.PodReady(p) {
 		s.ready[p.UID] = now
 	}
 	if _, seen := s.failed[p.UID]; !seen && p.Status.Phase == corev1.PodFailed {
@@ -73,18 +75,6 @@ func (tr *tracker) see(o any) {
 	}
 	close(tr.changed)
 	tr.changed = make(chan struct{})
-}
-
-func ready(p *corev1.Pod) bool {
-	if p.Status.Phase != corev1.PodRunning {
-		return false
-	}
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 // wait calls done with the state (under the lock) at each change until it
