@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -69,11 +71,7 @@ func (f *fakeLib) Remove(ctx context.Context, name string) error {
 func (f *fakeLib) Boxes(context.Context) ([]Box, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	var out []Box
-	for _, b := range f.boxes {
-		out = append(out, b)
-	}
-	return out, nil
+	return slices.Collect(maps.Values(f.boxes)), nil
 }
 func (f *fakeLib) Start(ctx context.Context, name string) (Box, error) {
 	return Box{}, errors.ErrUnsupported
@@ -106,11 +104,7 @@ func (f *fakeLib) Stats(ctx context.Context, name string) (BoxStats, error) {
 func (f *fakeLib) Snapshots(context.Context) ([]Snapshot, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	var out []Snapshot
-	for _, s := range f.snaps {
-		out = append(out, s)
-	}
-	return out, nil
+	return slices.Collect(maps.Values(f.snaps)), nil
 }
 func (f *fakeLib) RemoveSnapshot(ctx context.Context, name string) error {
 	f.mu.Lock()
