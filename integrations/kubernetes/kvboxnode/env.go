@@ -114,39 +114,33 @@ func valueFrom(ctx context.Context, p *corev1.Pod, c *corev1.Container, e corev1
 	case f.ConfigMapKeyRef != nil:
 		r := f.ConfigMapKeyRef
 		cm, err := objs.ConfigMap(ctx, p.Namespace, r.Name)
-		if optionalMissing(err, r.Optional) {
-			return "", true, nil
-		}
-		if err != nil {
-			return "", false, fmt.Errorf("configMap %q: %w", r.Name, err)
-		}
-		v, ok := cm.Data[r.Key]
-		if !ok {
-			if r.Optional != nil && *r.Optional {
-				return "", true, nil
-			}
-			return "", false, fmt.Errorf("configMap %q has no key %q", r.Name, r.Key)
-		}
-		return v, false, nil
+		return keyValue("configMap", r.Name, r.Key, r.Optional, err, func() map[string]string { return cm.Data })
 	case f.SecretKeyRef != nil:
 		r := f.SecretKeyRef
 		s, err := objs.Secret(ctx, p.Namespace, r.Name)
-		if optionalMissing(err, r.Optional) {
-			return "", true, nil
-		}
-		if err != nil {
-			return "", false, fmt.Errorf("secret %q: %w", r.Name, err)
-		}
-		v, ok := s.Data[r.Key]
-		if !ok {
-			if r.Optional != nil && *r.Optional {
-				return "", true, nil
-			}
-			return "", false, fmt.Errorf("secret %q has no key %q", r.Name, r.Key)
-		}
-		return string(v), false, nil
+		return keyValue("secret", r.Name, r.Key, r.Optional, err, func() map[string][]byte { return s.Data })
 	}
 	return "", false, fmt.Errorf("a valueFrom kvbox does not know")
+}
+
+// keyValue is the value of key in a ConfigMap's or a Secret's data (kind
+// and name say which; err is how reading it went): an optional one that
+// is missing, or has no such key, is skipped.
+func keyValue[V ~string | ~[]byte](kind, name, key string, optional *bool, err error, data func() map[string]V) (v string, skip bool, _ error) {
+	if optionalMissing(err, optional) {
+		return "", true, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("%s %q: %w", kind, name, err)
+	}
+	d, ok := data()[key]
+	if !ok {
+		if optional != nil && *optional {
+			return "", true, nil
+		}
+		return "", false, fmt.Errorf("%s %q has no key %q", kind, name, key)
+	}
+	return string(d), false, nil
 }
 
 // fieldValue is a fieldRef's value (the paths the API server accepts for
