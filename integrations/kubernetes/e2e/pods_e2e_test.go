@@ -329,90 +329,128 @@ func TestFleetPods(t *testing.T) {
 	page := "fleet-page-" + id
 	ref := pushSource(t, f, id, page)
 	ns := "default"
-	pods := f.client.CoreV1().Pods(ns)
+	r := &podsRun{t: t, ctx: ctx, f: f, id: id, page: page, ref: ref, ns: ns, pods: f.client.CoreV1().Pods(ns)}
 
-	// One pod: a warm clone, Running and Ready, its own hostname and
-	// address, serving the page.
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-" + id}, Spec: kvboxPodSpec(ref)}
-	if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+	p, box := r.onePod()
+	r.stopIfFailed()
+	r.podDeleted(p, box)
+	r.stopIfFailed()
+	r.deployment()
+	r.stopIfFailed()
+	r.failingJob()
+	r.stopIfFailed()
+	r.nodeRestarted()
+	r.stopIfFailed()
+	r.incompatible()
+	r.scaledToZero()
+	r.stopIfFailed()
+	r.nodeLost()
+}
+
+// podsRun is one run of TestFleetPods: its fleet, the pushed snapshot's
+// reference and the page it serves, and the Deployment its steps share.
+type podsRun struct {
+	t                 *testing.T
+	ctx               context.Context
+	f                 *fleetRun
+	id, page, ref, ns string
+	pods              corev1client.PodInterface
+	dep               *appsv1.Deployment
+	webs              []corev1.Pod // the Deployment's pods, as last read
+}
+
+// stopIfFailed ends the test when a step failed: the next builds on it.
+func (r *podsRun) stopIfFailed() {
+	if r.t.Failed() {
+		r.t.FailNow()
+	}
+}
+
+// onePod: one pod is a warm clone, Running and Ready, its own hostname and
+// address, serving the page; its box is returned.
+func (r *podsRun) onePod() (*corev1.Pod, string) {
+	t, ctx, f := r.t, r.ctx, r.f
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-" + r.id}, Spec: kvboxPodSpec(r.ref)}
+	if _, err := r.pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Now()
-	p := waitPod(ctx, t, f.client, ns, pod.Name, "Running and Ready", func(p *corev1.Pod) bool {
+	p := waitPod(ctx, t, f.client, r.ns, pod.Name, "Running and Ready", func(p *corev1.Pod) bool {
 		if p.Status.Phase == corev1.PodFailed {
 			t.Fatalf("pod %s failed: %s: %s", p.Name, p.Status.Reason, p.Status.Message)
 		}
 		return kvboxnode.PodReady(p)
 	})
 	t.Logf("pod %s Running and Ready on %s at %s, %.1fs after its creation (first pull on that node)", p.Name, p.Spec.NodeName, p.Status.PodIP, time.Since(t0).Seconds())
-	box := checkServing(ctx, t, f, p, page)
+	box := checkServing(ctx, t, f, p, r.page)
 	cs := p.Status.ContainerStatuses
-	if len(cs) != 1 || !strings.HasPrefix(cs[0].ImageID, testRegistry+"/fleet/web-"+id+"@sha256:") || cs[0].ContainerID != "kvbox://"+box {
+	if len(cs) != 1 || !strings.HasPrefix(cs[0].ImageID, testRegistry+"/fleet/web-"+r.id+"@sha256:") || cs[0].ContainerID != "kvbox://"+box {
 		t.Errorf("pod %s's container status: %+v", p.Name, cs)
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+	return p, box
+}
 
-	// Deleted: its box goes with it.
-	if err := pods.Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+// podDeleted: the pod deleted, its box goes with it.
+func (r *podsRun) podDeleted(p *corev1.Pod, box string) {
+	t, ctx := r.t, r.ctx
+	if err := r.pods.Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	poll(ctx, t, "pod "+pod.Name+" gone", func() bool {
-		_, err := pods.Get(ctx, pod.Name, metav1.GetOptions{})
+	poll(ctx, t, "pod "+p.Name+" gone", func() bool {
+		_, err := r.pods.Get(ctx, p.Name, metav1.GetOptions{})
 		return apierrors.IsNotFound(err)
 	})
 	if st, ok := domainState(t, box); ok {
-		t.Errorf("pod %s deleted, its box %s is still there (%s)", pod.Name, box, st)
+		t.Errorf("pod %s deleted, its box %s is still there (%s)", p.Name, box, st)
 	}
-	if _, err := os.Stat(filepath.Join(f.nodeDir+strings.TrimPrefix(p.Spec.NodeName, "kvbox-"), "boxes", box)); !os.IsNotExist(err) {
-		t.Errorf("pod %s deleted, its box's folder stays: %v", pod.Name, err)
+	if _, err := os.Stat(filepath.Join(r.f.nodeDir+strings.TrimPrefix(p.Spec.NodeName, "kvbox-"), "boxes", box)); !os.IsNotExist(err) {
+		t.Errorf("pod %s deleted, its box's folder stays: %v", p.Name, err)
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// A Deployment of 3, spread over both nodes: each pod its own box,
-	// hostname and address, serving the page; kubectl exec keeps the exit
-	// code.
+// deployment: a Deployment of 3, spread over both nodes: each pod its own
+// box, hostname and address, serving the page; kubectl exec keeps the
+// exit code, kubectl port-forward reaches the guest's port.
+func (r *podsRun) deployment() {
+	t, ctx, f := r.t, r.ctx, r.f
 	three := int32(3)
-	labels := map[string]string{"app": "webs-" + id}
-	spec := kvboxPodSpec(ref)
+	labels := map[string]string{"app": "webs-" + r.id}
+	spec := kvboxPodSpec(r.ref)
 	// Spread over the nodes that can take pods (a node down for good is
 	// tainted, and then counts no more).
 	honor := corev1.NodeInclusionPolicyHonor
 	spec.TopologySpreadConstraints = []corev1.TopologySpreadConstraint{{MaxSkew: 1, TopologyKey: "kubernetes.io/hostname",
 		WhenUnsatisfiable: corev1.DoNotSchedule, LabelSelector: &metav1.LabelSelector{MatchLabels: labels}, NodeTaintsPolicy: &honor}}
-	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "webs-" + id},
+	r.dep = &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: "webs-" + r.id},
 		Spec: appsv1.DeploymentSpec{Replicas: &three, Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: spec}}}
-	if _, err := f.client.AppsV1().Deployments(ns).Create(ctx, dep, metav1.CreateOptions{}); err != nil {
+	if _, err := f.client.AppsV1().Deployments(r.ns).Create(ctx, r.dep, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t0 = time.Now()
-	var webs []corev1.Pod
+	t0 := time.Now()
 	poll(ctx, t, "3 pods of the Deployment Ready", func() bool {
-		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		l, err := r.pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + r.id})
 		if err != nil {
 			t.Fatal(err)
 		}
-		webs = l.Items
+		r.webs = l.Items
 		ready := 0
-		for i := range webs {
-			if webs[i].Status.Phase == corev1.PodFailed {
-				t.Fatalf("pod %s failed: %s: %s", webs[i].Name, webs[i].Status.Reason, webs[i].Status.Message)
+		for i := range r.webs {
+			if r.webs[i].Status.Phase == corev1.PodFailed {
+				t.Fatalf("pod %s failed: %s: %s", r.webs[i].Name, r.webs[i].Status.Reason, r.webs[i].Status.Message)
 			}
-			if kvboxnode.PodReady(&webs[i]) {
+			if kvboxnode.PodReady(&r.webs[i]) {
 				ready++
 			}
 		}
-		return len(webs) == 3 && ready == 3
+		return len(r.webs) == 3 && ready == 3
 	})
 	t.Logf("Deployment of 3 Ready %.1fs after its creation", time.Since(t0).Seconds())
+	webs := r.webs
 	onNode, ips, boxes := map[string]int{}, map[string]bool{}, map[string]string{}
 	for i := range webs {
 		w := &webs[i]
-		boxes[checkServing(ctx, t, f, w, page)] = w.Name
+		boxes[checkServing(ctx, t, f, w, r.page)] = w.Name
 		onNode[w.Spec.NodeName]++
 		ips[w.Status.PodIP] = true
 		t.Logf("pod %s on %s at %s", w.Name, w.Spec.NodeName, w.Status.PodIP)
@@ -431,17 +469,17 @@ func TestFleetPods(t *testing.T) {
 	}
 	// kubectl port-forward reaches the guest's port through the API server
 	// and the node (no route to the box needed).
-	if body, err := portForward(ctx, t, f, webs[1].Name, 8080); err != nil || strings.TrimSpace(body) != page {
-		t.Errorf("kubectl port-forward %s 8080: %q, %v; want %q", webs[1].Name, body, err, page)
+	if body, err := portForward(ctx, t, f, webs[1].Name, 8080); err != nil || strings.TrimSpace(body) != r.page {
+		t.Errorf("kubectl port-forward %s 8080: %q, %v; want %q", webs[1].Name, body, err, r.page)
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// A Job whose command exits 3 fails, its pod's container with exit
-	// code 3; kubectl logs shows what the command printed; its box goes.
+// failingJob: a Job whose command exits 3 fails, its pod's container with
+// exit code 3; kubectl logs shows what the command printed; its box goes.
+func (r *podsRun) failingJob() {
+	t, ctx, f, ns, id := r.t, r.ctx, r.f, r.ns, r.id
 	zero := int32(0)
-	jspec := kvboxPodSpec(ref, "sh", "-c", "echo job-says-"+id+"; exit 3")
+	jspec := kvboxPodSpec(r.ref, "sh", "-c", "echo job-says-"+id+"; exit 3")
 	jspec.RestartPolicy = corev1.RestartPolicyNever
 	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Name: "exit3-" + id},
 		Spec: batchv1.JobSpec{BackoffLimit: &zero, Template: corev1.PodTemplateSpec{Spec: jspec}}}
@@ -464,7 +502,7 @@ func TestFleetPods(t *testing.T) {
 		}
 		return false
 	})
-	jl, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "batch.kubernetes.io/job-name=" + job.Name})
+	jl, err := r.pods.List(ctx, metav1.ListOptions{LabelSelector: "batch.kubernetes.io/job-name=" + job.Name})
 	if err != nil || len(jl.Items) != 1 {
 		t.Fatalf("the Job's pods: %v (%v)", jl, err)
 	}
@@ -478,15 +516,16 @@ func TestFleetPods(t *testing.T) {
 	if st, ok := domainState(t, kvboxnode.BoxName(ns, jp.Name, string(jp.UID))); ok {
 		t.Errorf("the Job's pod ended, its box stays (%s)", st)
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// kvbox-a killed and started again: the same pods (no replacement, no
-	// restart), the same boxes (their QEMU processes ran on), no duplicate.
+// nodeRestarted: kvbox-a killed and started again: the same pods (no
+// replacement, no restart), the same boxes (their QEMU processes ran on),
+// no duplicate.
+func (r *podsRun) nodeRestarted() {
+	t, ctx, f := r.t, r.ctx, r.f
 	before := map[types.UID]string{}
 	pidsBefore := map[string]int{}
-	for _, w := range webs {
+	for _, w := range r.webs {
 		before[w.UID] = w.Spec.NodeName
 		b := kvboxnode.BoxName(w.Namespace, w.Name, string(w.UID))
 		pidsBefore[b] = qemuPid(t, b)
@@ -509,13 +548,13 @@ func TestFleetPods(t *testing.T) {
 		t.Fatalf("kvbox-a was not started again (pid %d)", again)
 	}
 	poll(ctx, t, "the Deployment's pods Ready after kvbox-a's restart", func() bool {
-		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		l, err := r.pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + r.id})
 		if err != nil {
 			t.Fatal(err)
 		}
-		webs = l.Items
-		for i := range webs {
-			if !kvboxnode.PodReady(&webs[i]) {
+		r.webs = l.Items
+		for i := range r.webs {
+			if !kvboxnode.PodReady(&r.webs[i]) {
 				return false
 			}
 		}
@@ -524,6 +563,7 @@ func TestFleetPods(t *testing.T) {
 	if !strings.Contains(f.nodeLog("kvbox-a"), "found this host's pods again") {
 		t.Errorf("kvbox-a's log does not say it found its pods again")
 	}
+	webs := r.webs
 	if len(webs) != 3 {
 		t.Errorf("after kvbox-a's restart the Deployment has %d pods", len(webs))
 	}
@@ -547,23 +587,23 @@ func TestFleetPods(t *testing.T) {
 		}
 	}
 	for i := range webs {
-		checkServing(ctx, t, f, &webs[i], page)
+		checkServing(ctx, t, f, &webs[i], r.page)
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// A snapshot these hosts cannot restore (a machine type their QEMU
-	// lacks): a pod that asks for that machine type through its node
-	// selector stays Pending with the scheduler's reason; one put on a
-	// node by name fails with kvbox's one line.
-	badRef := pushIncompatible(ctx, t, ref, "pc-q35-99.0")
+// incompatible: a snapshot these hosts cannot restore (a machine type
+// their QEMU lacks): a pod that asks for that machine type through its
+// node selector stays Pending with the scheduler's reason; one put on a
+// node by name fails with kvbox's one line.
+func (r *podsRun) incompatible() {
+	t, ctx, f, ns, id := r.t, r.ctx, r.f, r.ns, r.id
+	badRef := pushIncompatible(ctx, t, r.ref, "pc-q35-99.0")
 	asking := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "needs-machine-" + id}, Spec: kvboxPodSpec(badRef)}
 	asking.Spec.NodeSelector = map[string]string{kvboxnode.MachineLabelPrefix + "pc-q35-99.0": "true"}
 	forced := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "forced-" + id}, Spec: kvboxPodSpec(badRef)}
 	forced.Spec.NodeName = "kvbox-b"
 	for _, pod := range []*corev1.Pod{asking, forced} {
-		if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		if _, err := r.pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -585,23 +625,33 @@ func TestFleetPods(t *testing.T) {
 		t.Errorf("pod %s forced onto kvbox-b: reason %q, message %q; want %s and one line naming the machine type", fp.Name, fp.Status.Reason, fp.Status.Message, kvboxnode.ReasonIncompatible)
 	}
 	for _, pod := range []*corev1.Pod{asking, forced} {
-		if err := pods.Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		if err := r.pods.Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
+}
 
-	// Scaled to 0: no box is left on either node, and both still list the
-	// snapshot in their images (the scheduler prefers them for it).
-	scale, err := f.client.AppsV1().Deployments(ns).GetScale(ctx, dep.Name, metav1.GetOptions{})
+// scale sets the Deployment's replicas.
+func (r *podsRun) scale(replicas int32) {
+	deps := r.f.client.AppsV1().Deployments(r.ns)
+	scale, err := deps.GetScale(r.ctx, r.dep.Name, metav1.GetOptions{})
 	if err != nil {
-		t.Fatal(err)
+		r.t.Fatal(err)
 	}
-	scale.Spec.Replicas = 0
-	if _, err := f.client.AppsV1().Deployments(ns).UpdateScale(ctx, dep.Name, scale, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
+	scale.Spec.Replicas = replicas
+	if _, err := deps.UpdateScale(r.ctx, r.dep.Name, scale, metav1.UpdateOptions{}); err != nil {
+		r.t.Fatal(err)
 	}
+}
+
+// scaledToZero: scaled to 0, no box is left on either node, and both
+// still list the snapshot in their images (the scheduler prefers them for
+// it).
+func (r *podsRun) scaledToZero() {
+	t, ctx, f := r.t, r.ctx, r.f
+	r.scale(0)
 	poll(ctx, t, "the Deployment's pods gone", func() bool {
-		l, err := pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + id})
+		l, err := r.pods.List(ctx, metav1.ListOptions{LabelSelector: "app=webs-" + r.id})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -617,51 +667,45 @@ func TestFleetPods(t *testing.T) {
 		}
 		listed := false
 		for _, im := range nd.Status.Images {
-			if slices.Contains(im.Names, ref) && im.SizeBytes > 0 {
+			if slices.Contains(im.Names, r.ref) && im.SizeBytes > 0 {
 				listed = true
 			}
 		}
 		if !listed {
-			t.Errorf("scaled to 0, %s's images do not list %s: %+v", n, ref, nd.Status.Images)
+			t.Errorf("scaled to 0, %s's images do not list %s: %+v", n, r.ref, nd.Status.Images)
 		}
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// One node stopped for good: its pods are evicted once it is NotReady
-	// past their toleration, and made again on the other.
-	if scale, err = f.client.AppsV1().Deployments(ns).GetScale(ctx, dep.Name, metav1.GetOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	scale.Spec.Replicas = 3
-	if _, err := f.client.AppsV1().Deployments(ns).UpdateScale(ctx, dep.Name, scale, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+// nodeLost: one node stopped for good: its pods are evicted once it is
+// NotReady past their toleration, and made again on the other.
+func (r *podsRun) nodeLost() {
+	t, ctx, f := r.t, r.ctx, r.f
+	r.scale(3)
 	poll(ctx, t, "the Deployment at 3 again, over both nodes", func() bool {
-		webs = readyPods(ctx, t, pods, "app=webs-"+id)
+		r.webs = readyPods(ctx, t, r.pods, "app=webs-"+r.id)
 		on := map[string]bool{}
-		for _, w := range webs {
+		for _, w := range r.webs {
 			on[w.Spec.NodeName] = true
 		}
-		return len(webs) == 3 && len(on) == 2
+		return len(r.webs) == 3 && len(on) == 2
 	})
 	stopped := time.Now()
 	if err := syscall.Kill(f.nodePid("kvbox-b"), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	poll(ctx, t, "3 pods Ready on kvbox-a", func() bool {
-		webs = readyPods(ctx, t, pods, "app=webs-"+id)
-		for _, w := range webs {
+		r.webs = readyPods(ctx, t, r.pods, "app=webs-"+r.id)
+		for _, w := range r.webs {
 			if w.Spec.NodeName != "kvbox-a" {
 				return false
 			}
 		}
-		return len(webs) == 3
+		return len(r.webs) == 3
 	})
 	t.Logf("kvbox-b stopped for good: its pods made again on kvbox-a, all Ready %.1fs after (grace period and toleration %s + 30s)", time.Since(stopped).Seconds(), grace)
-	for i := range webs {
-		checkServing(ctx, t, f, &webs[i], page)
+	for i := range r.webs {
+		checkServing(ctx, t, f, &r.webs[i], r.page)
 	}
 }
 
