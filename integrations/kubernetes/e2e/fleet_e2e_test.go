@@ -86,6 +86,47 @@ func (n *node) stop(sig os.Signal) error {
 }
 
 func TestFleetNodes(t *testing.T) {
+	r := startFleetNodes(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	r.ctx = ctx
+	host := readHostFacts(t)
+
+	// kvbox-a with its capacity given, its boxes on the podCIDR the node
+	// IPAM gives it; kvbox-b with the host's capacity, its boxes capped by
+	// the /28 subnet it is given (13 addresses). Bridges of their own.
+	a := r.start("kvbox-a", "127.0.0.2", "--cpus", "4", "--memory", "6Gi", "--bridge", "kvfa0")
+	b := r.start("kvbox-b", "127.0.0.3", "--subnet", "172.31.3.0/28", "--bridge", "kvfb0")
+
+	r.checkNodesReady(a, b, host)
+	r.checkPodCIDRs(a, b)
+	if t.Failed() {
+		t.FailNow()
+	}
+	r.checkLeases(a, b)
+	tolerating, boundTo := r.checkTaint(a, b)
+	r.checkKubeletAPI(a, b, tolerating, boundTo)
+	r.stopNodes(a, b)
+	r.checkDown()
+}
+
+// nodesRun is one run of TestFleetNodes: its control plane (fleet.sh in
+// a state folder of the test's) and the kvbox-node it built.
+type nodesRun struct {
+	t           *testing.T
+	ctx         context.Context
+	repo, cache string
+	bin         string // the control plane's binaries
+	tmp, state  string
+	kvboxNode   string
+	client      kubernetes.Interface
+	downDone    bool
+}
+
+// startFleetNodes builds kvbox-node and brings the control plane up (a
+// second fleet.sh up finds it up and leaves it alone); fleet.sh down when
+// the test ends, unless the test did it.
+func startFleetNodes(t *testing.T) *nodesRun {
 	gate.Root(t)
 	gate.Tools(t, "openssl", "curl", "ip", "go")
 	gate.LibvirtSocket(t)
@@ -103,49 +144,62 @@ func TestFleetNodes(t *testing.T) {
 		gate.File(t, filepath.Join(bin, b), "the control plane testenv/fleet.sh build makes (make testenv runs it)")
 	}
 	tmp := t.TempDir()
-	state := filepath.Join(tmp, "fleet")
-	fleet := func(args ...string) string {
-		t.Helper()
-		cmd := exec.Command("bash", append([]string{filepath.Join(repo, "testenv/fleet.sh")}, args...)...)
-		cmd.Env = append(os.Environ(), "KVBOX_FLEET_STATE="+state, "KVBOX_FLEET_CACHE="+cache, "KVBOX_TESTENV_NS="+testNetns)
-		var out strings.Builder
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Run(); err != nil {
-			t.Fatalf("fleet.sh %s: %v\n%s", strings.Join(args, " "), err, out.String())
-		}
-		t.Logf("fleet.sh %s:\n%s", strings.Join(args, " "), out.String())
-		return out.String()
-	}
+	r := &nodesRun{t: t, repo: repo, cache: cache, bin: bin, tmp: tmp, state: filepath.Join(tmp, "fleet")}
 
-	kvboxNode := filepath.Join(tmp, "kvbox-node")
-	if out, err := exec.Command("go", "build", "-o", kvboxNode, "../cmd/kvbox-node").CombinedOutput(); err != nil {
+	r.kvboxNode = filepath.Join(tmp, "kvbox-node")
+	if out, err := exec.Command("go", "build", "-o", r.kvboxNode, "../cmd/kvbox-node").CombinedOutput(); err != nil {
 		t.Fatalf("go build kvbox-node: %v\n%s", err, out)
 	}
 
-	downDone := false
 	t.Cleanup(func() {
-		if !downDone {
-			fleet("down")
+		if !r.downDone {
+			r.fleet("down")
 		}
 	})
-	fleet("up")
-	env := readEnv(t, filepath.Join(state, "env"))
+	r.fleet("up")
+	env := readEnv(t, filepath.Join(r.state, "env"))
 	if env["KUBECTL"] != filepath.Join(bin, "kubectl") || env["KUBECONFIG"] == "" {
 		t.Fatalf("fleet env file: %v", env)
 	}
 	// fleet.sh up again finds it up and leaves it alone.
-	if out := fleet("up"); !strings.Contains(out, "already up") {
+	if out := r.fleet("up"); !strings.Contains(out, "already up") {
 		t.Fatalf("a second up did not find the fleet up:\n%s", out)
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", env["KUBECONFIG"])
 	if err != nil {
 		t.Fatal(err)
 	}
-	client := kubernetes.NewForConfigOrDie(cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
+	r.client = kubernetes.NewForConfigOrDie(cfg)
+	return r
+}
 
-	// What this host is, read through kvbox's library, to hold the labels to.
+// fleet runs testenv/fleet.sh on the test's state folder and returns what
+// it printed; a failure fails the test.
+func (r *nodesRun) fleet(args ...string) string {
+	t := r.t
+	t.Helper()
+	cmd := exec.Command("bash", append([]string{filepath.Join(r.repo, "testenv/fleet.sh")}, args...)...)
+	cmd.Env = append(os.Environ(), "KVBOX_FLEET_STATE="+r.state, "KVBOX_FLEET_CACHE="+r.cache, "KVBOX_TESTENV_NS="+testNetns)
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("fleet.sh %s: %v\n%s", strings.Join(args, " "), err, out.String())
+	}
+	t.Logf("fleet.sh %s:\n%s", strings.Join(args, " "), out.String())
+	return out.String()
+}
+
+// hostFacts is what this host is, read through kvbox's library, to hold
+// the nodes' labels and capacity to.
+type hostFacts struct {
+	domainType string
+	compat     snapshot.HostCompat
+	qemu       uint32
+	cpus       uint   // the host's CPUs
+	memory     uint64 // the host's memory, KiB
+}
+
+func readHostFacts(t *testing.T) hostFacts {
 	conn, err := domain.Connect(domain.DefaultURI())
 	if err != nil {
 		t.Fatal(err)
@@ -169,43 +223,48 @@ func TestFleetNodes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return hostFacts{domainType: hostType, compat: hc, qemu: qemu, cpus: info.Cpus, memory: info.Memory}
+}
 
-	// kvbox-a with its capacity given, its boxes on the podCIDR the node
-	// IPAM gives it; kvbox-b with the host's capacity, its boxes capped by
-	// the /28 subnet it is given (13 addresses). Bridges of their own.
-	start := func(name, addr string, extra ...string) *node {
-		creds := strings.TrimSpace(lastLine(fleet("node-credentials", name, addr)))
-		n := &node{name: name, addr: addr, log: filepath.Join(tmp, name+".log"), done: make(chan error, 1)}
-		logf, err := os.Create(n.log)
-		if err != nil {
-			t.Fatal(err)
-		}
-		args := append([]string{"--name", name, "--node-address", addr, "--kubeconfig", filepath.Join(creds, "kubeconfig"),
-			"--tls-cert-file", filepath.Join(creds, "kubelet.crt"), "--tls-private-key-file", filepath.Join(creds, "kubelet.key"),
-			"--client-ca-file", filepath.Join(creds, "ca.crt"), "--state-dir", filepath.Join(tmp, "state-"+name),
-			"--status-interval", "2s"}, extra...)
-		n.cmd = exec.Command(kvboxNode, args...)
-		n.cmd.Stdout, n.cmd.Stderr = logf, logf
-		if err := n.cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		go func() { n.done <- n.cmd.Wait(); logf.Close() }()
-		t.Cleanup(func() {
-			n.stop(os.Kill)
-			if t.Failed() {
-				b, _ := os.ReadFile(n.log)
-				t.Logf("%s's log:\n%s", name, tail(string(b), 40))
-			}
-		})
-		return n
+// start starts kvbox-node name on addr with extra flags, its credentials
+// from fleet.sh node-credentials, its log kept (shown when the test
+// fails); it is killed when the test ends.
+func (r *nodesRun) start(name, addr string, extra ...string) *node {
+	t := r.t
+	creds := strings.TrimSpace(lastLine(r.fleet("node-credentials", name, addr)))
+	n := &node{name: name, addr: addr, log: filepath.Join(r.tmp, name+".log"), done: make(chan error, 1)}
+	logf, err := os.Create(n.log)
+	if err != nil {
+		t.Fatal(err)
 	}
-	a := start("kvbox-a", "127.0.0.2", "--cpus", "4", "--memory", "6Gi", "--bridge", "kvfa0")
-	b := start("kvbox-b", "127.0.0.3", "--subnet", "172.31.3.0/28", "--bridge", "kvfb0")
+	args := append([]string{"--name", name, "--node-address", addr, "--kubeconfig", filepath.Join(creds, "kubeconfig"),
+		"--tls-cert-file", filepath.Join(creds, "kubelet.crt"), "--tls-private-key-file", filepath.Join(creds, "kubelet.key"),
+		"--client-ca-file", filepath.Join(creds, "ca.crt"), "--state-dir", filepath.Join(r.tmp, "state-"+name),
+		"--status-interval", "2s"}, extra...)
+	n.cmd = exec.Command(r.kvboxNode, args...)
+	n.cmd.Stdout, n.cmd.Stderr = logf, logf
+	if err := n.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { n.done <- n.cmd.Wait(); logf.Close() }()
+	t.Cleanup(func() {
+		n.stop(os.Kill)
+		if t.Failed() {
+			b, _ := os.ReadFile(n.log)
+			t.Logf("%s's log:\n%s", name, tail(string(b), 40))
+		}
+	})
+	return n
+}
 
-	// Both nodes Ready, with their capacity, labels, taint and addresses.
+// checkNodesReady: both nodes Ready, with their capacity, labels, taint
+// and addresses.
+func (r *nodesRun) checkNodesReady(a, b *node, host hostFacts) {
+	t, ctx, client := r.t, r.ctx, r.client
+	hostType, hc, qemu := host.domainType, host.compat, host.qemu
 	wantCap := map[string][3]int64{
 		a.name: {4, 6 << 30, kvboxnode.DefaultMaxBoxes},
-		b.name: {int64(info.Cpus), int64(info.Memory)*1024 - kvboxnode.DefaultReservedMemory, 13},
+		b.name: {int64(host.cpus), int64(host.memory)*1024 - kvboxnode.DefaultReservedMemory, 13},
 	}
 	for _, n := range []*node{a, b} {
 		nd := waitNode(ctx, t, client, n, "Ready", func(nd *corev1.Node) bool { return condition(nd, corev1.NodeReady) == corev1.ConditionTrue })
@@ -243,10 +302,15 @@ func TestFleetNodes(t *testing.T) {
 			t.Errorf("%s addresses %v, kubelet port %d", n.name, st.Addresses, st.DaemonEndpoints.KubeletEndpoint.Port)
 		}
 	}
-	// The controller manager's node IPAM gave each its own podCIDR.
+}
+
+// checkPodCIDRs: the controller manager's node IPAM gave each node its
+// own podCIDR.
+func (r *nodesRun) checkPodCIDRs(a, b *node) {
+	t := r.t
 	cidrs := map[string]string{}
 	for _, n := range []*node{a, b} {
-		nd := waitNode(ctx, t, client, n, "a podCIDR", func(nd *corev1.Node) bool { return nd.Spec.PodCIDR != "" })
+		nd := waitNode(r.ctx, t, r.client, n, "a podCIDR", func(nd *corev1.Node) bool { return nd.Spec.PodCIDR != "" })
 		p, err := netip.ParsePrefix(nd.Spec.PodCIDR)
 		if err != nil || !netip.MustParsePrefix("172.31.0.0/23").Contains(p.Addr()) {
 			t.Errorf("%s podCIDR %q is not in the cluster CIDR", n.name, nd.Spec.PodCIDR)
@@ -256,11 +320,11 @@ func TestFleetNodes(t *testing.T) {
 	if cidrs[a.name] == cidrs[b.name] {
 		t.Errorf("both nodes got podCIDR %s", cidrs[a.name])
 	}
-	if t.Failed() {
-		t.FailNow()
-	}
+}
 
-	// Leases: held by each node, renewed.
+// checkLeases: each node holds its lease, and renews it.
+func (r *nodesRun) checkLeases(a, b *node) {
+	t, ctx, client := r.t, r.ctx, r.client
 	for _, n := range []*node{a, b} {
 		first := lease(ctx, t, client, n.name)
 		if first.Spec.HolderIdentity == nil || *first.Spec.HolderIdentity != n.name {
@@ -273,9 +337,13 @@ func TestFleetNodes(t *testing.T) {
 		})
 		t.Logf("%s's lease renewed: %s -> %s", n.name, first.Spec.RenewTime.Format(time.RFC3339Nano), renewed.Spec.RenewTime.Format(time.RFC3339Nano))
 	}
+}
 
-	// A pod without the toleration is not scheduled: the scheduler says the
-	// taint is why. One with it is bound to a kvbox node.
+// checkTaint: a pod without the toleration is not scheduled: the
+// scheduler says the taint is why. One with it (returned, with its node)
+// is bound to a kvbox node; the other stays Pending, unbound.
+func (r *nodesRun) checkTaint(a, b *node) (tolerating *corev1.Pod, boundTo string) {
+	t, ctx, client := r.t, r.ctx, r.client
 	plain := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: "no-toleration", Namespace: "default"},
 		Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "127.0.0.1:5000/fleet/none:1"}}},
@@ -301,13 +369,12 @@ func TestFleetNodes(t *testing.T) {
 	if !strings.Contains(why, "0/2 nodes are available") || !strings.Contains(why, "2 node(s) had untolerated taint") {
 		t.Errorf("the scheduler's reason is not the taint on both nodes: %q", why)
 	}
-	tolerating := plain.DeepCopy()
+	tolerating = plain.DeepCopy()
 	tolerating.Name = "tolerates-kvbox"
 	tolerating.Spec.Tolerations = []corev1.Toleration{{Key: "kvbox.dev/vm", Operator: corev1.TolerationOpEqual, Value: "true", Effect: corev1.TaintEffectNoSchedule}}
 	if _, err := client.CoreV1().Pods("default").Create(ctx, tolerating, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	var boundTo string
 	poll(ctx, t, "the tolerating pod bound", func() bool {
 		p, err := client.CoreV1().Pods("default").Get(ctx, tolerating.Name, metav1.GetOptions{})
 		if err != nil {
@@ -323,13 +390,18 @@ func TestFleetNodes(t *testing.T) {
 	if p, err := client.CoreV1().Pods("default").Get(ctx, plain.Name, metav1.GetOptions{}); err != nil || p.Spec.NodeName != "" || p.Status.Phase != corev1.PodPending {
 		t.Fatalf("pod without the toleration: node %q phase %s (%v)", p.Spec.NodeName, p.Status.Phase, err)
 	}
+	return tolerating, boundTo
+}
 
-	// The kubelet API through the API server (TLS to the node's address,
-	// verified with the fleet's CA; the API server's client certificate
-	// authorized): a pod's log request reaches the node's provider, which
-	// answers that the pod (its image is in no registry) has no box yet.
-	// (nodes/proxy is not used: the API server proxies to no loopback
-	// address.)
+// checkKubeletAPI: the kubelet API through the API server (TLS to the
+// node's address, verified with the fleet's CA; the API server's client
+// certificate authorized): a pod's log request reaches the node's
+// provider, which answers that the pod (its image is in no registry) has
+// no box yet. (nodes/proxy is not used: the API server proxies to no
+// loopback address.) Directly, it wants credentials, the node's own, and
+// listens on the node address only. The tolerating pod is deleted after.
+func (r *nodesRun) checkKubeletAPI(a, b *node, tolerating *corev1.Pod, boundTo string) {
+	t, ctx, client, state := r.t, r.ctx, r.client, r.state
 	raw, err := client.CoreV1().Pods("default").GetLogs(tolerating.Name, &corev1.PodLogOptions{}).DoRaw(ctx)
 	if err == nil || !strings.Contains(string(raw), "has no running box yet") {
 		t.Fatalf("the log of a pod on %s through the API server: %v (%s)", boundTo, err, raw)
@@ -371,9 +443,13 @@ func TestFleetNodes(t *testing.T) {
 	if err := client.CoreV1().Pods("default").Delete(ctx, tolerating.Name, *metav1.NewDeleteOptions(0)); err != nil {
 		t.Fatal(err)
 	}
+}
 
-	// kvbox-b stopped for good: NotReady once its lease is older than the
-	// grace period; kvbox-a stays Ready.
+// stopNodes: kvbox-b stopped for good is NotReady once its lease is older
+// than the grace period; kvbox-a stays Ready. SIGTERM ends kvbox-a
+// cleanly.
+func (r *nodesRun) stopNodes(a, b *node) {
+	t, ctx, client := r.t, r.ctx, r.client
 	stopped := time.Now()
 	b.stop(os.Kill)
 	nd := waitNode(ctx, t, client, b, "NotReady", func(nd *corev1.Node) bool { return condition(nd, corev1.NodeReady) != corev1.ConditionTrue })
@@ -386,11 +462,15 @@ func TestFleetNodes(t *testing.T) {
 	if err := a.stop(syscall.SIGTERM); err != nil {
 		t.Errorf("kvbox-a after SIGTERM: %v", err)
 	}
+}
 
-	// down leaves no process, no listener, nothing in its state folder but logs.
-	fleet("down")
-	downDone = true
-	if pids := processesOf(bin, state); len(pids) > 0 {
+// checkDown: fleet.sh down leaves no process, no listener, nothing in its
+// state folder but logs.
+func (r *nodesRun) checkDown() {
+	t := r.t
+	r.fleet("down")
+	r.downDone = true
+	if pids := processesOf(r.bin, r.state); len(pids) > 0 {
 		t.Errorf("processes of the fleet left after down: %v", pids)
 	}
 	for _, p := range fleetPorts {
@@ -398,7 +478,7 @@ func TestFleetNodes(t *testing.T) {
 			t.Errorf("port %d still listens in %s after down", p, testNetns)
 		}
 	}
-	entries, _ := os.ReadDir(state)
+	entries, _ := os.ReadDir(r.state)
 	for _, e := range entries {
 		if e.Name() != "logs" {
 			t.Errorf("%s left in the fleet's state folder after down", e.Name())
