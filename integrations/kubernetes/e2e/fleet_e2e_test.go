@@ -127,22 +127,8 @@ type nodesRun struct {
 // second fleet.sh up finds it up and leaves it alone); fleet.sh down when
 // the test ends, unless the test did it.
 func startFleetNodes(t *testing.T) *nodesRun {
-	gate.Root(t)
-	gate.Tools(t, "openssl", "curl", "ip", "go")
-	gate.LibvirtSocket(t)
-	inTestNetns(t)
-	repo, err := filepath.Abs("../../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cache := os.Getenv("KVBOX_FLEET_CACHE")
-	if cache == "" {
-		cache = "/var/lib/kvbox-testenv/k8s"
-	}
+	repo, cache := fleetPrerequisites(t, "openssl", "curl", "ip", "go")
 	bin := filepath.Join(cache, "v1.37.2", "bin")
-	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl"} {
-		gate.File(t, filepath.Join(bin, b), "the control plane testenv/fleet.sh build makes (make testenv runs it)")
-	}
 	tmp := t.TempDir()
 	r := &nodesRun{t: t, repo: repo, cache: cache, bin: bin, tmp: tmp, state: filepath.Join(tmp, "fleet")}
 
@@ -484,6 +470,29 @@ func (r *nodesRun) checkDown() {
 			t.Errorf("%s left in the fleet's state folder after down", e.Name())
 		}
 	}
+}
+
+// fleetPrerequisites gates a test of a local fleet: root, tools, libvirt,
+// the test namespace, the control plane testenv/fleet.sh build makes. It
+// returns the repository's folder and the control plane's cache
+// (KVBOX_FLEET_CACHE).
+func fleetPrerequisites(t *testing.T, tools ...string) (repo, cache string) {
+	gate.Root(t)
+	gate.Tools(t, tools...)
+	gate.LibvirtSocket(t)
+	inTestNetns(t)
+	repo, err := filepath.Abs("../../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cache = os.Getenv("KVBOX_FLEET_CACHE")
+	if cache == "" {
+		cache = "/var/lib/kvbox-testenv/k8s"
+	}
+	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl"} {
+		gate.File(t, filepath.Join(cache, "v1.37.2", "bin", b), "the control plane testenv/fleet.sh build makes (make testenv runs it)")
+	}
+	return repo, cache
 }
 
 // inTestNetns fails the test unless it runs inside the test namespace:

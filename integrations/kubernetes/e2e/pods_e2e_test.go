@@ -39,7 +39,6 @@ import (
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
 	"kvbox.dev/kvbox/registry"
 	"kvbox.dev/kvbox/snapshot"
-	"kvbox.dev/kvbox/testenv/gate"
 )
 
 // The test registry testenv/setup.sh starts in the test namespace.
@@ -114,21 +113,7 @@ func (f *fleetRun) nodeLog(name string) string {
 // nodes) and stops them, their boxes, snapshots and bridges when the test
 // ends (fleet.sh down).
 func upFleet(t *testing.T) *fleetRun {
-	gate.Root(t)
-	gate.Tools(t, "openssl", "curl", "ip", "go", "virsh")
-	gate.LibvirtSocket(t)
-	inTestNetns(t)
-	repo, err := filepath.Abs("../../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cache := os.Getenv("KVBOX_FLEET_CACHE")
-	if cache == "" {
-		cache = "/var/lib/kvbox-testenv/k8s"
-	}
-	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl"} {
-		gate.File(t, filepath.Join(cache, "v1.37.2", "bin", b), "the control plane testenv/fleet.sh build makes (make testenv runs it)")
-	}
+	repo, cache := fleetPrerequisites(t, "openssl", "curl", "ip", "go", "virsh")
 	nodeDir := os.Getenv("KVBOX_FLEET_NODE_STATE")
 	if nodeDir == "" {
 		nodeDir = "/var/lib/kvbox-fleet-"
