@@ -40,6 +40,27 @@ func newFakeLib() *fakeLib {
 	return &fakeLib{boxes: map[string]Box{}, snaps: map[string]Snapshot{}}
 }
 
+// box, put and counts read and write the fake's state under its lock, as
+// the provider's goroutines do.
+func (f *fakeLib) box(name string) (Box, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	b, ok := f.boxes[name]
+	return b, ok
+}
+
+func (f *fakeLib) put(b Box) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.boxes[b.Name] = b
+}
+
+func (f *fakeLib) counts() (pulls, clones int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.pulls, f.n
+}
+
 func (f *fakeLib) Facts(context.Context) (HostFacts, error) {
 	return HostFacts{CPUs: 2, Memory: 4 << 30}, nil
 }
@@ -208,7 +229,7 @@ func TestProviderPodsAsClones(t *testing.T) {
 	for _, pod := range []*corev1.Pod{one, two} {
 		st := waitStatus(t, p, pod.Name, ready)
 		box := BoxName("team", pod.Name, string(pod.UID))
-		b, ok := lib.boxes[box]
+		b, ok := lib.box(box)
 		if !ok || st.Phase != corev1.PodRunning || st.PodIP != b.IP {
 			t.Errorf("pod %s: phase %s, IP %q; box %s %v", pod.Name, st.Phase, st.PodIP, box, b)
 		}
@@ -216,8 +237,8 @@ func TestProviderPodsAsClones(t *testing.T) {
 			t.Errorf("box %s's labels %v", box, b.Labels)
 		}
 	}
-	if lib.pulls != 1 {
-		t.Errorf("%d pulls for one image", lib.pulls)
+	if pulls, _ := lib.counts(); pulls != 1 {
+		t.Errorf("%d pulls for one image", pulls)
 	}
 	del := one.DeepCopy()
 	now := metav1.Now()
@@ -225,10 +246,10 @@ func TestProviderPodsAsClones(t *testing.T) {
 	if err := p.DeletePod(context.Background(), del); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := lib.boxes[BoxName("team", "web-1", "11111111-aaaa")]; ok {
+	if _, ok := lib.box(BoxName("team", "web-1", "11111111-aaaa")); ok {
 		t.Errorf("web-1 deleted, its box stays")
 	}
-	if _, ok := lib.boxes[BoxName("team", "web-2", "22222222-bbbb")]; !ok {
+	if _, ok := lib.box(BoxName("team", "web-2", "22222222-bbbb")); !ok {
 		t.Errorf("web-1 deleted, web-2's box went too")
 	}
 }
@@ -251,8 +272,8 @@ func TestProviderCommandExitCode(t *testing.T) {
 	if st.Phase != corev1.PodFailed || len(cs) != 1 || cs[0].State.Terminated == nil || cs[0].State.Terminated.ExitCode != 3 {
 		t.Fatalf("pod of a command exiting 3: phase %s, %+v", st.Phase, cs)
 	}
-	if len(lib.boxes) != 0 {
-		t.Errorf("the ended pod's box stays: %v", lib.boxes)
+	if left, _ := lib.Boxes(context.Background()); len(left) != 0 {
+		t.Errorf("the ended pod's box stays: %v", left)
 	}
 	r, err := p.GetContainerLogs(context.Background(), "team", pod.Name, "box", api.ContainerLogOpts{})
 	if err != nil {
@@ -279,13 +300,13 @@ func TestProviderRecover(t *testing.T) {
 		waitStatus(t, p, pod.Name, ready)
 	}
 	cancel() // kvbox-node killed: the boxes stay
-	lib.boxes["team.web-3.33333333"] = Box{Name: "team.web-3.33333333", State: "running", Snapshot: "pod-sha256-x"}
-	lib.boxes["users-own-box"] = Box{Name: "users-own-box", State: "running"}
+	lib.put(Box{Name: "team.web-3.33333333", State: "running", Snapshot: "pod-sha256-x"})
+	lib.put(Box{Name: "users-own-box", State: "running"})
 	running := kept.DeepCopy()
 	running.Status = corev1.PodStatus{Phase: corev1.PodRunning, ContainerStatuses: []corev1.ContainerStatus{{Name: "box",
 		State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{}}}}}
 	apis.pods["team/web-1"] = running
-	clonesBefore := lib.n
+	_, clonesBefore := lib.counts()
 
 	p2, cancel2 := testProvider(t, lib, apis)
 	defer cancel2()
@@ -300,7 +321,7 @@ func TestProviderRecover(t *testing.T) {
 	if len(removed) != 2 || !want[removed[0]] || !want[removed[1]] {
 		t.Errorf("removed %v, want %v", removed, want)
 	}
-	if _, ok := lib.boxes["users-own-box"]; !ok {
+	if _, ok := lib.box("users-own-box"); !ok {
 		t.Errorf("a box not of kvbox-node's name form was removed")
 	}
 	// virtual-kubelet creates the pods it finds bound here: the same one
@@ -309,8 +330,9 @@ func TestProviderRecover(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := waitStatus(t, p2, "web-1", ready)
-	if lib.n != clonesBefore || st.PodIP != lib.boxes[BoxName("team", "web-1", "11111111-aaaa")].IP {
-		t.Errorf("after the restart: %d clones more, pod IP %q", lib.n-clonesBefore, st.PodIP)
+	_, clones := lib.counts()
+	if b, _ := lib.box(BoxName("team", "web-1", "11111111-aaaa")); clones != clonesBefore || st.PodIP != b.IP {
+		t.Errorf("after the restart: %d clones more, pod IP %q", clones-clonesBefore, st.PodIP)
 	}
 }
 
