@@ -11,7 +11,7 @@ import (
 
 // Host is what serve needs of kvbox: the calls of the kvbox library
 // (package kvbox) it uses, and nothing of how they are done. The command
-// wires it to the library's Host (cmd/kvbox/serve_host.go); the tests to a
+// wires it to the library's Host (kvbox/e2b/host.go); the tests to a
 // fake.
 //
 // Its errors wrap ErrNotFound, ErrExists, ErrBusy or ErrInvalid where the
