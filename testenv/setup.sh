@@ -14,7 +14,8 @@ _log_prefix=setup
 require_root
 
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
-# are too old for kvbox (see DESIGN.md), so "installed" is not enough for them.
+# are too old for kvbox (the mapped-ram migration it saves RAM with came in QEMU 9.0), so
+# "installed" is not enough for them.
 # libvirt-daemon-driver-nwfilter keeps the port filter of boxes an older kvbox made (libvirt's
 # nwfilter, ebtables/iptables); kvbox's own port filter is nftables over netlink, no package.
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
@@ -60,7 +61,7 @@ stage_packages() {
 		apt-get install -y -q --no-install-recommends $missing_base || return 1
 	fi
 	if [ -n "$missing_bpo" ]; then
-		# With their recommends, as DESIGN.md's proven install: libvirt-daemon only recommends its
+		# With their recommends, as a user's install has them: libvirt-daemon only recommends its
 		# drivers (storage, network, secret, ...), and a libvirtd without them is not what users run.
 		# shellcheck disable=SC2086
 		apt-get install -y -q "${target[@]}" $missing_bpo || return 1

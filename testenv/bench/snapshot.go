@@ -363,9 +363,8 @@ func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, 
 }
 
 // printRatio holds the snapshots' totals against the median of their
-// writes: a single write lands in a fast or a slow phase of this disk
-// (75 MB took 58-348 ms within one set, 1.4 GB 2.0-10.6 s), the median of
-// five says what writing that size costs here.
+// writes: a single write lands in a fast or a slow phase of a shared disk,
+// the median of five says what writing that size costs here.
 func (k *kvSnaps) printRatio() {
 	w := max(median(k.write), 1)
 	fmt.Printf("  writing each one's size to this disk and syncing, right after it: %s ms (median %.0f); total / that median: first %.1f, later ones (median) %.1f (target <= 2)\n",
