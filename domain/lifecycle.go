@@ -89,23 +89,6 @@ func RAMArgs(size int64) []string {
 	}
 }
 
-// MemoryFile is where a box defined by an earlier kvbox kept its RAM: a
-// file in its folder, mapped shared by QEMU (LegacyRAMArgs).
-func MemoryFile(dir string) string { return filepath.Join(dir, "memory") }
-
-// LegacyRAMArgs are the RAM arguments of a box defined by an earlier kvbox:
-// its RAM in MemoryFile, shared with QEMU. Reading a page the guest never
-// touched there costs a zeroed page of page cache, so a live snapshot
-// read a box's untouched RAM slowly (docs/design.md#live-copy-of-ram);
-// Start gives such
-// a box RAMArgs (UpgradeRAM).
-func LegacyRAMArgs(size int64, file string) []string {
-	return []string{
-		"-object", fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=on", RAMBackendID, size, QemuOptEscape(file)),
-		"-machine", "memory-backend=" + RAMBackendID,
-	}
-}
-
 // ReplaceQemuArg replaces the qemu:arg value old, found exactly once in a
 // domain XML (HTML-escaped as libvirt writes it, or raw), by repl; false
 // when it is not there once.
@@ -491,9 +474,6 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 	if err := h.AllowPort(b); err != nil {
 		return Box{}, err
 	}
-	if err := h.UpgradeRAM(dom, b); err != nil {
-		return Box{}, err
-	}
 	// A box resumed from a suspend mapped its RAM from the saved state; a
 	// cold boot needs none of it.
 	RemoveSuspendStates(b.Dir, nil)
@@ -506,8 +486,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 }
 
 // Stop shuts a box down through ACPI, and pulls the plug after timeout (or
-// at once with force). The RAM file of a box an earlier kvbox defined is
-// emptied: its pages are garbage now.
+// at once with force).
 func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, force bool) error {
 	b, dom, release, err := h.LockedLookup(name)
 	if err != nil {
@@ -522,13 +501,10 @@ func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, for
 	}
 	if !force {
 		if err := dom.Shutdown(); err == nil && waitState(ctx, dom, libvirt.DOMAIN_SHUTOFF, timeout) {
-			return EmptyMemory(b.Dir)
+			return nil
 		}
 	}
-	if err := powerOff(dom, name); err != nil {
-		return err
-	}
-	return EmptyMemory(b.Dir)
+	return powerOff(dom, name)
 }
 
 // Remove deletes a box: its domain, folder (disk, memory, sockets) and with
@@ -626,25 +602,6 @@ func waitState(ctx context.Context, dom *libvirt.Domain, want libvirt.DomainStat
 	return false
 }
 
-// UpgradeRAM gives a stopped box that an earlier kvbox defined with its RAM
-// in a file (LegacyRAMArgs) anonymous RAM (RAMArgs), and deletes the file:
-// it holds the RAM of a run that is over.
-func (h *Host) UpgradeRAM(dom *libvirt.Domain, b Box) error {
-	x, err := dom.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE)
-	if err != nil {
-		return fmt.Errorf("read box %q: %s", b.Name, LibvirtMessage(err))
-	}
-	if x, ok := ReplaceQemuArg(x, LegacyRAMArgs(b.MemoryBytes, MemoryFile(b.Dir))[1], RAMArgs(b.MemoryBytes)[1]); ok {
-		if err := h.Define(x); err != nil {
-			return fmt.Errorf("give box %q anonymous RAM: %w", b.Name, err)
-		}
-	}
-	if err := os.Remove(MemoryFile(b.Dir)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return nil
-}
-
 // RemoveSuspendStates deletes the saved states of suspends
 // (suspend-*.state) in a box folder, but those keep says to keep (nil:
 // none).
@@ -656,21 +613,6 @@ func RemoveSuspendStates(dir string, keep func(path string) bool) {
 			os.Remove(p)
 		}
 	}
-}
-
-// EmptyMemory truncates the RAM file of a box an earlier kvbox defined to
-// nothing (its blocks go back to the filesystem); a missing one is fine. The box folder is QEMU's: a link
-// planted in the file's place is refused, never truncated through.
-func EmptyMemory(dir string) error {
-	f, err := OpenNoFollow(MemoryFile(dir), os.O_WRONLY)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Truncate(0)
 }
 
 // Unpause continues a paused box (one a failed or interrupted snapshot left

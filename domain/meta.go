@@ -119,12 +119,10 @@ func ValidLabel(key, value string) error {
 // Suspended is where a suspended box's saved state is.
 type Suspended struct {
 	At time.Time `xml:"at" json:"at"`
-	// State is the migration stream's file in the box's folder: device
-	// state, and with MappedRAM the RAM too (at Offset), which the resumed
-	// box then maps privately. Without MappedRAM (a box an earlier kvbox
-	// suspended) the RAM stays in the box's own memory file.
+	// State is the migration stream's file in the box's folder, written
+	// with mapped-ram: device state and the RAM (at Offset), which the
+	// resumed box then maps privately.
 	State       string `xml:"state" json:"state"`
-	MappedRAM   bool   `xml:"mapped-ram" json:"mapped_ram"`
 	Offset      int64  `xml:"offset" json:"offset"`
 	PauseMillis int64  `xml:"pause-ms" json:"pause_ms"`
 }

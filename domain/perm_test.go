@@ -140,9 +140,8 @@ func assertUntouched(t *testing.T, outside string) {
 }
 
 // Every path kvbox, as root, opens in a folder QEMU's user can write
-// refuses what that user could plant there: the RAM file it empties at a
-// stop or resume, reserves at a start, copies at a snapshot, and what it
-// hands to QEMU's group.
+// refuses what that user could plant there: what it opens there
+// (OpenNoFollow) and what it hands to QEMU's group.
 func TestPlantedNamesRefused(t *testing.T) {
 	h := &Host{facts: &hostFacts{uid: 64055, gid: 64055}}
 	for _, tc := range []struct {
@@ -156,14 +155,6 @@ func TestPlantedNamesRefused(t *testing.T) {
 				f.Close()
 			}
 			return err
-		}, nil},
-		{"EmptyMemory", func(p string) error {
-			// EmptyMemory takes the folder: the planted name is its memory.
-			d := t.TempDir()
-			if err := os.Rename(p, MemoryFile(d)); err != nil {
-				t.Fatal(err)
-			}
-			return EmptyMemory(d)
 		}, nil},
 		// chown and chmod of a FIFO, a folder or a hard link (the kernel's
 		// protected_hardlinks stops QEMU's user making one to a file not
@@ -186,27 +177,15 @@ func TestPlantedNamesRefused(t *testing.T) {
 	}
 }
 
-// The real thing passes: the RAM file of a box an earlier kvbox defined is
-// emptied at a stop, and a plain file is shared with QEMU's group.
-func TestRAMFileEmptiedAndFileShared(t *testing.T) {
+// The real thing passes: a plain file is shared with QEMU's group.
+func TestFileShared(t *testing.T) {
 	h := &Host{facts: &hostFacts{uid: 64055, gid: 64055}}
-	dir := t.TempDir()
-	if err := os.WriteFile(MemoryFile(dir), []byte("ram page"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := EmptyMemory(dir); err != nil {
-		t.Fatal(err)
-	}
-	var st syscall.Stat_t
-	syscall.Stat(MemoryFile(dir), &st)
-	if st.Size != 0 || st.Blocks != 0 {
-		t.Errorf("emptied RAM file: size %d, %d blocks", st.Size, st.Blocks)
-	}
 	f := filepath.Join(t.TempDir(), "base.qcow2")
 	os.WriteFile(f, []byte("x"), 0o600)
 	if err := h.ShareWithQEMU(f, statedir.SharedFileMode); err != nil {
 		t.Fatal(err)
 	}
+	var st syscall.Stat_t
 	syscall.Stat(f, &st)
 	if st.Uid != 0 || st.Gid != 64055 || st.Mode&0o777 != 0o440 {
 		t.Errorf("shared file: %d:%d %o, want 0:64055 440", st.Uid, st.Gid, st.Mode&0o777)

@@ -124,29 +124,29 @@ func TestRAMArgs(t *testing.T) {
 	if got[1] != "memory-backend-ram,id=kvbox.ram,size=1048576" || got[3] != "memory-backend=kvbox.ram" {
 		t.Errorf("RAMArgs = %q", got)
 	}
-	got = LegacyRAMArgs(1<<20, "/var/lib/a,b/memory")
-	if got[1] != "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=/var/lib/a,,b/memory,share=on" || got[3] != "memory-backend=kvbox.ram" {
-		t.Errorf("LegacyRAMArgs = %q", got)
-	}
 }
 
-// ReplaceQemuArg finds a legacy box's RAM file argument raw or as libvirt
-// escapes it, and gives it anonymous RAM; an anonymous definition has no
-// RAM file to replace.
+// ReplaceQemuArg finds an argument raw or as libvirt escapes it, and
+// writes its replacement escaped (a suspended box's RAM file, in a folder
+// whose name has a comma or an ampersand); a definition without the
+// argument is left as it is.
 func TestReplaceQemuArg(t *testing.T) {
 	anon := RAMArgs(1 << 20)[1]
 	for _, dir := range []string{"/var/lib/a,b", "/var/lib/a&b"} {
-		legacy := LegacyRAMArgs(1<<20, MemoryFile(dir))[1]
-		for _, x := range []string{"<qemu:arg value='" + legacy + "'/>", "<qemu:arg value='" + html.EscapeString(legacy) + "'/>"} {
-			out, ok := ReplaceQemuArg(x, legacy, anon)
-			if !ok || out != "<qemu:arg value='"+anon+"'/>" {
-				t.Errorf("ReplaceQemuArg(%q) = %q, %v", x, out, ok)
-			}
+		file := "memory-backend-file,id=kvbox.ram,size=1048576,mem-path=" + QemuOptEscape(dir+"/memory")
+		out, ok := ReplaceQemuArg("<qemu:arg value='"+anon+"'/>", anon, file)
+		if !ok || out != "<qemu:arg value='"+html.EscapeString(file)+"'/>" {
+			t.Errorf("ReplaceQemuArg(%s) = %q, %v", dir, out, ok)
+		}
+		// Found as libvirt writes it back: escaped.
+		x := "<qemu:arg value='" + html.EscapeString(file) + "'/>"
+		if out, ok := ReplaceQemuArg(x, file, anon); !ok || out != "<qemu:arg value='"+anon+"'/>" {
+			t.Errorf("ReplaceQemuArg(%q) = %q, %v", x, out, ok)
 		}
 	}
-	x := "<qemu:arg value='" + anon + "'/>"
-	if out, ok := ReplaceQemuArg(x, LegacyRAMArgs(1<<20, "/b/memory")[1], anon); ok || out != x {
-		t.Errorf("ReplaceQemuArg replaced a RAM file in %q: %q", x, out)
+	x := "<qemu:arg value='memory-backend-ram,id=other'/>"
+	if out, ok := ReplaceQemuArg(x, anon, "y"); ok || out != x {
+		t.Errorf("ReplaceQemuArg replaced what is not there in %q: %q", x, out)
 	}
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 
 	"kvbox.dev/kvbox/base"
@@ -125,20 +124,17 @@ func suspendAgain(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot stri
 }
 
 // settleResumed finishes a resume killed after the guest ran: its own
-// definition back, the suspended mark and the saved state gone.
+// definition back and the suspended mark gone (the state file stays: the
+// running box maps its RAM from it).
 func settleResumed(h *domain.Host, box domain.Box, dom *libvirt.Domain, boot string) error {
 	if err := h.Define(boot); err != nil {
 		return fmt.Errorf("define box for its next boot: %w", err)
 	}
 	meta := box.Meta
-	state := meta.Suspended.State
 	meta.Suspended = nil
 	if err := domain.WriteMeta(dom, meta, true); err != nil {
 		return err
 	}
 	h.RemoveSuspendFiles(box.Name)
-	if state != "" && !strings.ContainsAny(state, "/") && !box.Suspended.MappedRAM {
-		os.Remove(filepath.Join(box.Dir, state)) // loaded: not mapped
-	}
 	return nil
 }

@@ -221,7 +221,7 @@ func (s *suspending) defineSuspended(context.Context) error {
 	if s.clearExpires {
 		meta.Expires = nil
 	}
-	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, MappedRAM: true, PauseMillis: s.pause.Milliseconds()}
+	meta.Suspended = &domain.Suspended{At: time.Now().UTC().Truncate(time.Second), State: s.stateName, PauseMillis: s.pause.Milliseconds()}
 	if err := domain.WriteMeta(s.dom, meta, false); err != nil {
 		s.defineBoot()
 		return fmt.Errorf("mark box %q suspended: %w", s.box.Name, err)
@@ -236,15 +236,14 @@ func (s *suspending) defineBoot() {
 }
 
 // suspendedXML is the box's persistent definition while it is suspended:
-// its own, with its RAM backend (anonymous, or the RAM file of a box an
-// earlier kvbox defined) a file in a folder that does not exist.
+// its own, with its RAM backend (anonymous) a file in a folder that does
+// not exist.
 func suspendedXML(boot string, b domain.Box) (string, error) {
-	repl := domain.LegacyRAMArgs(b.MemoryBytes, filepath.Join(suspendedRAMDir(b), "memory"))[1]
+	repl := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=on", domain.RAMBackendID, b.MemoryBytes,
+		domain.QemuOptEscape(filepath.Join(suspendedRAMDir(b), "memory")))
 	ram := domain.RAMArgs(b.MemoryBytes)[1]
-	for _, o := range []string{ram, domain.LegacyRAMArgs(b.MemoryBytes, domain.MemoryFile(b.Dir))[1]} {
-		if x, ok := domain.ReplaceQemuArg(boot, o, repl); ok {
-			return x, nil
-		}
+	if x, ok := domain.ReplaceQemuArg(boot, ram, repl); ok {
+		return x, nil
 	}
 	return "", fmt.Errorf("the definition of box %q lacks kvbox's RAM backend (%s); it cannot be suspended", b.Name, ram)
 }

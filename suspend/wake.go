@@ -67,9 +67,6 @@ func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.
 	}
 	more, err := settle.Run(ctx)
 	ts = append(ts, more...)
-	if !r.saved.MappedRAM {
-		os.Remove(r.statePath) // loaded: the RAM is the box's memory file
-	}
 	if err != nil {
 		return ResumeResult{Steps: ts}, fmt.Errorf("box %q runs again from its suspend, but: %w", name, err)
 	}
@@ -118,20 +115,14 @@ func (r *resuming) readSaved() (err error) {
 // saved memory). The box maps its RAM privately from the state file, at
 // the offset of its pages, whose bitmap is zeroed so that QEMU loads only
 // the device state (both idempotent: a resume that failed can be tried
-// again). A box an earlier kvbox suspended saved only its device state;
-// its RAM is its memory file.
+// again).
 func (r *resuming) wakeXML() (string, error) {
-	spec := vmstate.RestoreSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: r.box.Disk(), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
-		MemPath: r.statePath}
-	if r.saved.MappedRAM {
-		off, err := vmstate.PrepareMapped(r.statePath, r.box.MemoryBytes)
-		if err != nil {
-			return "", fmt.Errorf("its saved state: %w", err)
-		}
-		spec.MemOffset = off
-	} else {
-		spec.RAMFile = domain.MemoryFile(r.box.Dir)
+	off, err := vmstate.PrepareMapped(r.statePath, r.box.MemoryBytes)
+	if err != nil {
+		return "", fmt.Errorf("its saved state: %w", err)
 	}
+	spec := vmstate.RestoreSpec{Name: r.box.Name, Meta: r.box.Meta, Disk: r.box.Disk(), UUID: r.box.UUID, MemBytes: r.box.MemoryBytes,
+		MemPath: r.statePath, MemOffset: off}
 	return vmstate.RestoreXML(string(r.live), spec)
 }
 
@@ -160,7 +151,7 @@ func (r *resuming) wake() step.Plan {
 			return nil
 		}, Undo: func() { domain.PullPlug(r.dom, name) }},
 		{Name: "load", Do: func(ctx context.Context) error {
-			if err := vmstate.Load(ctx, r.h.QMP(r.dom, name), name, r.statePath, r.saved.MappedRAM); err != nil {
+			if err := vmstate.Load(ctx, r.h.QMP(r.dom, name), name, r.statePath, true); err != nil {
 				return fmt.Errorf("load the saved state of box %q: %w", name, err)
 			}
 			return nil

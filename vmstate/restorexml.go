@@ -45,10 +45,6 @@ type RestoreSpec struct {
 	// `kvbox start` boots instead of waiting for a migration stream that
 	// never comes.
 	Boot bool
-	// RAMFile, when set, is the box's own shared RAM file
-	// (domain.LegacyRAMArgs), with -incoming defer: a box that an earlier
-	// kvbox suspended with its device state alone, resumed (kvbox resume).
-	RAMFile string
 }
 
 // RestoreXML derives the domain XML of a box that restores a saved state
@@ -363,8 +359,7 @@ func sanitize(s string) string {
 	}, s)
 }
 
-// cloneQemuArgs replaces the source's RAM backend (a shared file in its
-// folder) with a private, read-only mapping of the snapshot's memory and
+// cloneQemuArgs replaces the source's RAM backend (anonymous) with a private, read-only mapping of the snapshot's memory and
 // adds -incoming defer. Other pass-through arguments are kept.
 func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s RestoreSpec) ([]libvirtxml.DomainQEMUCommandlineArg, error) {
 	if cl == nil {
@@ -402,7 +397,7 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s RestoreSpec) ([]libvi
 		}
 	}
 	if size < 0 || !machine {
-		return nil, base.Errorf(base.Invalid, "the snapshot's domain XML lacks kvbox's RAM backend (-object memory-backend-file,id=%s and -machine memory-backend=%s)", ramID, ramID)
+		return nil, base.Errorf(base.Invalid, "the snapshot's domain XML lacks kvbox's RAM backend (-object memory-backend-ram,id=%s and -machine memory-backend=%s)", ramID, ramID)
 	}
 	if s.MemBytes > 0 && s.MemBytes != size {
 		return nil, base.Errorf(base.Invalid, "the snapshot records %d bytes of RAM but its domain XML maps %d", s.MemBytes, size)
@@ -410,9 +405,6 @@ func cloneQemuArgs(cl *libvirtxml.DomainQEMUCommandline, s RestoreSpec) ([]libvi
 	switch {
 	case s.Boot:
 		out = append(out, domain.RAMArgs(size)...)
-	case s.RAMFile != "":
-		out = append(out, domain.LegacyRAMArgs(size, s.RAMFile)...)
-		out = append(out, "-incoming", "defer")
 	default:
 		obj := fmt.Sprintf("memory-backend-file,id=%s,size=%d,mem-path=%s,share=off,readonly=on,rom=off", ramID, size, domain.QemuOptEscape(s.MemPath))
 		if s.MemOffset != 0 {

@@ -273,18 +273,6 @@ func TestCloneXMLBoot(t *testing.T) {
 	}
 }
 
-// A box an earlier kvbox suspended with its RAM in its own file resumes
-// from that file, waiting for its device state.
-func TestCloneXMLLegacyResume(t *testing.T) {
-	spec := testSpec("/b/one")
-	spec.RAMFile = "/b/one/memory"
-	d := parseDomain(t, mustCloneXML(t, spec))
-	want := []string{"-object", "memory-backend-file,id=kvbox.ram,size=268435456,mem-path=/b/one/memory,share=on", "-machine", "memory-backend=kvbox.ram", "-incoming", "defer"}
-	if got := qemuArgs(d); !reflect.DeepEqual(got, want) {
-		t.Errorf("qemu args %q", got)
-	}
-}
-
 func mustCloneXML(t *testing.T, spec RestoreSpec) string {
 	t.Helper()
 	out, err := RestoreXML(readTestdata(t, "domain-migratable.xml"), spec)
