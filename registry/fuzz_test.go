@@ -91,7 +91,7 @@ func honestPlan(t testing.TB) *plan {
 // pulled image version, and has sizes kvbox would make.
 func FuzzSnapshotJSON(f *testing.F) {
 	for _, s := range []string{
-		`{"name":"s1","image":"tiny","base_disk":"` + srcImageDir + `/disk.qcow2","base_format":"qcow2","memory":{"file":"state","offset":1048576,"mapped_ram":true},"cpus":1,"memory_bytes":268435456,"disk_bytes":1073741824}`,
+		`{"name":"s1","image":"tiny","base_disk":"` + srcImageDir + `/disk.qcow2","base_format":"qcow2","memory":{"file":"state","offset":1048576},"cpus":1,"memory_bytes":268435456,"disk_bytes":1073741824}`,
 		`{"name":"s1","image":"tiny","base_disk":"` + srcImageDir + `/disk.qcow2","base_format":"qcow2","memory":{"file":"../x/state"},"cpus":1,"memory_bytes":268435456,"disk_bytes":1073741824}`,
 	} {
 		f.Add([]byte(s))
@@ -104,10 +104,7 @@ func FuzzSnapshotJSON(f *testing.F) {
 			return
 		}
 		mf := s.Memory.File
-		if mf == "" {
-			mf = snapshot.MemoryFile
-		}
-		if mf != snapshot.StateFile && mf != snapshot.MemoryFile || !p.has("snapshot/"+mf) || s.Dir != dir || s.Name != "pulled" ||
+		if mf != snapshot.StateFile || !p.has("snapshot/"+mf) || s.Dir != dir || s.Name != "pulled" ||
 			filepath.Dir(s.BaseDisk) != imgDir || s.Image != "tiny" || s.Bitmap != "" {
 			t.Fatalf("accepted %+v", s)
 		}
@@ -143,7 +140,7 @@ func FuzzImageJSON(f *testing.F) {
 // what passes.
 func TestFuzzSeedsAreHonest(t *testing.T) {
 	p := honestPlan(t)
-	if _, err := checkSnapshotMeta([]byte(`{"name":"s1","image":"tiny","base_disk":"`+srcImageDir+`/disk.qcow2","base_format":"qcow2","memory":{"file":"state","offset":1048576,"mapped_ram":true},"cpus":1,"memory_bytes":268435456,"disk_bytes":1073741824}`), p, "x", "/d", "/i"); err != nil {
+	if _, err := checkSnapshotMeta([]byte(`{"name":"s1","image":"tiny","base_disk":"`+srcImageDir+`/disk.qcow2","base_format":"qcow2","memory":{"file":"state","offset":1048576},"cpus":1,"memory_bytes":268435456,"disk_bytes":1073741824}`), p, "x", "/d", "/i"); err != nil {
 		t.Error(err)
 	}
 }

@@ -93,7 +93,7 @@ func honest(t *testing.T) *artifact {
 		"name": "s1", "box": "p1", "box_uuid": "25aabed7-1ebd-466b-b6a4-fc3852eb81ab", "created": "2026-12-05T17:52:56Z",
 		"image": "tiny", "base_disk": srcImageDir + "/disk.qcow2", "base_format": "qcow2",
 		"guest_boot_id": "7f09e76f-6778-4abd-8139-109482f8a78c",
-		"memory":        map[string]any{"file": "state", "offset": 1 << 20, "mapped_ram": true},
+		"memory":        map[string]any{"file": "state", "offset": 1 << 20},
 		"cpus":          1, "memory_bytes": 256 << 20, "disk_bytes": 1 << 30, "bitmap": "kvbox-s1",
 	}
 	mb, _ := json.Marshal(meta)
@@ -353,12 +353,19 @@ func (a *artifact) set(title string, data []byte) *artifact {
 // artifact's own files, in their folders, in kvbox's formats.
 func TestPullRefusesMetadataPaths(t *testing.T) {
 	honest(t).json("snapshot/snapshot.json", func(m map[string]any) {
-		m["memory"] = map[string]any{"file": "../other/state", "offset": 0, "mapped_ram": false}
+		m["memory"] = map[string]any{"file": "../other/state", "offset": 0}
 	}).refused("memory file")
+	// The RAM is in state (mapped-ram); a separate memory file is no part
+	// of a snapshot.
+	a := honest(t)
+	a.files["snapshot/memory"] = &file{data: make([]byte, 4096), apparent: 256 << 20}
+	a.json("snapshot/snapshot.json", func(m map[string]any) {
+		m["memory"] = map[string]any{"file": "memory", "offset": 0}
+	}).refused("snapshot/memory")
 	honest(t).json("snapshot/snapshot.json", func(m map[string]any) { m["base_disk"] = "/etc/shadow" }).refused("base disk")
 	honest(t).json("image-meta/image.json", func(m map[string]any) { m["disk"] = "/dev/sda"; m["format"] = "host_device" }).refused("image.json")
 	honest(t).json("image-meta/image.json", func(m map[string]any) { m["kernel"] = "/etc/shadow" }).refused("image.json")
-	a := honest(t)
+	a = honest(t)
 	a.files["snapshot/run.sh"] = &file{data: []byte("#!/bin/sh")}
 	a.refused("snapshot/run.sh")
 	a = honest(t)

@@ -47,7 +47,7 @@ const (
 
 // The files an artifact may carry, by kind (a part's title is KIND/FILE).
 var artifactFiles = map[string]map[string]bool{
-	"snapshot": {snapshot.MetaFile: true, snapshot.DomainXMLFile: true, snapshot.StateFile: true, snapshot.MemoryFile: true,
+	"snapshot": {snapshot.MetaFile: true, snapshot.DomainXMLFile: true, snapshot.StateFile: true,
 		snapshot.DiskFile: true, domain.AgentTokenFile: true, snapshot.CompatFile: true},
 	"image":      {"disk.qcow2": true, "disk.raw": true, "vmlinuz": true, "initrd.img": true},
 	"image-meta": {"image.json": true},
@@ -154,7 +154,7 @@ func hardLimit(title string) int64 {
 		return agent.TokenSize
 	case "image/vmlinuz", "image/initrd.img":
 		return maxKernelBytes
-	case "snapshot/" + snapshot.StateFile, "snapshot/" + snapshot.MemoryFile:
+	case "snapshot/" + snapshot.StateFile:
 		return maxMemoryBytes + stateSlack
 	case "snapshot/" + snapshot.DiskFile, "image/disk.qcow2", "image/disk.raw":
 		return diskFileLimit(maxDiskBytes)
@@ -195,19 +195,12 @@ func checkSnapshotMeta(b []byte, p *plan, name, dir, dstImageDir string) (snapsh
 	case s.DiskBytes < 1<<20 || s.DiskBytes > maxDiskBytes || s.DiskBytes%512 != 0:
 		return s, refused("snapshot.json says a disk of %d bytes (1 MiB to 64 TiB, a multiple of 512)", s.DiskBytes)
 	}
-	mf := s.Memory.File
-	if mf == "" {
-		mf = snapshot.MemoryFile
-	}
-	mp, ok := p.parts["snapshot/"+mf]
-	if mf != snapshot.MemoryFile && mf != snapshot.StateFile || !ok {
-		return s, refused("snapshot.json names the memory file %q (state or memory, a file of the artifact)", printable(s.Memory.File))
+	mp, ok := p.parts["snapshot/"+snapshot.StateFile]
+	if s.Memory.File != snapshot.StateFile || !ok {
+		return s, refused("snapshot.json names the memory file %q (state, a file of the artifact)", printable(s.Memory.File))
 	}
 	if s.Memory.Offset < 0 || s.Memory.Offset%4096 != 0 || s.Memory.Offset > stateSlack || s.Memory.Offset+s.MemoryBytes > mp.apparent {
-		return s, refused("snapshot.json maps the RAM at %d in %s, which is %d bytes", s.Memory.Offset, mf, mp.apparent)
-	}
-	if mf == snapshot.MemoryFile && s.Memory.MappedRAM {
-		return s, refused("snapshot.json says its memory file is mapped-ram (only state is)")
+		return s, refused("snapshot.json maps the RAM at %d in %s, which is %d bytes", s.Memory.Offset, snapshot.StateFile, mp.apparent)
 	}
 	if !uuidish(s.GuestBootID) {
 		s.GuestBootID = ""
@@ -215,7 +208,7 @@ func checkSnapshotMeta(b []byte, p *plan, name, dir, dstImageDir string) (snapsh
 	out := snapshot.Snapshot{
 		Name: name, Box: s.Box, BoxUUID: s.BoxUUID, Created: s.Created, Image: p.imgName,
 		BaseDisk: filepath.Join(dstImageDir, p.imageDisk), BaseFormat: format, Parent: s.Parent, GuestBootID: s.GuestBootID,
-		Memory: snapshot.Memory{File: s.Memory.File, Offset: s.Memory.Offset, MappedRAM: s.Memory.MappedRAM},
+		Memory: snapshot.Memory{File: s.Memory.File, Offset: s.Memory.Offset},
 		CPUs:   s.CPUs, MemoryBytes: s.MemoryBytes, DiskBytes: s.DiskBytes,
 		Incremental: s.Incremental, DiskCopiedBytes: s.DiskCopiedBytes, PauseMillis: s.PauseMillis, Expires: s.Expires,
 		Dir: dir,
@@ -283,11 +276,10 @@ func checkImageMeta(b []byte, p *plan, s snapshot.Snapshot, dstImageDir string) 
 // says it may be.
 func checkSizes(p *plan, s snapshot.Snapshot) error {
 	limits := map[string]int64{
-		"snapshot/" + snapshot.StateFile:  s.MemoryBytes + stateSlack,
-		"snapshot/" + snapshot.MemoryFile: s.Memory.Offset + s.MemoryBytes,
-		"snapshot/" + snapshot.DiskFile:   diskFileLimit(s.DiskBytes),
-		"image/disk.qcow2":                diskFileLimit(s.DiskBytes),
-		"image/disk.raw":                  s.DiskBytes,
+		"snapshot/" + snapshot.StateFile: s.MemoryBytes + stateSlack,
+		"snapshot/" + snapshot.DiskFile:  diskFileLimit(s.DiskBytes),
+		"image/disk.qcow2":               diskFileLimit(s.DiskBytes),
+		"image/disk.raw":                 s.DiskBytes,
 	}
 	for _, t := range p.titles {
 		if max, ok := limits[t]; ok && p.parts[t].apparent > max {

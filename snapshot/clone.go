@@ -177,10 +177,6 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	if err != nil {
 		return err
 	}
-	memFile := snap.Memory.File
-	if memFile == "" {
-		memFile = MemoryFile
-	}
 	meta := domain.Meta{
 		Image: snap.Image, Snapshot: snap.Name, IP: c.Res.IP.String(), Prefix: cl.net.Subnet.Bits(),
 		Gateway: cl.net.Gateway().String(), MAC: network.NewMAC(), Bridge: cl.net.Bridge, Group: src.Group, Dir: dir,
@@ -196,7 +192,7 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	}
 	cl.spec = vmstate.RestoreSpec{
 		Name: c.Name, Meta: meta, Disk: disk,
-		MemPath: snap.Path(memFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
+		MemPath: snap.Path(StateFile), MemOffset: snap.Memory.Offset, MemBytes: snap.MemoryBytes,
 		DACLabel: dac,
 	}
 	xml, err := vmstate.RestoreXML(cl.srcXML, cl.spec)
@@ -246,7 +242,7 @@ func (cl *cloning) openPort(context.Context) error {
 }
 
 func (cl *cloning) load(ctx context.Context) error {
-	if err := vmstate.Load(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.c.Name, cl.snap.Path(StateFile), cl.snap.Memory.MappedRAM); err != nil {
+	if err := vmstate.Load(ctx, cl.c.Host.QMP(cl.c.Dom, cl.c.Name), cl.c.Name, cl.snap.Path(StateFile)); err != nil {
 		return fmt.Errorf("load snapshot %q into clone %q: %w", cl.snap.Name, cl.c.Name, err)
 	}
 	return nil

@@ -172,7 +172,7 @@ func newCreation(ctx context.Context, h *domain.Host, st Store, box domain.Box, 
 	c := &creation{h: h, st: st, box: box, dom: dom, name: name, tmp: tmp,
 		disk: &diskCopy{q: q, st: st, box: box, path: filepath.Join(tmp, DiskFile), bitmap: bitmapPrefix + name},
 		save: &vmstate.Save{QMP: q, Dom: dom, Box: box.Name, Path: filepath.Join(tmp, StateFile), Under: st.Dir},
-		mem:  Memory{File: StateFile, MappedRAM: true}}
+		mem:  Memory{File: StateFile}}
 	var err error
 	if c.liveXML, err = dom.GetXMLDesc(libvirt.DOMAIN_XML_MIGRATABLE); err != nil {
 		return nil, fmt.Errorf("read the domain XML of %q: %w", box.Name, err)

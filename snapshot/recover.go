@@ -99,7 +99,7 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 }
 
 // Remove deletes a snapshot. It refuses while boxes depend on it: clones
-// map its memory file and their disks are overlays on its disk.
+// map its state file and their disks are overlays on its disk.
 func Remove(h *domain.Host, st Store, name string) error {
 	return RemoveIf(h, st, name, nil)
 }

@@ -7,10 +7,8 @@
 //	               marks a complete snapshot
 //	domain.xml     the source's live domain XML: clones are derived from it
 //	               so machine type, CPU model and devices match exactly
-//	state          the migration stream: CPU and device state (and, for a
-//	               snapshot of a clone, the RAM in mapped-ram layout)
-//	memory         the guest RAM, sparse (only for a snapshot of a box whose
-//	               RAM is a shared file; absent when RAM lives in state)
+//	state          the migration stream, written with mapped-ram: CPU and
+//	               device state, and the RAM at fixed offsets (sparse)
 //	disk.qcow2     the disk, standalone above the base image
 //
 // A folder is built under a hidden temporary name and renamed into place
@@ -33,20 +31,17 @@ const (
 	MetaFile      = "snapshot.json"
 	DomainXMLFile = "domain.xml"
 	StateFile     = "state"
-	MemoryFile    = "memory"
 	DiskFile      = "disk.qcow2"
 )
 
 // Memory says where a snapshot's RAM is and how a clone maps it.
 type Memory struct {
-	// File is MemoryFile or StateFile, relative to the snapshot folder.
+	// File is StateFile, relative to the snapshot folder: the state
+	// stream, written with the mapped-ram capability.
 	File string `json:"file"`
 	// Offset of the RAM's first byte in File (mapped-ram: the pages
-	// offset of the RAM block; 0 for a plain memory file).
+	// offset of the RAM block).
 	Offset int64 `json:"offset"`
-	// MappedRAM says the state stream was written with the mapped-ram
-	// capability: a clone loads it with mapped-ram on too.
-	MappedRAM bool `json:"mapped_ram"`
 }
 
 // Snapshot is a complete snapshot.

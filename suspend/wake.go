@@ -151,7 +151,7 @@ func (r *resuming) wake() step.Plan {
 			return nil
 		}, Undo: func() { domain.PullPlug(r.dom, name) }},
 		{Name: "load", Do: func(ctx context.Context) error {
-			if err := vmstate.Load(ctx, r.h.QMP(r.dom, name), name, r.statePath, true); err != nil {
+			if err := vmstate.Load(ctx, r.h.QMP(r.dom, name), name, r.statePath); err != nil {
 				return fmt.Errorf("load the saved state of box %q: %w", name, err)
 			}
 			return nil

@@ -315,7 +315,7 @@ func TestPullHostileSnapshot(t *testing.T) {
 		}, "names the backing file"},
 		{"a memory file outside its folder", func(p *pushed) {
 			p.set("snapshot/snapshot.json", jsonEdit(t, p.file("snapshot/snapshot.json"), func(m map[string]any) {
-				m["memory"] = map[string]any{"file": "../" + snapName + "/state", "offset": 1 << 20, "mapped_ram": true}
+				m["memory"] = map[string]any{"file": "../" + snapName + "/state", "offset": 1 << 20}
 			}))
 		}, "names the memory file"},
 		{"image.json naming a host device", func(p *pushed) {

@@ -8,26 +8,19 @@ import (
 	"kvbox.dev/kvbox/qmp"
 )
 
-// Load loads the migration stream in path (written with mapped-ram, or
-// with x-ignore-shared) into the paused QEMU of box, started with
-// -incoming defer from a RestoreXML definition. x-ignore-shared makes QEMU
-// skip RAM that lives in a named file; with mapped-ram, RAM sits at fixed
-// offsets in the state file and, its page bitmap being zeroed
-// (PrepareMapped), none of it is read: the box maps it. Both are put back
-// afterwards: a box left with x-ignore-shared on writes RAM-less images on
-// `virsh save`.
-func Load(ctx context.Context, c *qmp.Client, box, path string, mappedRAM bool) error {
+// Load loads the migration stream in path (written with mapped-ram) into
+// the paused QEMU of box, started with -incoming defer from a RestoreXML
+// definition. With mapped-ram, RAM sits at fixed offsets in the state file
+// and, its page bitmap being zeroed (PrepareMapped), none of it is read:
+// the box maps it. The capabilities are put back afterwards.
+func Load(ctx context.Context, c *qmp.Client, box, path string) error {
 	// The load's end activates the disk: it must find the page cache of
 	// the files the box shares kept.
 	KeepPageCache(ctx, c, box, true)
 	// The stream records which capabilities wrote it and QEMU refuses
 	// a mismatch ("Capability x-ignore-shared is on, but received
-	// capability is off"): a mapped-ram snapshot (of a clone, whose RAM
-	// is private) was written without x-ignore-shared.
-	caps := map[string]bool{qmp.CapIgnoreShared: true}
-	if mappedRAM {
-		caps = map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
-	}
+	// capability is off"): Save writes without x-ignore-shared.
+	caps := map[string]bool{qmp.CapIgnoreShared: false, qmp.CapMappedRAM: true}
 	// No announce at the load's end: the guest would be asked (virtio-net's
 	// guest announce, five rounds) to send gratuitous ARPs and neighbour
 	// advertisements for the address it is about to give up, on a port
