@@ -38,12 +38,6 @@ import (
 	"kvbox.dev/kvbox/statedir"
 )
 
-// legacyPublishFile is where an earlier kvbox kept the record: in the
-// box's folder, which QEMU's user can write. It is read only to end a
-// holder such a kvbox started (its pid is checked to be that holder's),
-// never followed, never waited on, and its ports are never bound.
-const legacyPublishFile = "publish.json"
-
 // publishRecord is a box's publish/NAME.json.
 type publishRecord struct {
 	UUID  string `json:"uuid"` // the box's: a record of an earlier box of the name is not this one's
@@ -66,20 +60,6 @@ func (h *Host) readPublish(b domain.Box) (r publishRecord, ok bool) {
 		return publishRecord{}, false
 	}
 	return r, true
-}
-
-// legacyHolder is the pid of a live holder an earlier kvbox recorded in
-// box b's folder, or 0.
-func legacyHolder(b domain.Box) int {
-	if b.Dir == "" {
-		return 0
-	}
-	data, err := readBounded(filepath.Join(b.Dir, legacyPublishFile), maxPublishRecord)
-	var r publishRecord
-	if err != nil || json.Unmarshal(data, &r) != nil || !holderAlive(r.PID, b.Name) {
-		return 0
-	}
-	return r.PID
 }
 
 // forgetPublish drops the record and log of a removed box.
@@ -245,15 +225,11 @@ func closeFiles(fs []*os.File) {
 // stopPublish ends box b's port holder, if it has one, and waits until its
 // sockets are closed.
 func (h *Host) stopPublish(b domain.Box) error {
-	pid := 0
-	if r, ok := h.readPublish(b); ok && holderAlive(r.PID, b.Name) {
-		pid = r.PID
-	} else {
-		pid = legacyHolder(b)
-	}
-	if pid == 0 {
+	r, ok := h.readPublish(b)
+	if !ok || !holderAlive(r.PID, b.Name) {
 		return nil
 	}
+	pid := r.PID
 	unix.Kill(pid, unix.SIGTERM)
 	deadline := time.Now().Add(3 * time.Second)
 	for holderAlive(pid, b.Name) {

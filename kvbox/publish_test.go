@@ -65,16 +65,17 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	if err := os.MkdirAll(b.Dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	legacy := filepath.Join(b.Dir, legacyPublishFile)
+	// What QEMU's user could plant where a record would be in the folder.
+	planted := filepath.Join(b.Dir, "publish.json")
 
 	// A FIFO.
-	if err := syscall.Mkfifo(legacy, 0o600); err != nil {
+	if err := syscall.Mkfifo(planted, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	within(t, "ls --json's read of a FIFO", func() { a.publishedPorts(b) })
 	within(t, "stop's read of a FIFO", func() { a.stopPublish(b) })
 	within(t, "start's read of a FIFO", func() { a.republish(b) })
-	os.Remove(legacy)
+	os.Remove(planted)
 
 	// Ports planted in the folder: start binds nothing and starts nothing.
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -83,7 +84,7 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	writeRecord(t, legacy, publishRecord{UUID: b.UUID, Ports: []Port{{Addr: "127.0.0.1", HostPort: port, GuestPort: 22}}})
+	writeRecord(t, planted, publishRecord{UUID: b.UUID, Ports: []Port{{Addr: "127.0.0.1", HostPort: port, GuestPort: 22}}})
 	if ports, err := a.republish(b); err != nil || ports != nil {
 		t.Errorf("start with ports planted in the box folder: %v, %v (want nothing done)", err, ports)
 	}
@@ -96,8 +97,8 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	target := filepath.Join(t.TempDir(), "elsewhere.json")
 	h := fakeHolder(t, b.Name)
 	writeRecord(t, target, publishRecord{UUID: b.UUID, PID: h.Process.Pid})
-	os.Remove(legacy)
-	if err := os.Symlink(target, legacy); err != nil {
+	os.Remove(planted)
+	if err := os.Symlink(target, planted); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.stopPublish(b); err != nil {
@@ -106,15 +107,14 @@ func TestPublishRecordNotInBoxFolder(t *testing.T) {
 	if !holderAlive(h.Process.Pid, b.Name) {
 		t.Error("stop followed a link planted in the box folder and ended the process its target names")
 	}
-	// A holder an earlier kvbox recorded in the folder (a plain file)
-	// is still ended by stop and rm.
-	os.Remove(legacy)
-	writeRecord(t, legacy, publishRecord{PID: h.Process.Pid})
+	// Nor is a record there as a plain file.
+	os.Remove(planted)
+	writeRecord(t, planted, publishRecord{UUID: b.UUID, PID: h.Process.Pid})
 	if err := a.stopPublish(b); err != nil {
 		t.Fatal(err)
 	}
-	if holderAlive(h.Process.Pid, b.Name) {
-		t.Error("the holder an earlier kvbox recorded in the box folder was not ended")
+	if !holderAlive(h.Process.Pid, b.Name) {
+		t.Error("stop ended the process a record planted in the box folder names")
 	}
 
 	// kvbox's own record: root's, under the state dir, for this box only.
