@@ -381,7 +381,7 @@ func (h *Host) render(typ, name string, meta Meta, cpus int, mem int64, disk str
 	return Render(h.Template, TemplateData{
 		Type: typ, Emulator: emulator, Name: name, Metadata: md, MemoryBytes: mem, CPUs: cpus,
 		Kernel: boot.Kernel, Initrd: boot.Initrd, Cmdline: boot.Cmdline, Disk: disk,
-		Bridge: meta.Bridge, Group: meta.Group, MAC: meta.MAC, IP: meta.IP, Filter: network.FilterName, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
+		Bridge: meta.Bridge, Group: meta.Group, MAC: meta.MAC, IP: meta.IP, Tap: network.TapName(meta.MAC), ConsoleLog: filepath.Join(meta.Dir, "console.log"),
 		AgentPorts: AgentSockets(meta.Dir), Vsock: meta.Transport == "vsock", QemuArgs: qemuArgs,
 		DACLabel: dac,
 	})

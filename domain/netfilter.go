@@ -19,9 +19,7 @@ func (h *Host) EnsureNetwork() error {
 }
 
 // EnsurePortFilter makes kvbox's port filter unless it is there; one made
-// afresh (after a host reboot) gets every box at once. Boxes made by an
-// older kvbox reference libvirt's nwfilter instead, which is kept defined
-// for them.
+// afresh (after a host reboot) gets every box at once.
 func (h *Host) EnsurePortFilter() error {
 	created, err := network.EnsurePortFilter()
 	if err != nil {
@@ -40,14 +38,13 @@ func (h *Host) EnsurePortFilter() error {
 			}
 		}
 	}
-	return network.EnsureFilter(h.Conn())
+	return nil
 }
 
-// portFiltered reports whether a box's port is in kvbox's port filter: a
-// box on a bridge, with its tap named after its MAC (an older box's tap,
-// vnetN, is filtered by libvirt's nwfilter).
+// portFiltered reports whether a box has a port in kvbox's port filter: a
+// box on a bridge (its tap is named after its MAC).
 func portFiltered(b Box) bool {
-	return b.Bridge != "" && b.MAC != "" && b.IP != "" && (b.Tap == "" || b.Tap == network.TapName(b.MAC))
+	return b.Bridge != "" && b.MAC != "" && b.IP != ""
 }
 
 // AllowPort puts a box's port in kvbox's port filter (before it starts:

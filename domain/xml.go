@@ -33,7 +33,6 @@ type TemplateData struct {
 	Bridge      string
 	MAC         string
 	IP          string // the box's address, pinned by the port filter
-	Filter      string // libvirt's nwfilter kvbox used before its own port filter (for older templates)
 	Tap         string // the box's tap device (network.TapName), which kvbox's port filter holds
 	Group       string // the box group it is in: its port is not isolated (empty: it is)
 	ConsoleLog  string
@@ -55,7 +54,7 @@ func Render(tmpl string, d TemplateData) (string, error) {
 		return "", base.Errorf(base.Invalid, "domain template: %v", err)
 	}
 	e := d
-	for _, s := range []*string{&e.Type, &e.Emulator, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.Filter, &e.ConsoleLog} {
+	for _, s := range []*string{&e.Type, &e.Emulator, &e.Name, &e.Kernel, &e.Initrd, &e.Cmdline, &e.Disk, &e.Bridge, &e.Group, &e.MAC, &e.IP, &e.ConsoleLog} {
 		*s = html.EscapeString(*s)
 	}
 	e.AgentPorts = nil

@@ -19,7 +19,7 @@ func testData() TemplateData {
 	return TemplateData{
 		Type: "qemu", Name: "x", Metadata: md, MemoryBytes: 256 << 20, CPUs: 1,
 		Kernel: "/i/vmlinuz", Initrd: "/i/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda & more",
-		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Filter: "kvbox-box-v1", Tap: "kvb525400010203", ConsoleLog: "/b/x/console.log",
+		Disk: "/b/x/disk.qcow2", Bridge: "kvbox0", MAC: "52:54:00:01:02:03", IP: "172.30.0.2", Tap: "kvb525400010203", ConsoleLog: "/b/x/console.log",
 		AgentPorts: AgentSockets("/b/x"), QemuArgs: RAMArgs(256 << 20),
 	}
 }
@@ -173,12 +173,6 @@ func TestRenderFiltersInterfaces(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("an operator template without the tap name: rendered XML lacks %q\n%s", want, out)
 		}
-	}
-	// An operator's template written for the older kvbox, with libvirt's
-	// nwfilter on the interface, still renders (the filter stays on).
-	older := strings.Replace(templates.Box, "<target dev='{{.Tap}}'/>", "<filterref filter='{{.Filter}}'><parameter name='IP' value='{{.IP}}'/></filterref>", 1)
-	if out, err := Render(older, testData()); err != nil || !strings.Contains(out, `<filterref filter="kvbox-box-v1">`) || !strings.Contains(out, `<target dev="kvb525400010203">`) {
-		t.Errorf("an older template with the nwfilter: %v\n%s", err, out)
 	}
 	// --network none: no interface; a template that adds one anyway is refused.
 	none := testData()

@@ -71,8 +71,8 @@ func dnsRules(br, sub string, resolvers []netip.Addr) [][]string {
 }
 
 // fwdRules: frames bridged between two ports (handed to iptables where
-// br_netfilter is loaded) are left to the bridge, which isolates box ports
-// and filters each with kvbox's nwfilter; replies come back; nothing new
+// br_netfilter is loaded) are left to the bridge, which isolates box ports,
+// and to kvbox's port filter; replies come back; nothing new
 // comes in; DNS to the host's resolvers passes even where they sit in a
 // private range (a cloud's resolver); blocked ranges are dropped; the rest
 // from the subnet goes out.

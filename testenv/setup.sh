@@ -16,13 +16,12 @@ require_root
 # Packages. Backports ones need a minimum version: Debian 12's own QEMU 7.2 / libvirt 9.0
 # are too old for kvbox (the mapped-ram migration it saves RAM with came in QEMU 9.0), so
 # "installed" is not enough for them.
-# libvirt-daemon-driver-nwfilter keeps the port filter of boxes an older kvbox made (libvirt's
-# nwfilter, ebtables/iptables); kvbox's own port filter is nftables over netlink, no package.
-BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-daemon-driver-nwfilter libvirt-clients libvirt-dev"
+# kvbox's port filter is nftables over netlink, no package (libvirt's nwfilter is not used).
+BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libvirt-dev"
 BASE_PKGS="tini nftables busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap protobuf-compiler xxd"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
-	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-daemon-driver-nwfilter]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
+	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
 )
 
 pkg_ok() { # pkg_ok PKG: installed (and new enough if it has a minimum)

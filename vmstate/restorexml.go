@@ -278,8 +278,8 @@ func cloneInterface(devs *libvirtxml.DomainDeviceList, m domain.Meta) error {
 		return base.Errorf(base.Invalid, "clone XML: the clone has no address for its port filter")
 	}
 	// kvbox's port filter holds the clone's tap with its own MAC and
-	// address; a snapshot of a box an older kvbox made references
-	// libvirt's nwfilter with the source's address: dropped.
+	// address; a libvirt nwfilter an operator's template put on the
+	// source would hold the source's address: dropped.
 	ifc.FilterRef = nil
 	// An isolated port, but in a box group, where boxes reach each other.
 	ifc.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
