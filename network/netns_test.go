@@ -71,9 +71,8 @@ func kvboxChains(t *testing.T) map[string]bool {
 }
 
 // kvbox's tables, made on a host without them, made again whole after a
-// reboot, and completed on a host an older kvbox set up (its bridge table
-// without the input chain, no inet or arp table) without losing a box's
-// port; removed with the last box.
+// reboot or when part of one is gone (the bridge table then says it is
+// new: its caller puts every box back); removed with the last box.
 func TestEnsurePortFilter(t *testing.T) {
 	if !inNamespaces(t) {
 		return
@@ -101,8 +100,18 @@ func TestEnsurePortFilter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	completesOlderTable(t, conn, all)
-	addsOfflineSet(t, conn)
+	for what, del := range map[string]func(){
+		"the to-host chain": func() { conn.DelChain(&nftables.Chain{Table: filterTable(), Name: "to-host"}) },
+		"the offline set": func() {
+			conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
+			conn.DelSet(offlineSet(filterTable()))
+		},
+	} {
+		partialBridgeTable(t, conn, all, what, del)
+		if err := AllowPort(TapName("52:54:00:00:00:09"), "52:54:00:00:00:09", ip, true); err != nil {
+			t.Fatal(err)
+		}
+	}
 	// Part of the inet table: made again whole.
 	conn.DelChain(&nftables.Chain{Table: &nftables.Table{Family: nftables.TableFamilyINet, Name: tableName}, Name: "output"})
 	if err := conn.Flush(); err != nil {
@@ -159,60 +168,39 @@ func toHostRulesOK(t *testing.T, conn *nftables.Conn, after string) {
 	}
 }
 
-// completesOlderTable: what an older kvbox left (no input chain, its own
-// rules in the others, no inet or arp table) is completed, the box's port
-// kept.
-func completesOlderTable(t *testing.T, conn *nftables.Conn, all int) {
-	conn.DelChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
-	conn.DelSet(offlineSet(filterTable()))
-	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "from-boxes"})
-	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyINet, Name: tableName})
-	conn.DelTable(&nftables.Table{Family: nftables.TableFamilyARP, Name: tableName})
+// partialBridgeTable: a bridge table with a part deleted (del) is made
+// again whole, with kvbox's rules in every chain, and no box in it.
+func partialBridgeTable(t *testing.T, conn *nftables.Conn, all int, what string, del func()) {
+	t.Helper()
+	del()
 	if err := conn.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	if created, err := EnsurePortFilter(); err != nil || created {
-		t.Fatalf("EnsurePortFilter on an older table: created %v, %v", created, err)
+	if created, err := EnsurePortFilter(); err != nil || !created {
+		t.Fatalf("EnsurePortFilter without %s: created %v, %v", what, created, err)
 	}
 	if have := kvboxChains(t); len(have) != all {
-		t.Errorf("chains after completing an older table: %v", have)
+		t.Errorf("chains after making the table without %s again: %v", what, have)
 	}
 	rules, err := conn.GetRules(filterTable(), &nftables.Chain{Table: filterTable(), Name: "from-boxes"})
 	if err != nil || len(rules) != len(fromBoxRules(portSet(filterTable()))) {
-		t.Errorf("from-boxes after completing an older table: %d rules, %v", len(rules), err)
+		t.Errorf("from-boxes after making the table without %s again: %d rules, %v", what, len(rules), err)
 	}
 	set, err := conn.GetSetByName(filterTable(), "ports")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if els, err := conn.GetSetElements(set); err != nil || len(els) != 1 {
-		t.Errorf("the box's port after completing an older table: %d elements, %v", len(els), err)
+	if els, err := conn.GetSetElements(set); err != nil || len(els) != 0 {
+		t.Errorf("ports in the table made again without %s: %d elements, %v", what, len(els), err)
 	}
 	if n := offlineTaps(t); n != 0 {
-		t.Errorf("an older table's new offline set: %d elements", n)
+		t.Errorf("the offline set made again without %s: %d elements", what, n)
 	}
-	toHostRulesOK(t, conn, "completing an older table")
-}
-
-// addsOfflineSet: a table with every chain but without the offline set
-// (the kvbox before it) gets the set and the rule that uses it.
-func addsOfflineSet(t *testing.T, conn *nftables.Conn) {
-	conn.FlushChain(&nftables.Chain{Table: filterTable(), Name: "to-host"})
-	conn.DelSet(offlineSet(filterTable()))
-	if err := conn.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := EnsurePortFilter(); err != nil {
-		t.Fatal(err)
-	}
-	if n := offlineTaps(t); n != 0 {
-		t.Errorf("the offline set added to a table without it: %d elements", n)
-	}
-	toHostRulesOK(t, conn, "adding the offline set")
+	toHostRulesOK(t, conn, "making the table without "+what+" again")
 }
 
 // A bridge kvbox makes forwards the link-local group addresses it may
-// before any port is on it, and one an older kvbox made gets the same; a
+// before any port is on it, and one that was there already gets the same; a
 // group's bridge is marked with its group's name and refused to another
 // group.
 func TestBridgeSetUp(t *testing.T) {
@@ -250,7 +238,7 @@ func TestBridgeSetUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	if m := mask("kvbt1"); m != groupFwdMask {
-		t.Errorf("an older bridge's group_fwd_mask: %#x", m)
+		t.Errorf("a bridge that was there already: group_fwd_mask %#x", m)
 	}
 
 	web := GroupConfig("web", GroupBridge("web"), netip.MustParsePrefix("172.30.42.0/24"))

@@ -198,9 +198,10 @@ func tapDevice(in bool) []expr.Any {
 	}
 }
 
-// EnsurePortFilter makes kvbox's tables, or adds what an older kvbox's
-// lack, and says whether it made the bridge table afresh (then no box is in
-// it yet: after a host reboot, or on kvbox's first use).
+// EnsurePortFilter makes kvbox's tables, or makes one again whole when
+// part of it is gone (a chain or set deleted by hand), and says whether it
+// made the bridge table afresh (then no box is in it yet: after a host
+// reboot, on kvbox's first use, or after such a repair).
 func EnsurePortFilter() (created bool, err error) {
 	conn, err := nftables.New()
 	if err != nil {
@@ -222,33 +223,23 @@ func EnsurePortFilter() (created bool, err error) {
 	}
 	t := filterTable()
 	set := portSet(t)
-	switch {
-	case missing["from-boxes"]:
-		// No table: the whole of it, no box in it yet.
+	bridge := portChains(set)
+	if missing[offlineSetKey] || slices.ContainsFunc(bridge, func(c chainSpec) bool { return missing[c.chain.Name] }) {
+		// No table, or part of it: made whole, no box in it yet (the
+		// caller puts every box in).
+		if missing[offlineSetKey] || slices.ContainsFunc(bridge, func(c chainSpec) bool { return !missing[c.chain.Name] }) {
+			conn.DelTable(t)
+		}
 		conn.AddTable(t)
 		for _, st := range []*nftables.Set{set, offlineSet(t)} {
 			if err := conn.AddSet(st, nil); err != nil {
 				return false, fmt.Errorf("port filter: %w", err)
 			}
 		}
-		for _, c := range portChains(set) {
+		for _, c := range bridge {
 			addChain(conn, c)
 		}
 		created = true
-	case missing["to-host"], missing[offlineSetKey]:
-		// An older kvbox's table: its set and the boxes in it stay; its
-		// chains are refilled with this kvbox's rules, in the same batch.
-		if missing[offlineSetKey] {
-			if err := conn.AddSet(offlineSet(t), nil); err != nil {
-				return false, fmt.Errorf("port filter: %w", err)
-			}
-		}
-		for _, c := range portChains(set) {
-			if !missing[c.chain.Name] {
-				conn.FlushChain(c.chain)
-			}
-			addChain(conn, c)
-		}
 	}
 	for _, fam := range []nftables.TableFamily{nftables.TableFamilyINet, nftables.TableFamilyARP} {
 		specs := familyChains(tapStackChains(), fam)
@@ -305,7 +296,7 @@ const offlineSetKey = "set offline"
 
 // missingChains lists, by chainKey, the chains of kvbox's tables that are
 // not in the kernel, and the offline set (offlineSetKey) when the bridge
-// table is there without it (an older kvbox's).
+// table is there without it.
 func missingChains(conn *nftables.Conn) (map[string]bool, error) {
 	chains, err := conn.ListChains()
 	if err != nil {
