@@ -110,8 +110,8 @@ func line(chain string, spec []string) string {
 }
 
 // ensureChain makes chain hold exactly rules, in order. A chain already
-// right is left alone (no window without rules); one that differs (an
-// older kvbox, changed resolvers) is flushed and refilled.
+// right is left alone (no window without rules); one that differs
+// (changed resolvers, a hand edit) is flushed and refilled.
 func ensureChain(ipt *iptables.IPTables, table, chain string, rules [][]string) error {
 	// A missing chain fails to list; ClearChain below creates it.
 	if have, err := ipt.List(table, chain); err == nil && slices.Equal(have, chainLines(chain, rules)) {
@@ -207,21 +207,12 @@ func (c Config) ensureFirewall(ipt *iptables.IPTables) error {
 			}
 		}
 	}
-	// An older kvbox accepted everything from the bridge in FORWARD.
-	for _, l := range listed["FORWARD"] {
-		if strings.Contains(l, `--comment "kvbox `+c.Bridge+`"`) && strings.HasSuffix(l, "-j ACCEPT") {
-			for _, r := range c.legacyRules() {
-				deleteIfExists(ipt, r)
-			}
-			break
-		}
-	}
 	return nil
 }
 
 func (c Config) removeFirewall(ipt *iptables.IPTables) []error {
 	var errs []error
-	for _, r := range append(c.jumps(), c.legacyRules()...) {
+	for _, r := range c.jumps() {
 		if err := deleteIfExists(ipt, r); err != nil {
 			errs = append(errs, err)
 		}
@@ -243,24 +234,11 @@ func deleteIfExists(ipt *iptables.IPTables, r rule) error {
 	return nil
 }
 
-// legacyRules are what kvbox before its isolation chains added.
-func (c Config) legacyRules() []rule {
-	sub := c.Subnet.String()
-	return []rule{
-		{"filter", "FORWARD", append([]string{"-i", c.Bridge, "-s", sub, "-j", "ACCEPT"}, c.comment()...)},
-		{"filter", "FORWARD", append([]string{"-o", c.Bridge, "-d", sub, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}, c.comment()...)},
-	}
-}
-
 // masquerade is the NAT rule. Its comment records what ip_forward was
 // before kvbox set it, so `network rm` can put it back: the record lives
-// exactly as long as the rule (both go at reboot). prev is "0", "1" or ""
-// (a rule an older kvbox made, without the record).
+// exactly as long as the rule (both go at reboot). prev is "0" or "1".
 func (c Config) masquerade(prev string) rule {
-	text := "kvbox " + c.Bridge
-	if prev != "" {
-		text += " ip_forward=" + prev
-	}
+	text := "kvbox " + c.Bridge + " ip_forward=" + prev
 	return rule{"nat", "POSTROUTING", []string{"-s", c.Subnet.String(), "!", "-o", c.Bridge, "-m", "comment", "--comment", text, "-j", "MASQUERADE"}}
 }
 
@@ -271,7 +249,7 @@ func (c Config) natRule(ipt *iptables.IPTables) (rule, bool) {
 	if err != nil {
 		return rule{}, false
 	}
-	for _, prev := range []string{"0", "1", ""} {
+	for _, prev := range []string{"0", "1"} {
 		r := c.masquerade(prev)
 		if slices.Contains(have, line(r.chain, r.spec)) {
 			return r, true
