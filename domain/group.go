@@ -47,7 +47,7 @@ func (h *Host) ownsGroupKey(key string) bool {
 func (h *Host) groupOf(b Box) (network.Config, error) {
 	key := h.groupKey(b.Group)
 	gw, err := netip.ParseAddr(b.Gateway)
-	if err != nil || b.Prefix <= 0 || (b.Bridge != network.GroupBridge(key) && b.Bridge != network.LegacyGroupBridge(b.Group)) {
+	if err != nil || b.Prefix <= 0 || b.Bridge != network.GroupBridge(key) {
 		return network.Config{}, fmt.Errorf("box %q: its metadata holds no network for group %q (gateway %q/%d, bridge %q)", b.Name, b.Group, b.Gateway, b.Prefix, b.Bridge)
 	}
 	return network.GroupConfig(key, b.Bridge, netip.PrefixFrom(gw, b.Prefix)), nil

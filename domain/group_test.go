@@ -11,13 +11,13 @@ import (
 )
 
 // Two groups never share a bridge: a new group whose bridge name a box of
-// another group is on already (under the old 32-bit naming, group-22235 and
-// group-30796 had one) is refused with one line, before anything is made.
+// another group is on already is refused with one line, before anything
+// is made.
 func TestNewGroupBridgeFree(t *testing.T) {
 	a, b := "group-22235", "group-30796"
-	old := []Box{{Name: "api", Meta: Meta{Group: a, Bridge: network.LegacyGroupBridge(a)}}}
-	if err := bridgeFree(old, b, network.GroupBridge(b)); err != nil {
-		t.Errorf("a group beside one on an old bridge whose old name it shared: %v", err)
+	other := []Box{{Name: "api", Meta: Meta{Group: a, Bridge: network.GroupBridge(a)}}}
+	if err := bridgeFree(other, b, network.GroupBridge(b)); err != nil {
+		t.Errorf("a group beside another group's box on its own bridge: %v", err)
 	}
 	// Were the new names to agree: the box's bridge is the new group's.
 	clash := []Box{{Name: "api", Meta: Meta{Group: a, Bridge: network.GroupBridge(b)}}}
@@ -30,17 +30,19 @@ func TestNewGroupBridgeFree(t *testing.T) {
 	}
 }
 
-// A box an older kvbox put in a group keeps its bridge (the old name).
-func TestGroupOfLegacyBridge(t *testing.T) {
+// A group's box is on its group's bridge; metadata naming another bridge
+// (kvbox's main one, another group's) is refused.
+func TestGroupOfBridge(t *testing.T) {
 	h := &Host{StateDir: statedir.Default}
-	for _, br := range []string{network.LegacyGroupBridge("web"), network.GroupBridge("web")} {
-		nc, err := h.groupOf(Box{Name: "api", Meta: Meta{Group: "web", Bridge: br, Gateway: "172.30.5.1", Prefix: 24}})
-		if err != nil || nc.Bridge != br || nc.Group != "web" {
-			t.Errorf("bridge %s: %+v, %v", br, nc, err)
-		}
+	br := network.GroupBridge("web")
+	nc, err := h.groupOf(Box{Name: "api", Meta: Meta{Group: "web", Bridge: br, Gateway: "172.30.5.1", Prefix: 24}})
+	if err != nil || nc.Bridge != br || nc.Group != "web" {
+		t.Errorf("bridge %s: %+v, %v", br, nc, err)
 	}
-	if _, err := h.groupOf(Box{Name: "api", Meta: Meta{Group: "web", Bridge: "kvbox0", Gateway: "172.30.5.1", Prefix: 24}}); err == nil {
-		t.Errorf("a group box's metadata naming another bridge is taken")
+	for _, other := range []string{"kvbox0", network.GroupBridge("api")} {
+		if _, err := h.groupOf(Box{Name: "api", Meta: Meta{Group: "web", Bridge: other, Gateway: "172.30.5.1", Prefix: 24}}); err == nil {
+			t.Errorf("a group box's metadata naming bridge %s is taken", other)
+		}
 	}
 }
 

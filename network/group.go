@@ -3,7 +3,6 @@ package network
 import (
 	"crypto/sha256"
 	"encoding/base32"
-	"encoding/hex"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -31,14 +30,6 @@ func GroupBridge(group string) string {
 	return GroupBridgePrefix + strings.ToLower(base32.StdEncoding.EncodeToString(sum[:]))[:11]
 }
 
-// LegacyGroupBridge is the bridge an older kvbox gave group: 8 hex digits,
-// 32 bits, which two group names found in a few seconds share. Boxes it
-// made keep theirs while their group has boxes.
-func LegacyGroupBridge(group string) string {
-	sum := sha256.Sum256([]byte(group))
-	return GroupBridgePrefix + hex.EncodeToString(sum[:4])
-}
-
 // GroupBridgePrefix begins the name of every group's bridge.
 const GroupBridgePrefix = "kvbg"
 
@@ -56,7 +47,7 @@ func BridgeGroup(alias string) (group string, ok bool) {
 
 // claim makes sure a group's bridge is its group's, and marks it so: a
 // bridge marked with another group's name (their bridge names agree) is
-// refused, one not marked (made just now, or by an older kvbox) is marked.
+// refused, one not marked (made just now) is marked.
 // kvbox's main bridge is no group's.
 func (c Config) claim(link netlink.Link) error {
 	if c.Group == "" {
