@@ -275,7 +275,7 @@ type agentToken struct {
 }
 
 // ReadAgentToken is the token of the agent of the box (or snapshot) in dir;
-// nil when it has none (a box an older kvbox made, or not yet contacted).
+// nil when it has none (a box not yet contacted).
 func ReadAgentToken(dir string) ([]byte, error) {
 	ts, err := readAgentTokens(dir)
 	return ts[0].tok, err
@@ -426,31 +426,6 @@ func (h *Host) RenewAgentToken(ctx context.Context, b Box) error {
 	}
 	defer c.Close()
 	return renewAgentToken(ctx, c, b)
-}
-
-// RetireAgentToken marks tok, if it is box b's agent token, as copied (a
-// snapshot an older kvbox took keeps it) and gives a running box a new one
-// now; a box that is not running gets one at its next start.
-func (h *Host) RetireAgentToken(ctx context.Context, name string, tok []byte) error {
-	b, _, release, err := h.LockedLookup(name)
-	if err != nil {
-		return err
-	}
-	defer release()
-	cur, err := readNoFollow(agentTokenPath(b.Dir))
-	if err != nil || !bytes.Equal(cur, tok) {
-		return nil
-	}
-	if err := overlay.WriteFileAtomic(agentTokenPath(b.Dir)+tokenSnapshot, tok, 0o600); err != nil {
-		return err
-	}
-	if err := os.Remove(agentTokenPath(b.Dir)); err != nil {
-		return err
-	}
-	if b.State != StateRunning {
-		return nil
-	}
-	return h.RenewAgentToken(ctx, b)
 }
 
 // ReprobeBalloon asks the box's agent to have the guest's balloon driver

@@ -1,15 +1,9 @@
 package kvbox
 
 import (
-	"bytes"
 	"context"
-	"fmt"
-	"path/filepath"
-	"slices"
 
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/registry"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 // RegistryOptions say how to reach a registry (plain HTTP, credentials)
@@ -44,39 +38,11 @@ func (h *Host) Resolve(ctx context.Context, ref string, o RegistryOptions) (stri
 
 // Push sends snapshot name, and the base image under it, to ref as an
 // artifact (package registry): only the parts the registry lacks travel.
-// A snapshot that holds a box's agent token (an older kvbox took its
-// source's own) gets it retired from every box first.
+// The agent token it carries is the snapshot's own, which no box keeps.
 func (h *Host) Push(ctx context.Context, name, ref string, o RegistryOptions) (registry.PushResult, error) {
 	s, err := h.snaps.Get(name)
 	if err != nil {
 		return registry.PushResult{}, err
 	}
-	if err := h.retireCopiedToken(ctx, s); err != nil {
-		return registry.PushResult{}, err
-	}
 	return registry.Push(ctx, h.d.Conn(), h.cfg.StateDir, s, ref, o)
-}
-
-// retireCopiedToken: a snapshot takes an agent token minted for it, which
-// no box keeps; one an older kvbox took holds its source's own token. Before
-// such a snapshot leaves this host, every box that still has that token gets
-// a new one (a box that is not running, at its next start).
-func (h *Host) retireCopiedToken(ctx context.Context, s snapshot.Snapshot) error {
-	tok, err := domain.ReadAgentToken(s.Dir)
-	if err != nil || tok == nil {
-		return err
-	}
-	boxes, err := h.d.Boxes()
-	if err != nil {
-		return err
-	}
-	for _, b := range boxes {
-		if filepath.Dir(b.Dir) != h.layout.Boxes() || !slices.ContainsFunc(domain.AgentTokens(b.Dir), func(t []byte) bool { return bytes.Equal(t, tok) }) {
-			continue
-		}
-		if err := h.d.RetireAgentToken(ctx, b.Name, tok); err != nil {
-			return fmt.Errorf("snapshot %q holds the agent token of box %s (an older kvbox took it), which must get a new one before the snapshot leaves this host: %w", s.Name, b.Name, err)
-		}
-	}
-	return nil
 }

@@ -209,13 +209,16 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 	return c.Reread()
 }
 
-// copyAgentToken copies the token of the agent in a snapshot's memory (or a
-// box's) from one folder to another, root's only; none is fine (a snapshot
-// an older kvbox took).
+// copyAgentToken copies the token of the agent in a snapshot's memory from
+// its folder to a clone's, root's only. Every snapshot has one: the clone's
+// first contact presents it.
 func copyAgentToken(from, to string) error {
 	tok, err := domain.ReadAgentToken(from)
-	if err != nil || tok == nil {
+	if err != nil {
 		return err
+	}
+	if tok == nil {
+		return fmt.Errorf("the snapshot in %s has no agent token (%s), which its clones' first contact presents: take the snapshot again", from, domain.AgentTokenFile)
 	}
 	return overlay.WriteFileAtomic(filepath.Join(to, domain.AgentTokenFile), tok, 0o600)
 }

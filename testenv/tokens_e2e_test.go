@@ -4,7 +4,6 @@ package testenv
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"os"
 	"path/filepath"
@@ -14,7 +13,6 @@ import (
 	"github.com/klauspost/compress/zstd"
 
 	"kvbox.dev/kvbox/domain"
-	agent "kvbox.dev/kvbox/guest-agent"
 )
 
 // blobData is what a pushed part holds: its blob in the test registry's
@@ -106,36 +104,4 @@ func TestSnapshotTokensLeaveNoLiveToken(t *testing.T) {
 		t.Errorf("the artifact carries no token for a clone's first contact: parts %+v", res.Parts)
 	}
 	t.Logf("%d parts read back from the registry", len(res.Parts))
-
-	// A snapshot an older kvbox took holds its source's own token (here:
-	// written over the snapshot's). Before it is pushed, the source gets a
-	// new token; the one that leaves is refused from then on.
-	old := name(t, "tokold")
-	t.Cleanup(func() { kvbox(t, "snapshots", "rm", old) })
-	mustKvbox(t, "snapshots", "new", src, old)
-	srcTok, err := domain.ReadAgentToken(getBox(t, src).Dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(stateDir, "snapshots", old, domain.AgentTokenFile), srcTok, 0o400); err != nil {
-		t.Fatal(err)
-	}
-	res = push(t, nil, old, testRegistry+"/sec-misc/"+runID+"-tok:old")
-	now, err := domain.ReadAgentToken(getBox(t, src).Dir)
-	if err != nil || now == nil || bytes.Equal(now, srcTok) {
-		t.Fatalf("the source kept the token an old snapshot carries off: %x %v", now, err)
-	}
-	for _, p := range res.Parts {
-		if bytes.Contains(blobData(t, p.Digest), now) {
-			t.Errorf("the pushed part %s of the old snapshot holds the source's token", p.Title)
-		}
-	}
-	if c, err := agent.DialSerialToken(context.Background(), sockets(getBox(t, src)), srcTok); err == nil {
-		c.Close()
-		t.Error("the source still takes the token the old snapshot carried off")
-	}
-	mustKvbox(t, "exec", src, "--", "true")
-	if b, err := fwdGet("http://" + pub[0] + "/index.html"); err != nil || string(b) != page {
-		t.Errorf("through the published port after the push: %q %v", b, err)
-	}
 }
