@@ -49,7 +49,7 @@ func (h *Host) CheckHostFor(s snapshot.Snapshot) error {
 }
 
 func (h *Host) checkHostFor(s snapshot.Snapshot) error {
-	compat, err := snapshot.LoadCompat(h.d.Conn(), s.Dir)
+	compat, err := snapshot.LoadCompat(s.Dir)
 	if err != nil {
 		return err
 	}

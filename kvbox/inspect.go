@@ -30,7 +30,7 @@ func (h *Host) Inspect(ctx context.Context, name string) (Inspection, error) {
 	if err != nil {
 		return Inspection{}, err
 	}
-	compat, err := snapshot.LoadCompat(h.d.Conn(), s.Dir)
+	compat, err := snapshot.LoadCompat(s.Dir)
 	if err != nil {
 		return Inspection{}, err
 	}

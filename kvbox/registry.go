@@ -44,5 +44,5 @@ func (h *Host) Push(ctx context.Context, name, ref string, o RegistryOptions) (r
 	if err != nil {
 		return registry.PushResult{}, err
 	}
-	return registry.Push(ctx, h.d.Conn(), h.cfg.StateDir, s, ref, o)
+	return registry.Push(ctx, h.cfg.StateDir, s, ref, o)
 }

@@ -29,7 +29,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/types"
-	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/snapshot"
@@ -166,12 +165,12 @@ func regularFiles(dir string) ([]string, error) {
 }
 
 // Push sends snapshot s, and the base image under it, to ref.
-func Push(ctx context.Context, conn *libvirt.Connect, stateDir string, s snapshot.Snapshot, refStr string, o Options) (PushResult, error) {
+func Push(ctx context.Context, stateDir string, s snapshot.Snapshot, refStr string, o Options) (PushResult, error) {
 	ref, err := o.ref(refStr)
 	if err != nil {
 		return PushResult{}, err
 	}
-	compat, err := snapshot.LoadCompat(conn, s.Dir)
+	compat, err := snapshot.LoadCompat(s.Dir)
 	if err != nil {
 		return PushResult{}, err
 	}

@@ -40,22 +40,18 @@ type Compat struct {
 // it): the versions of that host, not of this one today.
 const CompatFile = "compat.json"
 
-// LoadCompat returns what the snapshot in dir needs: its CompatFile if it
-// has one, else (a snapshot an older kvbox took here) what its domain XML
-// and this host say.
-func LoadCompat(conn *libvirt.Connect, dir string) (Compat, error) {
-	if b, err := os.ReadFile(filepath.Join(dir, CompatFile)); err == nil {
-		var c Compat
-		if err := json.Unmarshal(b, &c); err != nil {
-			return Compat{}, fmt.Errorf("%s: %w", filepath.Join(dir, CompatFile), err)
-		}
-		return c, nil
-	}
-	xml, err := os.ReadFile(filepath.Join(dir, "domain.xml"))
+// LoadCompat returns what the snapshot in dir needs: its CompatFile, which
+// every snapshot has (taken here, or pulled).
+func LoadCompat(dir string) (Compat, error) {
+	b, err := os.ReadFile(filepath.Join(dir, CompatFile))
 	if err != nil {
-		return Compat{}, err
+		return Compat{}, fmt.Errorf("snapshot in %s: what it needs of a host (%s): %w", dir, CompatFile, err)
 	}
-	return CompatOf(conn, string(xml))
+	var c Compat
+	if err := json.Unmarshal(b, &c); err != nil {
+		return Compat{}, fmt.Errorf("%s: %w", filepath.Join(dir, CompatFile), err)
+	}
+	return c, nil
 }
 
 func version(v uint64) string {

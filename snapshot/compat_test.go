@@ -3,6 +3,8 @@ package snapshot
 import (
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -69,5 +71,22 @@ func TestHostCompatFromCaps(t *testing.T) {
 	}
 	if _, err := hostCompatFromCaps(`<capabilities><host></host></capabilities>`, "qemu", 1, 1); err == nil {
 		t.Fatal("capabilities without a host CPU: no error")
+	}
+}
+
+// A snapshot's Compat is its compat.json; a folder without one (with its
+// domain XML) is an error that names the file, not a guess from this host.
+func TestLoadCompat(t *testing.T) {
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, DomainXMLFile), []byte("<domain type='qemu'><name>x</name></domain>"), 0o640)
+	if _, err := LoadCompat(dir); err == nil || !strings.Contains(err.Error(), CompatFile) {
+		t.Errorf("a snapshot without %s: %v", CompatFile, err)
+	}
+	want := Compat{DomainType: "qemu", Arch: "x86_64", Machine: "pc-q35-10.0", QEMU: 10000000, Agent: agent.Version}
+	if err := writeCompat(dir, want); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := LoadCompat(dir); err != nil || !reflect.DeepEqual(got, want) {
+		t.Errorf("LoadCompat = %+v, %v; want %+v", got, err, want)
 	}
 }

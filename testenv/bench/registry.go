@@ -44,13 +44,13 @@ func registryTimes(ctx context.Context, e *env, snap snapshot.Snapshot) error {
 	ref := fmt.Sprintf("%s/kvbox-bench/%s:%d", *registryAddr, snap.Name, time.Now().UnixNano())
 	o := registry.Options{Insecure: true}
 	t0 := time.Now()
-	first, err := registry.Push(ctx, conn, stateDir, snap, ref, o)
+	first, err := registry.Push(ctx, stateDir, snap, ref, o)
 	if err != nil {
 		return err
 	}
 	pushT := time.Since(t0)
 	t0 = time.Now()
-	again, err := registry.Push(ctx, conn, stateDir, snap, ref, o)
+	again, err := registry.Push(ctx, stateDir, snap, ref, o)
 	if err != nil {
 		return err
 	}
