@@ -80,10 +80,10 @@ func OpenNoFollow(path string, flag int) (*os.File, error) {
 	return f, nil
 }
 
-// SecureStateDir sets the modes of the state dir and its fixed subfolders,
-// tightening a state dir an older kvbox made 0755. Sealed snapshot and
-// image folders an older kvbox left 0755/0444 root:root become
-// 0750/0440 root:QEMU-group, so clones of them still start.
+// SecureStateDir sets the modes of the state dir and its fixed subfolders.
+// Sealed snapshot and image folders made before their parent was setgid
+// (an image imported into a new state dir before any command connected)
+// get QEMU's group, so boxes and clones on them start.
 func (h *Host) SecureStateDir() error {
 	if err := h.ShareWithQEMU(h.StateDir, statedir.RootMode); err != nil {
 		return err
@@ -105,22 +105,22 @@ func (h *Host) SecureStateDir() error {
 			}
 		}
 	}
-	// Sealed folders an older kvbox made world-readable.
 	for _, dir := range []string{l.Snapshots(), l.Images()} {
 		ents, _ := os.ReadDir(dir)
 		for _, e := range ents {
 			if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
 				continue // in-progress (.partial-*, .import-*) folders are QEMU's or a live kvbox's
 			}
-			h.tightenOld(filepath.Join(dir, e.Name()))
+			h.shareSealed(filepath.Join(dir, e.Name()))
 		}
 	}
 	return nil
 }
 
-// tightenOld takes the world bits off one sealed folder of an older kvbox,
-// root-owned ones only (a folder QEMU owns is being written).
-func (h *Host) tightenOld(dir string) {
+// shareSealed gives QEMU's group to one sealed folder and its root-owned
+// files that lack it (a folder QEMU owns is being written): QEMU reads
+// them through its group.
+func (h *Host) shareSealed(dir string) {
 	st, err := os.Lstat(dir)
 	if err != nil || !ownedByRoot(st) {
 		return
@@ -132,21 +132,12 @@ func (h *Host) tightenOld(dir string) {
 		switch {
 		case err != nil:
 		case fi.IsDir() && !strings.HasPrefix(e.Name(), "."):
-			h.tightenOld(p) // an image's version folders
-		case fi.Mode().IsRegular() && ownedByRoot(fi):
-			// also one made before its folder was setgid (images import
-			// before any command connected): QEMU reads through its group
-			if fi.Mode().Perm()&0o007 != 0 || !h.qemuGroup(fi) {
-				h.ShareWithQEMU(p, statedir.SharedFileMode)
-			}
-		case fi.Mode().Perm()&0o007 == 0:
-		case fi.Mode().IsRegular():
-			// libvirt's DAC relabel lent it to QEMU (a running box's
-			// base) and gives it back to root: only the world bits go.
-			os.Chmod(p, fi.Mode().Perm()&^0o007)
+			h.shareSealed(p) // an image's version folders
+		case fi.Mode().IsRegular() && ownedByRoot(fi) && !h.qemuGroup(fi):
+			h.ShareWithQEMU(p, statedir.SharedFileMode)
 		}
 	}
-	if st.Mode().Perm()&0o007 != 0 || !h.qemuGroup(st) {
+	if !h.qemuGroup(st) {
 		h.ShareWithQEMU(dir, statedir.SharedDirMode)
 	}
 }

@@ -191,3 +191,34 @@ func TestFileShared(t *testing.T) {
 		t.Errorf("shared file: %d:%d %o, want 0:64055 440", st.Uid, st.Gid, st.Mode&0o777)
 	}
 }
+
+// A sealed folder made before its parent was setgid (root:root) gets
+// QEMU's group, its files 0440 and itself 0750; one already QEMU's group is
+// left as it is.
+func TestShareSealed(t *testing.T) {
+	h := &Host{facts: &hostFacts{uid: 64055, gid: 64055}}
+	dir := filepath.Join(t.TempDir(), "tiny")
+	version := filepath.Join(dir, "v-1")
+	if err := os.MkdirAll(version, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	disk := filepath.Join(version, "disk.qcow2")
+	os.WriteFile(disk, []byte("x"), 0o440)
+	os.Chown(dir, 0, 0)
+	os.Chown(version, 0, 0)
+	os.Chown(disk, 0, 0)
+	h.shareSealed(dir)
+	for p, mode := range map[string]uint32{dir: 0o750, version: 0o750, disk: 0o440} {
+		var st syscall.Stat_t
+		syscall.Stat(p, &st)
+		if st.Uid != 0 || st.Gid != 64055 || st.Mode&0o777 != mode {
+			t.Errorf("%s: %d:%d %o, want 0:64055 %o", p, st.Uid, st.Gid, st.Mode&0o777, mode)
+		}
+	}
+	// Already QEMU's group: not touched (its mode stays what it is).
+	os.Chmod(disk, 0o400)
+	h.shareSealed(dir)
+	if fi, _ := os.Stat(disk); fi.Mode().Perm() != 0o400 {
+		t.Errorf("a file already QEMU's group was changed to %v", fi.Mode().Perm())
+	}
+}
