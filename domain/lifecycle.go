@@ -80,7 +80,8 @@ const RAMBackendID = "kvbox.ram"
 // (RAMBackendID): anonymous memory, private to QEMU. Nothing of the
 // guest's RAM is in a file while it runs, a page it never touched costs
 // no host memory, and a live snapshot reads such a page as the kernel's
-// zero page. libvirt has no element for a backend id of kvbox's choosing;
+// zero page (in a shared file it costs a zeroed page of page cache:
+// docs/design.md#live-copy-of-ram). libvirt has no element for a backend id of kvbox's choosing;
 // QEMU merges the second -machine over libvirt's own.
 func RAMArgs(size int64) []string {
 	return []string{

@@ -161,8 +161,9 @@ func TestHostileFramesReachNoHost(t *testing.T) {
 				t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
 			}
 		}
-		// What an earlier kvbox left of a clone's closed port: the tap
-		// detached from the bridge and up.
+		// The tap detached from the bridge and up (kvbox takes a closed
+		// port's tap down as well): no bridge rule in the way, only the
+		// tap tables.
 		run("ip", "link", "set", b.Tap, "nomaster")
 		t.Cleanup(func() {
 			run("ip", "link", "set", b.Tap, "down")
