@@ -396,8 +396,9 @@ func (h *Host) settleAgentToken(ctx context.Context, b Box, c *agent.Client, kin
 // replace it at their first contact, and RenewAgentToken the box's right
 // after the copy), which the snapshot may carry to other hosts. It is kept
 // in b's folder meanwhile, so that the box stays reachable if kvbox dies.
-// The agent's info comes in the same round trip; an agent that predates
-// tokens gives none (nil, no error). The caller holds the box's lock.
+// The agent's info comes in the same round trip. An agent that predates
+// tokens is refused: no clone of the snapshot could be reached. The
+// caller holds the box's lock.
 func (h *Host) GiveSnapshotToken(ctx context.Context, c *agent.Client, b Box) ([]byte, agent.Info, error) {
 	tok := make([]byte, agent.TokenSize)
 	if _, err := rand.Read(tok); err != nil {
@@ -409,7 +410,7 @@ func (h *Host) GiveSnapshotToken(ctx context.Context, c *agent.Client, b Box) ([
 	info, err := c.SetToken(ctx, tok, true)
 	if errors.Is(err, agent.ErrNoTokens) {
 		os.Remove(agentTokenPath(b.Dir) + tokenSnapshot)
-		return nil, info, nil
+		return nil, info, base.Errorf(base.Invalid, "box %q: its agent takes no tokens, and a clone's first contact presents the snapshot's: build its image again with this kvbox's agent (kvbox images build --force)", b.Name)
 	}
 	if err != nil {
 		return nil, info, fmt.Errorf("box %q: give its agent the snapshot's token: %w", b.Name, err)

@@ -308,10 +308,8 @@ func (in *installer) writeSnapshot(ctx context.Context, dir string) error {
 			return err
 		}
 	}
-	if tok := filepath.Join(dir, domain.AgentTokenFile); in.p.has("snapshot/" + domain.AgentTokenFile) {
-		if fi, err := os.Stat(tok); err != nil || fi.Size() != agent.TokenSize {
-			return refused("artifact part snapshot/%s is not a token of %d bytes", domain.AgentTokenFile, agent.TokenSize)
-		}
+	if fi, err := os.Stat(filepath.Join(dir, domain.AgentTokenFile)); err != nil || fi.Size() != agent.TokenSize {
+		return refused("artifact part snapshot/%s is not a token of %d bytes", domain.AgentTokenFile, agent.TokenSize)
 	}
 	disk := filepath.Join(dir, snapshot.DiskFile)
 	format := strings.TrimPrefix(in.p.imageDisk, "disk.")

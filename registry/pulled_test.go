@@ -373,6 +373,18 @@ func TestPullRefusesMetadataPaths(t *testing.T) {
 	a.refused("extra/x")
 }
 
+// A snapshot's agent token is what its clones' first contact presents: an
+// artifact without one was installed and then every clone of it refused.
+// It is refused at the pull, and so is one whose token is not a token.
+func TestPullRefusesArtifactWithoutToken(t *testing.T) {
+	a := honest(t)
+	delete(a.files, "snapshot/agent.token")
+	a.refused("no snapshot/agent.token")
+	a = honest(t)
+	a.files["snapshot/agent.token"] = &file{data: []byte("short")}
+	a.refused("not a token")
+}
+
 // bomb is a part's blob that says it is size bytes, all of them data,
 // in a few KB: an extent of zeros, compressed.
 func bomb(t *testing.T, size int64) []byte {

@@ -128,7 +128,9 @@ func checkManifest(m *v1.Manifest) (*plan, error) {
 		p.parts[title] = pt
 		p.titles = append(p.titles, title)
 	}
-	for _, f := range []string{snapshot.MetaFile, snapshot.DomainXMLFile, snapshot.DiskFile, snapshot.StateFile} {
+	// The agent token is the snapshot's own, which its clones' first
+	// contact presents: a snapshot without one could never be cloned.
+	for _, f := range []string{snapshot.MetaFile, snapshot.DomainXMLFile, snapshot.DiskFile, snapshot.StateFile, domain.AgentTokenFile} {
 		if !p.has("snapshot/" + f) {
 			return nil, refused("the artifact has no snapshot/%s", f)
 		}

@@ -157,7 +157,7 @@ type creation struct {
 	disk    *diskCopy     // the disk's point-in-time copy
 	p       partial       // what Recover needs, also on disk
 	mem     Memory        // where the snapshot's RAM is
-	token   []byte        // the snapshot's agent token (nil: an agent without tokens)
+	token   []byte        // the snapshot's agent token (nil until giveToken)
 	note    string        // Result.Note
 	guest   agent.Info    // the agent's answer as it took the token
 	compat  Compat        // this host's versions
