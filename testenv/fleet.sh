@@ -4,6 +4,9 @@
 # 127.0.0.1 inside the test namespace, with a certificate authority made fresh for each run.
 #
 #   testenv/fleet.sh build                  # build the binaries once (cached by version)
+#   testenv/fleet.sh build --background     # the same detached at the lowest priority, then
+#                                           # kvbox-node's module built and vetted; a later
+#                                           # build waits for it (log: $FLEET_CACHE/background-build.log)
 #   testenv/fleet.sh up                     # start the control plane; writes $FLEET_STATE/env
 #   testenv/fleet.sh node-credentials NAME ADDRESS
 #                                           # a node's kubeconfig and kubelet serving certificate
@@ -49,6 +52,7 @@ RECIPE=1
 K8S_KEY="kubernetes $K8S_VERSION staging $STAGING_VERSION recipe $RECIPE"
 ETCD_KEY="etcd $ETCD_VERSION recipe $RECIPE"
 K8S_BINARIES="kube-apiserver kube-scheduler kube-controller-manager kubectl"
+BACKGROUND_LOG=$FLEET_CACHE/background-build.log
 
 ETCD_CLIENT=127.0.0.1:2379
 ETCD_PEER=127.0.0.1:2380
@@ -152,7 +156,7 @@ cmd_build() {
 	# One build at a time on this machine (two set-ups, or a set-up and a test).
 	exec {lock}>"$FLEET_CACHE/.lock"
 	if ! flock -n "$lock"; then
-		log "waiting for the build that holds $FLEET_CACHE/.lock (set-up's in the background: its log is $FLEET_CACHE/background-build.log)"
+		log "waiting for the build that holds $FLEET_CACHE/.lock (one started with build --background logs to $BACKGROUND_LOG)"
 		flock "$lock"
 	fi
 	if cached "$BIN/.kubernetes.key" "$K8S_KEY" $K8S_BINARIES && cached "$BIN/.etcd.key" "$ETCD_KEY" etcd; then
@@ -643,8 +647,27 @@ cmd_down() {
 	log "down (logs of the last run kept in $LOGS)"
 }
 
+# cmd_build_background: cmd_build, then a build and vet of kvbox-node's module (its
+# dependencies into the module cache), detached at the lowest priority, so that the guests of
+# the tests that run meanwhile keep the CPU they want. Its own session is its own autogroup where
+# the kernel groups by session (sched_autogroup_enabled): the group gets the lowest priority
+# too, or it would take half the CPU whatever its nice.
+cmd_build_background() {
+	mkdir -p "$FLEET_CACHE" || die "cannot create $FLEET_CACHE"
+	log "building the control plane detached (nice 19), log $BACKGROUND_LOG; fleet.sh build waits for it"
+	setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
+		bash "$1" build && cd "$2" && go build ./... && go vet ./... && go vet -tags e2e ./...' \
+		fleet-build "$TESTENV_DIR/fleet.sh" "$REPO_DIR/integrations/kubernetes" >"$BACKGROUND_LOG" 2>&1 </dev/null &
+}
+
 case "${1:-}" in
-build) cmd_build ;;
+build)
+	case "${2:-}" in
+	"") cmd_build ;;
+	--background) cmd_build_background ;;
+	*) usage ;;
+	esac
+	;;
 up) require_root; cmd_up ;;
 down) require_root; cmd_down ;;
 status) cmd_status ;;

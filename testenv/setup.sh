@@ -347,21 +347,6 @@ stage_registry() {
 	return 1
 }
 
-# The control plane's build (and kvbox-node's module's dependencies) is long on a machine
-# that never built it and needs nothing of the tests before make test-kubernetes: it runs
-# detached at the lowest priority, so the guests of the tests before it keep the CPU they
-# want, and fleet.sh build there waits for it (its lock) and finds it done. Its own session
-# is its own autogroup where the kernel groups by session (sched_autogroup_enabled): the
-# group gets the lowest priority too, or it would take half the CPU whatever its nice.
-FLEET_BUILD_LOG=${KVBOX_FLEET_CACHE:-/var/lib/kvbox-testenv/k8s}/background-build.log
-stage_fleet_background() {
-	mkdir -p "${FLEET_BUILD_LOG%/*}" || return 1
-	log "building it detached (nice 19), log $FLEET_BUILD_LOG; make test-kubernetes waits for it"
-	setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
-		bash "$1" build && cd "$2" && go build ./... && go vet ./... && go vet -tags e2e ./...' \
-		fleet-build "$TESTENV_DIR/fleet.sh" "$REPO_DIR/integrations/kubernetes" >"$FLEET_BUILD_LOG" 2>&1 </dev/null &
-}
-
 T0=$(now_ms)
 stage "host" stage_host
 stage "packages" stage_packages
@@ -377,7 +362,7 @@ stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
 if [ -n "${KVBOX_TESTENV_SKIP_FLEET:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_FLEET set: skipping the control plane build"
 elif [ "${KVBOX_TESTENV_FLEET:-}" = background ]; then
-	stage "control plane for the fleet tests, in the background" stage_fleet_background
+	stage "control plane for the fleet tests, in the background" bash "$TESTENV_DIR/fleet.sh" build --background
 else
 	stage "control plane for the fleet tests (testenv/fleet.sh build, cached)" bash "$TESTENV_DIR/fleet.sh" build
 fi
