@@ -188,6 +188,7 @@ func (h *Host) notify(warning bool, format string, a ...any) {
 	}
 }
 
-// Domain is the Host's libvirt side, for what measures it beneath the
-// library (the bench); no front uses it.
+// Domain is the Host's libvirt side, for the bench's peers (the files
+// virsh writes given to QEMU, the agent of a box virsh started again); no
+// front uses it, and nothing kvbox does is timed through it.
 func (h *Host) Domain() *domain.Host { return h.d }

@@ -18,19 +18,18 @@ func (e *env) warmSnapshot(ctx context.Context) (snapshot.Snapshot, error) {
 		return *e.warm, nil
 	}
 	src := "bench-src"
-	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {
+	if _, err := e.create(ctx, e.spec(src, 1)); err != nil {
 		return snapshot.Snapshot{}, err
 	}
 	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), src, true) })
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	name := "bench-warm"
-	res, err := snapshot.Create(ctx, e.h, st, src, name)
+	res, err := e.snapshot(ctx, src, name)
 	if err != nil {
 		return snapshot.Snapshot{}, err
 	}
 	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), name) })
 	e.warmPause = res.Pause
-	snap, err := st.Get(name)
+	snap, err := e.k.GetSnapshot(ctx, name)
 	if err != nil {
 		return snapshot.Snapshot{}, err
 	}
@@ -45,7 +44,7 @@ func benchClone(ctx context.Context, e *env) error {
 	for i := range e.boots {
 		name := fmt.Sprintf("bench-boot-%d", i)
 		t0 := time.Now()
-		if _, err := e.h.Create(ctx, e.spec(name, 1)); err != nil {
+		if _, err := e.create(ctx, e.spec(name, 1)); err != nil {
 			return err
 		}
 		boot = append(boot, time.Since(t0))
@@ -86,7 +85,7 @@ func cloneSeries(ctx context.Context, e *env, snap snapshot.Snapshot, prefix str
 	for i := range e.n {
 		name := fmt.Sprintf("%s-%d", prefix, i)
 		t0 := time.Now()
-		_, tm, err := snapshot.Clone(ctx, e.h, snap, name, 2*time.Minute)
+		_, tm, err := e.clone(ctx, snap, name)
 		if err != nil {
 			return nil, nil, nil, err
 		}
@@ -106,16 +105,15 @@ func cloneSeries(ctx context.Context, e *env, snap snapshot.Snapshot, prefix str
 // code, on this machine's two cores.
 func benchClone2(ctx context.Context, e *env) error {
 	src, name := "bench-src2", "bench-warm2"
-	if _, err := e.h.Create(ctx, e.spec(src, 2)); err != nil {
+	if _, err := e.create(ctx, e.spec(src, 2)); err != nil {
 		return err
 	}
 	defer e.k.Remove(context.Background(), src, true)
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
-	if _, err := snapshot.Create(ctx, e.h, st, src, name); err != nil {
+	if _, err := e.snapshot(ctx, src, name); err != nil {
 		return err
 	}
 	defer e.k.RemoveSnapshot(context.Background(), name)
-	snap, err := st.Get(name)
+	snap, err := e.k.GetSnapshot(ctx, name)
 	if err != nil {
 		return err
 	}

@@ -11,8 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/step"
 )
@@ -69,6 +69,13 @@ func benchDebian(ctx context.Context, e *env) error {
 	return registryTimes(ctx, e, two.snap)
 }
 
+// debianSpec is a box of the Debian image im at the real size:
+// 4 GiB RAM, cpus vCPUs, an 8 GiB disk.
+func debianSpec(im image.Image, name string, cpus int) kvbox.CreateRequest {
+	return kvbox.CreateRequest{Name: name, Image: im.Name, CPUs: cpus, MemoryBytes: 4 << 30,
+		DiskBytes: max(8<<30, im.VirtualSize), AgentTimeout: 3 * time.Minute}
+}
+
 // debianRun is one Debian source's snapshot and its timed clones.
 type debianRun struct {
 	cpus           int
@@ -84,10 +91,8 @@ type debianRun struct {
 func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name string) (debianRun, error) {
 	r := debianRun{cpus: cpus}
 	src := fmt.Sprintf("bench-deb-src-%d", cpus)
-	spec := domain.Spec{Name: src, CPUs: cpus, MemoryBytes: 4 << 30, DiskBytes: max(8<<30, im.VirtualSize), AgentTimeout: 3 * time.Minute,
-		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize, Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}
 	t0 := time.Now()
-	if _, err := e.h.Create(ctx, spec); err != nil {
+	if _, err := e.create(ctx, debianSpec(im, src, cpus)); err != nil {
 		return r, err
 	}
 	r.boot = time.Since(t0)
@@ -95,8 +100,7 @@ func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name st
 	if _, err := e.kvboxCLI(ctx, "exec", src, "--", "sh", "-c", "yes kvbox-bench-touched-page | head -c 1200M > /dev/shm/fill && sync"); err != nil {
 		return r, err
 	}
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
-	res, err := snapshot.Create(ctx, e.h, st, src, name)
+	res, err := e.snapshot(ctx, src, name)
 	if err != nil {
 		return r, err
 	}
@@ -105,7 +109,7 @@ func debianSeries(ctx context.Context, e *env, im image.Image, cpus int, name st
 	for i := range debianClones {
 		clone := fmt.Sprintf("bench-deb-clone-%d-%d", cpus, i)
 		t0 := time.Now()
-		_, tm, err := snapshot.Clone(ctx, e.h, r.snap, clone, 2*time.Minute)
+		_, tm, err := e.clone(ctx, r.snap, clone)
 		if err != nil {
 			return r, err
 		}
@@ -137,7 +141,7 @@ const peerRuns = 3
 func debianPeer(ctx context.Context, e *env, snap snapshot.Snapshot) (peerRestore, error) {
 	var r peerRestore
 	peer := "bench-deb-peer"
-	if _, _, err := snapshot.Clone(ctx, e.h, snap, peer, 2*time.Minute); err != nil {
+	if _, _, err := e.clone(ctx, snap, peer); err != nil {
 		return r, err
 	}
 	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), peer, true) })
@@ -191,7 +195,7 @@ func coldClone(ctx context.Context, e *env, snap snapshot.Snapshot) (time.Durati
 		}
 		name := fmt.Sprintf("bench-deb-cold-%d", i)
 		t0 := time.Now()
-		if _, _, err := snapshot.Clone(ctx, e.h, snap, name, 2*time.Minute); err != nil {
+		if _, _, err := e.clone(ctx, snap, name); err != nil {
 			return 0, err
 		}
 		walls = append(walls, time.Since(t0))

@@ -23,9 +23,8 @@ const lifeRuns = 3
 // same run.
 func benchLifecycle(ctx context.Context, e *env) error {
 	fmt.Printf("tiny box, %s RAM, 1 vCPU; %d rounds each; resume = until the agent answers\n", base.FormatSize(e.memBytes), lifeRuns)
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	src := "bench-life-src"
-	if _, err := e.h.Create(ctx, e.spec(src, 1)); err != nil {
+	if _, err := e.create(ctx, e.spec(src, 1)); err != nil {
 		return err
 	}
 	e.cleanup = append(e.cleanup, func() { e.k.Remove(context.Background(), src, true) })
@@ -36,7 +35,7 @@ func benchLifecycle(ctx context.Context, e *env) error {
 	// The snapshot pause of the same box, and warm clones of that snapshot
 	// timed in the same run: the target resume is held to.
 	snapName := "bench-life-warm"
-	res, err := snapshot.Create(ctx, e.h, st, src, snapName)
+	res, err := e.snapshot(ctx, src, snapName)
 	if err != nil {
 		return err
 	}
@@ -104,7 +103,7 @@ func warmClones(ctx context.Context, e *env, snap snapshot.Snapshot, name string
 			n = fmt.Sprintf("%s-%d", name, i)
 		}
 		t0 := time.Now()
-		if _, _, err := snapshot.Clone(ctx, e.h, snap, n, 2*time.Minute); err != nil {
+		if _, _, err := e.clone(ctx, snap, n); err != nil {
 			return nil, err
 		}
 		clones = append(clones, time.Since(t0))
@@ -119,7 +118,7 @@ func warmClones(ctx context.Context, e *env, snap snapshot.Snapshot, name string
 // managedSaveRounds is the peer: libvirt's managed save of a box kvbox
 // made, and virsh start of it until its agent answers.
 func managedSaveRounds(ctx context.Context, e *env, peer string) (msave, mstart []time.Duration, err error) {
-	peerBox, err := e.h.Create(ctx, e.spec(peer, 1))
+	peerBox, err := e.create(ctx, e.spec(peer, 1))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -135,7 +134,7 @@ func managedSaveRounds(ctx context.Context, e *env, peer string) (msave, mstart 
 			return nil, nil, fmt.Errorf("virsh start: %v: %s", err, out)
 		}
 		peerBox.State = domain.StateRunning
-		if err := pingAgent(ctx, e.h, peerBox); err != nil {
+		if err := pingAgent(ctx, e.peer, peerBox.Box); err != nil {
 			return nil, nil, err
 		}
 		mstart = append(mstart, time.Since(t0))

@@ -17,23 +17,23 @@ import (
 	"strings"
 	"time"
 
-	"libvirt.org/go/libvirt"
-
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/step"
 	"kvbox.dev/kvbox/testenv/benchstat"
 )
 
 // env is what every section gets: the host, the image to boot and the
 // sizes asked for on the command line.
 type env struct {
-	k        *kvbox.Host  // what kvbox's commands call
-	h        *domain.Host // its libvirt side, for what the library does not do yet
-	conn     *libvirt.Connect
+	k *kvbox.Host // what kvbox's commands call: every kvbox operation timed goes through it
+	// peer is k's libvirt side, for the peers alone (virsh's files given
+	// to QEMU, the agent of a box virsh started again): none of kvbox's.
+	peer     *domain.Host
 	stateDir string
 	im       image.Image
 	memBytes int64
@@ -46,10 +46,25 @@ type env struct {
 }
 
 // spec is a box of the bench image with the bench's RAM and cpus vCPUs.
-func (e *env) spec(name string, cpus int) domain.Spec {
-	im := e.im
-	return domain.Spec{Name: name, CPUs: cpus, MemoryBytes: e.memBytes, DiskBytes: max(1<<30, im.VirtualSize), AgentTimeout: 2 * time.Minute,
-		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize, Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}
+func (e *env) spec(name string, cpus int) kvbox.CreateRequest {
+	return kvbox.CreateRequest{Name: name, Image: e.im.Name, CPUs: cpus, MemoryBytes: e.memBytes,
+		DiskBytes: max(1<<30, e.im.VirtualSize), AgentTimeout: 2 * time.Minute}
+}
+
+// create boots a box as kvbox new does.
+func (e *env) create(ctx context.Context, req kvbox.CreateRequest) (kvbox.Box, error) {
+	b, _, err := e.k.Create(ctx, req)
+	return b, err
+}
+
+// snapshot takes snapshot name of box as kvbox snapshots new does.
+func (e *env) snapshot(ctx context.Context, box, name string) (snapshot.Result, error) {
+	return e.k.Snapshot(ctx, box, name, kvbox.SnapshotOptions{})
+}
+
+// clone starts warm clone name of snap as kvbox new --from does.
+func (e *env) clone(ctx context.Context, snap snapshot.Snapshot, name string) (kvbox.Box, step.Timings, error) {
+	return e.k.Clone(ctx, kvbox.CloneRequest{Snapshot: snap.Name, Name: name, AgentTimeout: 2 * time.Minute})
 }
 
 // section is one part of the bench. Sections run in this order; each
@@ -130,7 +145,7 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 		return err
 	}
 	defer k.Close()
-	e := &env{k: k, h: k.Domain(), conn: k.Domain().Conn(), stateDir: stateDir, n: n, boots: boots}
+	e := &env{k: k, peer: k.Domain(), stateDir: stateDir, n: n, boots: boots}
 	if e.im, err = (image.Store{Dir: stateDir + "/images"}).Get(imageName); err != nil {
 		return err
 	}
@@ -142,7 +157,11 @@ func run(ctx context.Context, imageName, memSize, stateDir string, n, boots int,
 			e.cleanup[i]()
 		}
 	}()
-	typ, _ := e.h.DomainType()
+	hc, err := k.HostCompat(ctx)
+	if err != nil {
+		return err
+	}
+	typ := hc.DomainType
 	fmt.Printf("kvbox bench: image %s, %s RAM, domain type %s, %d boots, %d snapshots, %d clones\n", imageName, memSize, typ, boots, n, n)
 	for _, sec := range sections {
 		if len(want) > 0 && !want[sec.name] {

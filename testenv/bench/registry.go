@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/registry"
+	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/snapshot"
 )
 
@@ -40,28 +40,34 @@ func registryTimes(ctx context.Context, e *env, snap snapshot.Snapshot) error {
 	if *registryAddr == "" {
 		return nil
 	}
-	conn, stateDir := e.conn, e.stateDir
 	ref := fmt.Sprintf("%s/kvbox-bench/%s:%d", *registryAddr, snap.Name, time.Now().UnixNano())
-	o := registry.Options{Insecure: true}
+	o := kvbox.RegistryOptions{Insecure: true}
 	t0 := time.Now()
-	first, err := registry.Push(ctx, stateDir, snap, ref, o)
+	first, err := e.k.Push(ctx, snap.Name, ref, o)
 	if err != nil {
 		return err
 	}
 	pushT := time.Since(t0)
 	t0 = time.Now()
-	again, err := registry.Push(ctx, stateDir, snap, ref, o)
+	again, err := e.k.Push(ctx, snap.Name, ref, o)
 	if err != nil {
 		return err
 	}
 	againT := time.Since(t0)
+	// The pull is a new host's: a state dir of its own, without the base
+	// image, so that all of the artifact comes over the wire.
 	dir, err := os.MkdirTemp("", "kvbox-bench-pull-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(dir)
+	fresh, err := kvbox.Open(ctx, kvbox.Config{StateDir: dir, Network: e.k.Network()})
+	if err != nil {
+		return err
+	}
+	defer fresh.Close()
 	t0 = time.Now()
-	pulled, err := registry.Pull(ctx, conn, dir, ref, snap.Name, o)
+	pulled, err := fresh.Pull(ctx, ref, snap.Name, o)
 	if err != nil {
 		return err
 	}

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/snapshot"
 )
 
 // serveSDK is the version of the E2B SDK the serve section drives.
@@ -91,8 +90,7 @@ func serveTemplate(ctx context.Context, e *env, img string) (string, error) {
 	if _, err := e.kvboxCLI(ctx, "snapshots", "new", src, tmpl); err != nil {
 		return "", err
 	}
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
-	e.cleanup = append(e.cleanup, func() { snapshot.Remove(e.h, st, tmpl) })
+	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), tmpl) })
 	if _, err := e.kvboxCLI(ctx, "rm", "--force", src); err != nil {
 		return "", err
 	}

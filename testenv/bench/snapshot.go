@@ -16,7 +16,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/image"
-	"kvbox.dev/kvbox/snapshot"
+	"kvbox.dev/kvbox/kvbox"
 )
 
 // snapRuns is how many times each kind of snapshot is timed: the issue's
@@ -27,7 +27,7 @@ const snapRuns = 5
 type snapCase struct {
 	what   string
 	prefix string // of the boxes' and snapshots' names
-	spec   func(name string) domain.Spec
+	spec   func(name string) kvbox.CreateRequest
 	// fill runs in each source box (and the peer) before its first
 	// snapshot; cloneFill in the clone before its snapshots.
 	fill, cloneFill string
@@ -40,7 +40,7 @@ func benchSnapshot(ctx context.Context, e *env) error {
 	return snapshotTable(ctx, e, snapCase{
 		what:   fmt.Sprintf("tiny box, %s RAM, 1 vCPU", base.FormatSize(mem)),
 		prefix: "bench-snap",
-		spec: func(name string) domain.Spec {
+		spec: func(name string) kvbox.CreateRequest {
 			s := e.spec(name, 1)
 			s.MemoryBytes = mem
 			return s
@@ -59,9 +59,8 @@ func benchSnapshotDebian(ctx context.Context, e *env) error {
 	return snapshotTable(ctx, e, snapCase{
 		what:   "Debian, 4 GiB RAM, 2 vCPU, ~1.5 GB touched",
 		prefix: "bench-dsnap",
-		spec: func(name string) domain.Spec {
-			return domain.Spec{Name: name, CPUs: 2, MemoryBytes: 4 << 30, DiskBytes: max(8<<30, im.VirtualSize), AgentTimeout: 3 * time.Minute,
-				Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize, Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}
+		spec: func(name string) kvbox.CreateRequest {
+			return debianSpec(im, name, 2)
 		},
 		fill:      "yes kvbox-bench-touched-page | head -c 1200M > /dev/shm/fill && sync",
 		cloneFill: "head -c 100M /dev/urandom > /dev/shm/clone-wrote && sync",
@@ -76,7 +75,6 @@ func benchSnapshotDebian(ctx context.Context, e *env) error {
 // a box of the same size, in the same run.
 func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 	fmt.Printf("%s; %d of each; gap = longest gap between replies to ping -i 0.005\n", sc.what, snapRuns)
-	st := snapshot.Store{Dir: e.stateDir + "/snapshots"}
 	fill := func(box, script string) error {
 		if script == "" {
 			return nil
@@ -87,7 +85,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 
 	// (a) kvbox: snapshots of a source box.
 	src := sc.prefix + "-src"
-	srcBox, err := e.h.Create(ctx, sc.spec(src))
+	srcBox, err := e.create(ctx, sc.spec(src))
 	if err != nil {
 		return err
 	}
@@ -100,17 +98,17 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var a kvSnaps
-	if err := a.takeAll(ctx, e, st, src, srcBox.IP, sc.prefix+"-s", "the RAM its guest touched, and its own"); err != nil {
+	if err := a.takeAll(ctx, e, src, srcBox.IP, sc.prefix+"-s", "the RAM its guest touched, and its own"); err != nil {
 		return err
 	}
 
 	// (b) kvbox: snapshots of a clone of the first one.
-	snap, err := st.Get(sc.prefix + "-s0")
+	snap, err := e.k.GetSnapshot(ctx, sc.prefix+"-s0")
 	if err != nil {
 		return err
 	}
 	cl := sc.prefix + "-clone"
-	clBox, _, err := snapshot.Clone(ctx, e.h, snap, cl, 2*time.Minute)
+	clBox, _, err := e.clone(ctx, snap, cl)
 	if err != nil {
 		return err
 	}
@@ -119,7 +117,7 @@ func snapshotTable(ctx context.Context, e *env, sc snapCase) error {
 		return err
 	}
 	var b kvSnaps
-	if err := b.takeAll(ctx, e, st, cl, clBox.IP, sc.prefix+"-c", "the snapshot's pages its guest read or wrote, and its own"); err != nil {
+	if err := b.takeAll(ctx, e, cl, clBox.IP, sc.prefix+"-c", "the snapshot's pages its guest read or wrote, and its own"); err != nil {
 		return err
 	}
 
@@ -187,10 +185,10 @@ type peerSnaps struct {
 
 // benchSnapshotPeers times `virsh save` + `restore` and `virsh
 // snapshot-create-as --live` on a box of spec kvbox made (and filled).
-func benchSnapshotPeers(ctx context.Context, e *env, spec domain.Spec, fill func(box string) error) (peerSnaps, error) {
+func benchSnapshotPeers(ctx context.Context, e *env, spec kvbox.CreateRequest, fill func(box string) error) (peerSnaps, error) {
 	var r peerSnaps
 	peer := spec.Name
-	peerBox, err := e.h.Create(ctx, spec)
+	peerBox, err := e.create(ctx, spec)
 	if err != nil {
 		return r, err
 	}
@@ -203,7 +201,7 @@ func benchSnapshotPeers(ctx context.Context, e *env, spec domain.Spec, fill func
 		return r, err
 	}
 	e.cleanup = append(e.cleanup, func() { os.RemoveAll(tmp) })
-	if err := e.h.ChownForQEMU(tmp); err != nil {
+	if err := e.peer.ChownForQEMU(tmp); err != nil {
 		return r, err
 	}
 	for i := range snapRuns {
@@ -258,7 +256,7 @@ func overlayFor(ctx context.Context, e *env, disk, path string) error {
 	if out, err := exec.CommandContext(ctx, "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", disk, path).CombinedOutput(); err != nil {
 		return fmt.Errorf("qemu-img create %s: %v: %s", path, err, out)
 	}
-	return e.h.ChownForQEMU(path)
+	return e.peer.ChownForQEMU(path)
 }
 
 // kvSnaps are the timings of kvbox snapshots of one box.
@@ -283,10 +281,10 @@ func (k *kvSnaps) size() int64 { return k.sizes[0] }
 // takeAll takes snapRuns snapshots of box, named prefix0, prefix1, ...,
 // and notes the host's memory around the first (resident says what the
 // box's QEMU holds resident before it).
-func (k *kvSnaps) takeAll(ctx context.Context, e *env, st snapshot.Store, box, ip, prefix, resident string) error {
+func (k *kvSnaps) takeAll(ctx context.Context, e *env, box, ip, prefix, resident string) error {
 	before := hostMemory(box)
 	for i := range snapRuns {
-		if err := k.take(ctx, e, st, box, ip, fmt.Sprintf("%s%d", prefix, i)); err != nil {
+		if err := k.take(ctx, e, box, ip, fmt.Sprintf("%s%d", prefix, i)); err != nil {
 			return err
 		}
 		if i == 0 {
@@ -327,13 +325,13 @@ func hostMemory(box string) memUse {
 	return m
 }
 
-func (k *kvSnaps) take(ctx context.Context, e *env, st snapshot.Store, box, ip, name string) error {
+func (k *kvSnaps) take(ctx context.Context, e *env, box, ip, name string) error {
 	p, err := startPing(ctx, ip)
 	if err != nil {
 		return err
 	}
 	t0 := time.Now()
-	res, err := snapshot.Create(ctx, e.h, st, box, name)
+	res, err := e.snapshot(ctx, box, name)
 	t1 := time.Now()
 	gap := p.stop(t0, t1)
 	if err != nil {
