@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 	"time"
@@ -122,11 +121,10 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 	default:
 		err = k.CopyIn(ctx, box, src, dpath, o)
 	}
-	prog.Stop()
 	if err != nil {
 		return err
 	}
-	prog.Summary()
+	prog.Summary("copied")
 	return nil
 }
 
@@ -134,14 +132,10 @@ func (a *app) runCp(ctx context.Context, src, dst string, maxBytes int64) error 
 // once the copy has taken a second (KVBOX_PROGRESS_AFTER, a Go duration,
 // says otherwise: the tests draw it for a copy of any length); what the
 // copy skips is a warning.
-func (a *app) copyProgress() *terminal.Copy {
+func (a *app) copyProgress() *terminal.Progress {
 	after := time.Second
 	if d, err := time.ParseDuration(os.Getenv("KVBOX_PROGRESS_AFTER")); err == nil && d >= 0 {
 		after = d
 	}
-	var w io.Writer
-	if f, ok := a.raw.Err.(*os.File); ok && terminal.IsTerminal(f) {
-		w = f
-	}
-	return terminal.NewCopy(w, after, func(s string) { fmt.Fprintf(a.io.Err, "kvbox: cp: %s\n", s) })
+	return terminal.New(terminal.Options{Term: terminal.IfTerminal(a.raw.Err), Log: a.io.Err, Prefix: "kvbox: cp: ", After: after})
 }

@@ -46,15 +46,13 @@ func (t *table) Flush() error { return t.w.Flush() }
 // spin shows what kvbox is waiting for, with a spinner and the time spent,
 // on a terminal only; stop clears the line.
 func (a *app) spin(what string) (stop func()) {
-	if !a.io.TTY {
-		return func() {}
-	}
-	_, stop = terminal.Spin(a.raw.Err, what)
-	return stop
+	return a.reporter().Stage(what).End
 }
 
-// reporter is the terminal's progress.Reporter: each stage is a spinner
-// line while it runs, a log line goes to stderr.
+// reporter is the terminal's progress.Reporter: each stage is a line
+// while it runs, drawn when stderr is a terminal (raw, for the lines'
+// cursor controls: their text is made printable), a log line goes to
+// stderr.
 func (a *app) reporter() progress.Reporter {
-	return terminal.Reporter{W: a.raw.Err, TTY: a.io.TTY, Lines: a.io.Err}
+	return terminal.New(terminal.Options{Term: terminal.IfTerminal(a.raw.Err), Log: a.io.Err})
 }
