@@ -1,7 +1,7 @@
 // Package progress is how a long operation tells whoever asked for it how
 // it goes: the kvbox library and the packages under it report to a
 // Reporter, and each front shows it its own way (the CLI's terminal draws
-// one status line; a server may log, or show nothing).
+// a line a stage; a server may log, or show nothing).
 package progress
 
 // Reporter is told how a long operation goes. Its methods may be called

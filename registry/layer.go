@@ -7,9 +7,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+
+	"kvbox.dev/kvbox/progress"
 )
 
 // Media types of a kvbox snapshot artifact.
@@ -31,7 +34,7 @@ type fileLayer struct {
 	size     int64
 	mt       types.MediaType
 	title    string
-	progress func(title string, done, total int64) // nil: none
+	progress progress.Reporter // nil: none
 	// ensure, if set, puts the blob at path first (it may have been
 	// pruned since an earlier push encoded it).
 	ensure func() error
@@ -54,30 +57,43 @@ func (l *fileLayer) Compressed() (io.ReadCloser, error) {
 	return progressReader(f, l.title, l.size, l.progress), nil
 }
 
-// progressReader reports every read of rc to progress as bytes done of
-// total (rc itself when progress is nil). A blob read again (a retried
-// upload) starts again from 0.
-func progressReader(rc io.ReadCloser, title string, total int64, progress func(string, int64, int64)) io.ReadCloser {
-	if progress == nil {
+// progressReader reports the reads of rc to a stage of rep named title,
+// as bytes done of total, and ends the stage once all are read or rc is
+// closed (rc itself when rep is nil). A blob read again (a retried
+// upload) is a stage again, from 0.
+func progressReader(rc io.ReadCloser, title string, total int64, rep progress.Reporter) io.ReadCloser {
+	if rep == nil {
 		return rc
 	}
-	progress(title, 0, total)
-	return &progressRC{ReadCloser: rc, title: title, total: total, f: progress}
+	st := rep.Stage(title)
+	st.Bytes(0, total)
+	return &progressRC{ReadCloser: rc, st: st, total: total}
 }
 
 type progressRC struct {
 	io.ReadCloser
-	title       string
+	st          progress.Stage
 	done, total int64
-	f           func(string, int64, int64)
+	ended       sync.Once // Close may come from another goroutine than Read
 }
 
 func (p *progressRC) Read(b []byte) (int, error) {
 	n, err := p.ReadCloser.Read(b)
 	p.done += int64(n)
-	p.f(p.title, p.done, p.total)
+	p.st.Bytes(p.done, p.total)
+	if p.done >= p.total {
+		p.end()
+	}
 	return n, err
 }
+
+func (p *progressRC) Close() error {
+	p.end()
+	return p.ReadCloser.Close()
+}
+
+func (p *progressRC) end() { p.ended.Do(p.st.End) }
+
 func (l *fileLayer) Uncompressed() (io.ReadCloser, error) { return os.Open(l.path) }
 
 // cache is a folder of blobs named by digest (the state dir's

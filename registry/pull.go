@@ -20,6 +20,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/progress"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/statedir"
 )
@@ -229,7 +230,7 @@ func refusal(ref string, err error) error {
 
 // fetch downloads one blob into the cache, hashing as it goes: a blob
 // whose bytes do not match its digest is never kept.
-func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropts []remote.Option, progress func(string, int64, int64)) error {
+func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropts []remote.Option, rep progress.Reporter) error {
 	layer, err := remote.Layer(dref, ropts...)
 	if err != nil {
 		return err
@@ -238,7 +239,7 @@ func fetch(ctx context.Context, c cache, dref name.Digest, l v1.Descriptor, ropt
 	if err != nil {
 		return err
 	}
-	rc = progressReader(rc, l.Annotations[AnnotTitle], l.Size, progress)
+	rc = progressReader(rc, l.Annotations[AnnotTitle], l.Size, rep)
 	defer rc.Close()
 	tmp := c.blob(l.Digest) + ".download"
 	f, err := os.Create(tmp)

@@ -31,6 +31,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/progress"
 	"kvbox.dev/kvbox/snapshot"
 	"kvbox.dev/kvbox/statedir"
 )
@@ -50,12 +51,12 @@ type Options struct {
 	Insecure bool   // plain HTTP
 	Username string // with Password, instead of docker's config.json
 	Password string
-	// Log gets one line per part (nil: quiet).
-	Log io.Writer
-	// Progress, if set, is called as each part's bytes go to or come
-	// from the registry (several parts may be in flight at once); the CLI
-	// draws it on a terminal.
-	Progress func(title string, done, total int64)
+	// Progress gets one log line per part and, as each part's bytes go
+	// to or come from the registry, a stage named by the part's title
+	// (several may be in flight at once); nil: quiet. A pulled artifact
+	// names its parts' titles: whatever shows them makes them printable
+	// (the CLI's terminal.Progress does).
+	Progress progress.Reporter
 	// DomainType is the libvirt domain type kvbox uses on this host, for
 	// the compatibility check of a pull.
 	DomainType string
@@ -87,8 +88,8 @@ func (o Options) remote(ctx context.Context, counter *counter) []remote.Option {
 }
 
 func (o Options) logf(format string, a ...any) {
-	if o.Log != nil {
-		fmt.Fprintf(o.Log, format+"\n", a...)
+	if o.Progress != nil {
+		o.Progress.Log(fmt.Sprintf(format, a...))
 	}
 }
 

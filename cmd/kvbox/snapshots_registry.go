@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -12,7 +11,6 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/registry"
-	"kvbox.dev/kvbox/terminal"
 )
 
 // registryFlags are the flags every command that talks to a registry has.
@@ -28,12 +26,12 @@ func (f *registryFlags) add(c *cobra.Command) {
 	c.Flags().BoolVar(&f.passwordStdin, "password-stdin", false, "read the registry password from standard input")
 }
 
-// options are the registry options of the flags; quiet (--json) drops the
-// per-part log.
+// options are the registry options of the flags; the per-part log and
+// the parts' lines are the terminal's (a.reporter), none when quiet (--json).
 func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
-	o := registry.Options{Insecure: f.insecure, Username: f.username, Log: a.io.Err}
-	if quiet {
-		o.Log = nil
+	o := registry.Options{Insecure: f.insecure, Username: f.username}
+	if !quiet {
+		o.Progress = a.reporter()
 	}
 	if f.passwordStdin {
 		if f.username == "" {
@@ -50,28 +48,10 @@ func (f *registryFlags) options(a *app, quiet bool) (registry.Options, error) {
 	return o, nil
 }
 
-// progress draws each part's transfer on a terminal (stderr is one and
-// the per-part log is on): o's log then goes through the status line.
-// The returned func clears it.
-func (a *app) progress(o *registry.Options) (done func()) {
-	f, ok := a.raw.Err.(*os.File)
-	if o.Log == nil || !ok || !terminal.IsTerminal(f) {
-		return func() {}
-	}
-	// Raw for the status line's cursor controls; its text (part titles,
-	// which a pulled artifact names) and the log lines are made printable.
-	p := terminal.NewParts(a.raw.Err)
-	o.Log, o.Progress = p, p.Update
-	return p.Done
-}
-
-// transfer runs a push or a pull with its parts drawn on a terminal and,
-// when asked, prints its result as JSON: done says nothing is left to
-// print.
+// transfer runs a push or a pull and, when asked, prints its result as
+// JSON: done says nothing is left to print.
 func transfer[R any](a *app, o registry.Options, asJSON bool, run func(registry.Options) (R, error)) (res R, done bool, err error) {
-	stop := a.progress(&o)
 	res, err = run(o)
-	stop()
 	if err != nil {
 		return res, true, err
 	}
