@@ -1,7 +1,7 @@
 // Package terminal is how kvbox writes for people on a terminal: text made
-// printable on its way (Printable, Line, Writer), and the status lines of
-// what runs a while (a Spinner, a Reporter of package progress, the Parts
-// of a transfer, a Copy's bytes), drawn only on a terminal.
+// printable on its way (Printable, Line, Writer), and the live lines of
+// what runs a while (Progress, the one progress.Reporter for people: a
+// line a stage), drawn only on a terminal.
 //
 // Strings that did not come from this host reach kvbox's output all the
 // time: a guest's file names and messages, an after-clone hook's output, an agent's error, the fields of a pulled snapshot, a
