@@ -137,16 +137,22 @@ func (p *Progress) redraw() bool {
 	return true
 }
 
+// erase is what moves the cursor to the start of the first live line and
+// erases them all (the line the cursor is on when none is drawn).
+func (p *Progress) erase() string {
+	up := ""
+	if p.shown > 1 {
+		up = fmt.Sprintf("\x1b[%dA", p.shown-1)
+	}
+	return up + "\r\x1b[J"
+}
+
 // clear erases the live lines, leaving the cursor where the first was.
 func (p *Progress) clear() {
 	if p.shown == 0 {
 		return
 	}
-	up := ""
-	if p.shown > 1 {
-		up = fmt.Sprintf("\x1b[%dA", p.shown-1)
-	}
-	io.WriteString(p.o.Term, "\r"+up+"\x1b[J")
+	io.WriteString(p.o.Term, p.erase())
 	p.shown = 0
 }
 
@@ -166,12 +172,7 @@ func (p *Progress) draw() {
 	if p.shown == 0 && len(lines) == 0 {
 		return
 	}
-	var b strings.Builder
-	if p.shown > 1 {
-		fmt.Fprintf(&b, "\x1b[%dA", p.shown-1)
-	}
-	b.WriteString("\r\x1b[J" + strings.Join(lines, "\n"))
-	io.WriteString(p.o.Term, b.String())
+	io.WriteString(p.o.Term, p.erase()+strings.Join(lines, "\n"))
 	p.shown = len(lines)
 	p.drew = p.drew || len(lines) > 0
 }
