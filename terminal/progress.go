@@ -48,7 +48,7 @@ type Progress struct {
 
 	mu      sync.Mutex
 	stages  []*stage // live, in the order they started
-	shown   int      // lines on the terminal now
+	shown   int      // rows the live lines take on the terminal now
 	frame   int      // the spinner's
 	running bool     // the draw loop runs
 	drew    bool     // a line was drawn once (Summary)
@@ -138,7 +138,7 @@ func (p *Progress) redraw() bool {
 }
 
 // erase is what moves the cursor to the start of the first live line and
-// erases them all (the line the cursor is on when none is drawn).
+// erases them all (the row the cursor is on when none is drawn).
 func (p *Progress) erase() string {
 	up := ""
 	if p.shown > 1 {
@@ -162,30 +162,32 @@ func (p *Progress) draw() {
 	if p.o.Term == nil {
 		return
 	}
-	now := p.now()
+	now, width := p.now(), p.width()
 	var lines []string
+	rows := 0
 	for _, s := range p.stages {
 		if now.Sub(s.start) >= p.o.After {
-			lines = append(lines, cut(s.line(now, p.frame), p.width()))
+			l := s.line(now, p.frame)
+			lines = append(lines, l)
+			rows += wrapped(l, width)
 		}
 	}
 	if p.shown == 0 && len(lines) == 0 {
 		return
 	}
 	io.WriteString(p.o.Term, p.erase()+strings.Join(lines, "\n"))
-	p.shown = len(lines)
+	p.shown = rows
 	p.drew = p.drew || len(lines) > 0
 }
 
-// cut keeps a line within width columns (less one: a line that reaches
-// the last column wraps on some terminals), so that the redraw's cursor
-// moves count the lines right.
-func cut(s string, width int) string {
-	if width <= 1 || utf8.RuneCountInString(s) < width {
-		return s
+// wrapped is how many rows line takes on a terminal width columns wide
+// (1 when the width is unknown): a line wider than the terminal wraps,
+// and erase moves up over every row.
+func wrapped(line string, width int) int {
+	if width <= 0 {
+		return 1
 	}
-	r := []rune(s)
-	return string(r[:width-1])
+	return max(1, (utf8.RuneCountInString(line)+width-1)/width)
 }
 
 // Summary prints, on a terminal and when a line was drawn, what the ended
@@ -226,6 +228,7 @@ type stage struct {
 	status      string
 	bytes       bool // the last word was Bytes, not Status
 	done, total int64
+	told        bool // Status or Bytes was called
 	ended       bool
 }
 
@@ -240,16 +243,28 @@ func (s *stage) line(now time.Time, frame int) string {
 	return l
 }
 
+// Status and Bytes change the stage's line for the next redraw; the
+// first of them is drawn at once, so that a stage shorter than a redraw
+// shows what it moves all the same.
 func (s *stage) Status(v string) {
 	s.p.mu.Lock()
 	defer s.p.mu.Unlock()
 	s.status, s.bytes = Line(v), false
+	s.first()
 }
 
 func (s *stage) Bytes(done, total int64) {
 	s.p.mu.Lock()
 	defer s.p.mu.Unlock()
 	s.done, s.total, s.bytes = done, total, true
+	s.first()
+}
+
+func (s *stage) first() {
+	if !s.told {
+		s.told = true
+		s.p.draw()
+	}
 }
 
 // End removes the stage's line (the others are drawn again at once) and

@@ -14,10 +14,11 @@ import (
 // return, newline, cursor up, erase to the end of the screen or line).
 // Any other escape fails the test.
 type screen struct {
-	t    *testing.T
-	raw  bytes.Buffer
-	rows [][]rune
-	r, c int
+	t     *testing.T
+	width int // columns; a longer line wraps (0: no end)
+	raw   bytes.Buffer
+	rows  [][]rune
+	r, c  int
 }
 
 func (s *screen) Write(b []byte) (int, error) {
@@ -70,6 +71,9 @@ func (s *screen) grow() {
 }
 
 func (s *screen) put(ch rune) {
+	if s.width > 0 && s.c >= s.width {
+		s.r, s.c = s.r+1, 0
+	}
 	s.grow()
 	for len(s.rows[s.r]) < s.c {
 		s.rows[s.r] = append(s.rows[s.r], ' ')
@@ -244,14 +248,20 @@ func TestUnprintable(t *testing.T) {
 	}
 }
 
-func TestCut(t *testing.T) {
+// TestWrap: lines wider than the terminal wrap, and are erased whole.
+func TestWrap(t *testing.T) {
 	p, s, c := newTest(t, Options{})
-	p.width = func() int { return 12 }
-	p.Stage("a long stage name")
+	s.width = 12
+	p.width = func() int { return s.width }
+	long := p.Stage("a long stage name")
 	p.Stage("another")
 	c.t = c.t.Add(time.Second)
 	p.redraw()
-	s.want("lines wider than the terminal", "/ a long st", "/ another 1")
+	s.want("lines wider than the terminal", "/ a long sta", "ge name 1.0s", "/ another 1.", "0s")
+	p.Log("a log line")
+	s.want("a log line above them", "a log line", "/ a long sta", "ge name 1.0s", "/ another 1.", "0s")
+	long.End()
+	s.want("the long one over", "a log line", "/ another 1.", "0s")
 }
 
 // TestConcurrent: stages started, moved, logged about and ended from
@@ -296,4 +306,18 @@ func TestConcurrent(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("the screen shows %q, want the log lines %q", got, want)
 	}
+}
+
+// TestFirstWordAtOnce: a stage's first status or bytes are drawn at once,
+// what follows at the next redraw.
+func TestFirstWordAtOnce(t *testing.T) {
+	p, s, c := newTest(t, Options{})
+	st := p.Stage("snapshot/state")
+	st.Bytes(0, 2<<20)
+	s.want("the first bytes", "| snapshot/state 0.0s: 0 B of 2 MB (0%)")
+	c.t = c.t.Add(time.Second)
+	st.Bytes(1<<20, 2<<20)
+	s.want("the next bytes, before a redraw", "| snapshot/state 0.0s: 0 B of 2 MB (0%)")
+	p.redraw()
+	s.want("the next bytes", "/ snapshot/state 1.0s: 1 MB of 2 MB (50%) at 1 MB/s")
 }
