@@ -11,114 +11,54 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
+
+	"kvbox.dev/kvbox/progress"
 )
 
-// Progress shows a build's stages: one line per stage with its time. On a
-// terminal the running stage has a spinner, its elapsed time and the last
-// line its tool printed; elsewhere only finished stages are printed.
-type Progress struct {
-	W   io.Writer // nil: print nothing
-	TTY bool
-	// Text, if set, is applied to what a tool printed before it is shown
-	// on the status line (the CLI makes it printable).
-	Text func(string) string
-	mu   sync.Mutex
+// stage is one step of a build, told to a progress.Reporter: a
+// progress.Stage while it runs (its status the last line its tool
+// printed), then a log line with its time, "✓ name (1.2s)", or "✗ name
+// (1.2s)" when it failed. The log lines are the build's record, the same
+// on a terminal and in a CI log.
+type stage struct {
+	r     progress.Reporter
+	live  progress.Stage
+	name  string
+	start time.Time
+	ended bool
 }
 
-// Stage is one running step of a build.
-type Stage struct {
-	p      *Progress
-	name   string
-	start  time.Time
-	mu     sync.Mutex
-	status string
-	stop   chan struct{}
-	done   chan struct{}
+// startStage begins a stage; End it with its error.
+func startStage(r progress.Reporter, name string) *stage {
+	return &stage{r: r, live: r.Stage(name), name: name, start: time.Now()}
 }
 
-var spinner = []string{"⠋", "⠙", "⠹", "⠸", "⠼", "⠴", "⠦", "⠧", "⠇", "⠏"}
-
-// Printf prints a line between stages.
-func (p *Progress) Printf(format string, args ...any) {
-	if p == nil || p.W == nil {
-		return
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	fmt.Fprintf(p.W, format, args...)
+// Status says what the stage does now. A tool's line reaches people only
+// this way, and in the error when the tool fails: the CLI's Reporter
+// (terminal.Progress) and its error line make both printable.
+func (s *stage) Status(line string) {
+	s.live.Status(strings.TrimSpace(line))
 }
 
-// Start begins a stage; End it with its error.
-func (p *Progress) Start(name string) *Stage {
-	s := &Stage{p: p, name: name, start: time.Now(), stop: make(chan struct{}), done: make(chan struct{})}
-	if p == nil || p.W == nil || !p.TTY {
-		close(s.done)
-		return s
-	}
-	go func() {
-		defer close(s.done)
-		t := time.NewTicker(100 * time.Millisecond)
-		defer t.Stop()
-		for i := 0; ; i++ {
-			s.mu.Lock()
-			st := s.status
-			s.mu.Unlock()
-			line := fmt.Sprintf("%s %s  %s", spinner[i%len(spinner)], s.name, fmtDur(time.Since(s.start)))
-			if st != "" && p.Text != nil {
-				st = p.Text(st)
-			}
-			if st != "" {
-				line += "  " + st
-			}
-			p.mu.Lock()
-			fmt.Fprintf(p.W, "\r%s\x1b[K", truncate(line, 100))
-			p.mu.Unlock()
-			select {
-			case <-s.stop:
-				return
-			case <-t.C:
-			}
-		}
-	}()
-	return s
-}
-
-// Status sets the detail shown next to a running stage on a terminal.
-func (s *Stage) Status(st string) {
-	s.mu.Lock()
-	s.status = strings.TrimSpace(st)
-	s.mu.Unlock()
-}
-
-// End finishes the stage and prints its line.
-func (s *Stage) End(err error) error {
-	select {
-	case <-s.stop:
-		return err // already ended
-	default:
-		close(s.stop)
-	}
-	<-s.done
-	p := s.p
-	if p == nil || p.W == nil {
+// End ends the stage, logs its line and returns err. Ending it again does
+// nothing.
+func (s *stage) End(err error) error {
+	if s.ended {
 		return err
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.TTY {
-		fmt.Fprint(p.W, "\r\x1b[K")
-	}
+	s.ended = true
+	s.live.End()
 	mark := "✓"
 	if err != nil {
 		mark = "✗"
 	}
-	fmt.Fprintf(p.W, "%s %s (%s)\n", mark, s.name, fmtDur(time.Since(s.start)))
+	s.r.Log(fmt.Sprintf("%s %s (%s)", mark, s.name, fmtDur(time.Since(s.start))))
 	return err
 }
 
+// fmtDur is a stage's or a build's time: "1.2s", "42s", "3m05s".
 func fmtDur(d time.Duration) string {
 	if d < 10*time.Second {
 		return fmt.Sprintf("%.1fs", d.Seconds())
@@ -129,19 +69,11 @@ func fmtDur(d time.Duration) string {
 	return fmt.Sprintf("%dm%02ds", int(d.Minutes()), int(d.Seconds())%60)
 }
 
-func truncate(s string, n int) string {
-	r := []rune(s)
-	if len(r) <= n {
-		return s
-	}
-	return string(r[:n-1]) + "…"
-}
-
 // runTool runs a build tool. Its output goes to the stage's status line and
 // the last lines of it into the error when it fails. Cancelling ctx sends
 // SIGTERM first (debootstrap unmounts what it mounted on its way out), then
 // SIGKILL after a grace period.
-func runTool(ctx context.Context, st *Stage, env []string, name string, args ...string) error {
+func runTool(ctx context.Context, st *stage, env []string, name string, args ...string) error {
 	cmd := exec.CommandContext(ctx, name, args...)
 	cmd.Env = append(os.Environ(), "LC_ALL=C", "DEBIAN_FRONTEND=noninteractive",
 		"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
@@ -198,7 +130,7 @@ func runTool(ctx context.Context, st *Stage, env []string, name string, args ...
 // makeExt4Qcow2 writes a sparse raw ext4 filesystem of size bytes holding the
 // tree at root (mkfs.ext4 -d: no loop device, no mount), then converts it
 // to a sparse qcow2 at out.
-func makeExt4Qcow2(ctx context.Context, st *Stage, root, raw, out, label string, size int64) error {
+func makeExt4Qcow2(ctx context.Context, st *stage, root, raw, out, label string, size int64) error {
 	f, err := os.Create(raw)
 	if err != nil {
 		return err

@@ -1,43 +1,109 @@
 package image
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/progress"
 )
 
-func TestProgressNotATerminal(t *testing.T) {
-	var b bytes.Buffer
-	p := &Progress{W: &b}
-	st := p.Start("first")
-	st.Status("ignored off a terminal")
-	st.End(nil)
-	p.Start("second").End(os.ErrNotExist)
-	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
-	if len(lines) != 2 || !strings.HasPrefix(lines[0], "✓ first (") || !strings.HasPrefix(lines[1], "✗ second (") {
-		t.Errorf("output %q", b.String())
-	}
-	if strings.Contains(b.String(), "\r") || strings.Contains(b.String(), "ignored") {
-		t.Errorf("terminal output off a terminal: %q", b.String())
-	}
-	var nilP *Progress
-	nilP.Start("nowhere").End(nil) // a nil Progress prints nothing and does not panic
-	nilP.Printf("x")
+// reporter records what a build tells its progress.Reporter, one string
+// a call.
+type reporter struct {
+	mu    sync.Mutex
+	calls []string
 }
 
-func TestProgressTerminal(t *testing.T) {
-	var b bytes.Buffer
-	p := &Progress{W: &b, TTY: true}
-	st := p.Start("stage")
-	st.Status("I: Retrieving apt")
+func (r *reporter) add(s string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls = append(r.calls, s)
+}
+
+func (r *reporter) Log(line string) { r.add("log " + line) }
+
+func (r *reporter) Stage(name string) progress.Stage {
+	r.add("stage " + name)
+	return reporterStage{r, name}
+}
+
+type reporterStage struct {
+	r    *reporter
+	name string
+}
+
+func (s reporterStage) Status(v string) { s.r.add(s.name + ": status " + v) }
+func (s reporterStage) Bytes(done, total int64) {
+	s.r.add(fmt.Sprintf("%s: bytes %d %d", s.name, done, total))
+}
+func (s reporterStage) End() { s.r.add(s.name + ": end") }
+
+// A stage is a progress.Stage whose statuses are its tool's lines, ended
+// before its line is logged: "✓ name (time)", or "✗ name (time)" when it
+// failed, as fmtDur writes the time.
+func TestStageLines(t *testing.T) {
+	r := &reporter{}
+	st := startStage(r, "first")
+	if err := runTool(context.Background(), st, nil, "sh", "-c", "echo one; echo '  two  ' >&2"); err != nil {
+		t.Fatal(err)
+	}
 	st.End(nil)
-	if out := b.String(); !strings.Contains(out, "\r") || !strings.Contains(out, "\r\x1b[K✓ stage (") {
-		t.Errorf("output %q", out)
+	st.End(nil) // a second End says nothing
+	if err := startStage(r, "second").End(os.ErrNotExist); err != os.ErrNotExist {
+		t.Errorf("End returned %v, not its error", err)
+	}
+	took := regexp.MustCompile(`\((\d\.\ds|\d\ds|\d+m\d\ds)\)$`)
+	var got []string
+	for _, c := range r.calls {
+		got = append(got, took.ReplaceAllString(c, "(TIME)"))
+	}
+	want := []string{
+		"stage first", "first: status one", "first: status two", "first: end", "log ✓ first (TIME)",
+		"stage second", "second: end", "log ✗ second (TIME)",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("told\n%q\nwant\n%q", got, want)
+	}
+}
+
+// A stage's time reads as it always did: tenths under ten seconds,
+// seconds under a minute, then minutes and seconds.
+func TestFmtDur(t *testing.T) {
+	for d, want := range map[time.Duration]string{
+		1500 * time.Millisecond: "1.5s", 42 * time.Second: "42s", 125 * time.Second: "2m05s",
+	} {
+		if got := fmtDur(d); got != want {
+			t.Errorf("fmtDur(%v) = %q, want %q", d, got, want)
+		}
+	}
+}
+
+// The build's lines between stages are log lines too.
+func TestLockBuildLogs(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	held, err := base.Lock(filepath.Join(s.Dir, ".build-debian.lock"), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Unlock()
+	r := &reporter{}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := lockBuild(ctx, s, "debian", r); err == nil {
+		t.Fatal("took a lock another holds")
+	}
+	if want := []string{"log another kvbox is building image debian: waiting for it"}; !slices.Equal(r.calls, want) {
+		t.Errorf("told %q, want %q", r.calls, want)
 	}
 }
 

@@ -20,6 +20,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/overlay"
+	"kvbox.dev/kvbox/progress"
 )
 
 // DefaultImage is the image `kvbox new` uses unless told otherwise.
@@ -63,15 +64,15 @@ const DebianCmdline = "console=ttyS0 root=/dev/vda rw quiet net.ifnames=0 init_o
 
 // DebianOptions says how to build the Debian image.
 type DebianOptions struct {
-	Name     string    // image name; DefaultImage when empty
-	Agent    string    // kvbox-agent binary; FindAgent("") when empty
-	Force    bool      // rebuild even if the image exists
-	Suite    string    // Debian suite, "bookworm" when empty
-	Mirror   string    // "http://deb.debian.org/debian" when empty
-	CacheDir string    // downloaded .debs kept for the next build; "/var/cache/kvbox/debootstrap" when empty, "-" for none
-	DiskSize int64     // virtual size of the disk, 8 GiB when 0
-	SSH      bool      // include openssh-server, with no host keys (debian_ssh.go)
-	Progress *Progress // where stages are shown; nil for nowhere
+	Name     string            // image name; DefaultImage when empty
+	Agent    string            // kvbox-agent binary; FindAgent("") when empty
+	Force    bool              // rebuild even if the image exists
+	Suite    string            // Debian suite, "bookworm" when empty
+	Mirror   string            // "http://deb.debian.org/debian" when empty
+	CacheDir string            // downloaded .debs kept for the next build; "/var/cache/kvbox/debootstrap" when empty, "-" for none
+	DiskSize int64             // virtual size of the disk, 8 GiB when 0
+	SSH      bool              // include openssh-server, with no host keys (debian_ssh.go)
+	Progress progress.Reporter // told the build's stages and lines; nil for no one
 }
 
 func (o *DebianOptions) defaults() {
@@ -90,6 +91,7 @@ func (o *DebianOptions) defaults() {
 	if o.DiskSize == 0 {
 		o.DiskSize = 8 << 30
 	}
+	o.Progress = progress.Of(o.Progress)
 }
 
 // EnsureDebian returns the Debian image, building it first when it is
@@ -101,7 +103,7 @@ func EnsureDebian(ctx context.Context, s Store, o DebianOptions) (Image, error) 
 	} else if !errors.Is(err, base.ErrNotFound) {
 		return Image{}, err
 	}
-	o.Progress.Printf("image %s is missing: building it from Debian's packages (once; a few minutes)\n", o.Name)
+	o.Progress.Log(fmt.Sprintf("image %s is missing: building it from Debian's packages (once; a few minutes)", o.Name))
 	im, _, err := BuildDebian(ctx, s, o)
 	return im, err
 }
@@ -145,27 +147,27 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	root := filepath.Join(work, "root")
 
 	// 1. debootstrap
-	p.Printf("building image %s: Debian %s from %s, kvbox-agent %s\n", o.Name, o.Suite, o.Mirror, agent)
+	p.Log(fmt.Sprintf("building image %s: Debian %s from %s, kvbox-agent %s", o.Name, o.Suite, o.Mirror, agent))
 	if err := debootstrap(ctx, p, root, o); err != nil {
 		return Image{}, false, err
 	}
 
 	// 2. configure the guest
-	st := p.Start("configure: agent service, modules, network to the agent")
+	st := startStage(p, "configure: agent service, modules, network to the agent")
 	kver, err := configureDebian(ctx, st, root, agent, o)
 	if err := st.End(err); err != nil {
 		return Image{}, false, fmt.Errorf("configure: %w", err)
 	}
 
 	// 3. kernel and initrd out of /boot
-	st = p.Start("kernel " + kver + " and initrd")
+	st = startStage(p, "kernel "+kver+" and initrd")
 	kernel, initrd, err := extractBoot(ctx, root, work, kver)
 	if err := st.End(err); err != nil {
 		return Image{}, false, err
 	}
 
 	// 4. the disk
-	st = p.Start(fmt.Sprintf("disk: ext4 (mkfs.ext4 -d), %s qcow2", base.FormatSize(o.DiskSize)))
+	st = startStage(p, fmt.Sprintf("disk: ext4 (mkfs.ext4 -d), %s qcow2", base.FormatSize(o.DiskSize)))
 	disk := filepath.Join(work, "disk.qcow2")
 	raw := filepath.Join(work, "disk.raw")
 	if err := st.End(makeExt4Qcow2(ctx, st, root, raw, disk, "kvbox-root", o.DiskSize)); err != nil {
@@ -177,15 +179,15 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 
 	// 5. register
-	st = p.Start("register image " + o.Name)
+	st = startStage(p, "register image "+o.Name)
 	im, err = s.Import(o.Name, ImportOptions{Disk: disk, Kernel: kernel, Initrd: initrd, Cmdline: DebianCmdline, Agent: "yes", Replace: true})
 	if err := st.End(err); err != nil {
 		return Image{}, false, err
 	}
 	writeBuildStamp(s, im, agent, DebianRecipe(o))
 	used, _ := overlay.Du(filepath.Dir(im.Disk)) // this version; older ones may stay for boxes on them
-	p.Printf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk\n", im.Name, fmtDur(time.Since(start)),
-		o.Suite, kver, base.FormatSize(im.VirtualSize), base.FormatSize(used))
+	p.Log(fmt.Sprintf("✓ image %s built in %s: Debian %s, kernel %s, %s disk, %s on disk", im.Name, fmtDur(time.Since(start)),
+		o.Suite, kver, base.FormatSize(im.VirtualSize), base.FormatSize(used)))
 	return im, true, nil
 }
 
@@ -202,10 +204,10 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 	if !o.Force {
 		if im, err := s.Get(o.Name); err == nil {
 			if recipeChanged(s, im, DebianRecipe(o)) {
-				o.Progress.Printf("image %s was built from another recipe than this kvbox's: building it again\n", im.Name)
+				o.Progress.Log(fmt.Sprintf("image %s was built from another recipe than this kvbox's: building it again", im.Name))
 			} else {
 				if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
-					o.Progress.Printf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it\n", agent, im.Name)
+					o.Progress.Log(fmt.Sprintf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it", agent, im.Name))
 				}
 				return "", im, true, nil
 			}
@@ -227,12 +229,12 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 // with kvbox's packages, in a private mount namespace, so whatever
 // debootstrap mounts in the target (proc, sys, devpts) goes away with it,
 // even if it is killed.
-func debootstrap(ctx context.Context, p *Progress, root string, o DebianOptions) error {
+func debootstrap(ctx context.Context, p progress.Reporter, root string, o DebianOptions) error {
 	pkgs := DebianPackages
 	if o.SSH {
 		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
 	}
-	st := p.Start(fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
+	st := startStage(p, fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
 	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
 		"--include=" + strings.Join(pkgs, ","), "--components=main"}
 	if err := preseedInitramfs(root); err != nil {
@@ -436,7 +438,7 @@ func writeGuestConfig(root, agent string, o DebianOptions) (err error) {
 	return err
 }
 
-func configureDebian(ctx context.Context, st *Stage, root, agent string, o DebianOptions) (kver string, err error) {
+func configureDebian(ctx context.Context, st *stage, root, agent string, o DebianOptions) (kver string, err error) {
 	p := func(name string) string { return filepath.Join(root, name) }
 	st.Status("kvbox-agent")
 	if err := writeGuestConfig(root, agent, o); err != nil {
@@ -488,7 +490,7 @@ chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
 
 // addDebianUser makes DebianUser in root (uid and gid 1000, its home,
 // /bin/bash) and lets it sudo without a password.
-func addDebianUser(ctx context.Context, st *Stage, root string) error {
+func addDebianUser(ctx context.Context, st *stage, root string) error {
 	if err := runTool(ctx, st, nil, "chroot", root, "useradd", "--create-home", "--uid", "1000", "--user-group",
 		"--shell", "/bin/bash", "--comment", "kvbox image user", DebianUser); err != nil {
 		return err
@@ -630,9 +632,9 @@ func hasPVHNote(path string) bool {
 }
 
 // lockBuild makes builds of one image take turns.
-func lockBuild(ctx context.Context, s Store, name string, p *Progress) (func(), error) {
+func lockBuild(ctx context.Context, s Store, name string, p progress.Reporter) (func(), error) {
 	l, err := base.Wait(filepath.Join(s.Dir, ".build-"+name+".lock"), ctx.Done(), func() {
-		p.Printf("another kvbox is building image %s: waiting for it\n", name)
+		p.Log(fmt.Sprintf("another kvbox is building image %s: waiting for it", name))
 	})
 	if err != nil {
 		return nil, err

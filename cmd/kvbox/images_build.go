@@ -36,7 +36,8 @@ unless the whole build succeeds.`,
 			if args[0] != "debian" {
 				return usage("kvbox images build knows one image, debian (got %q); bring others with kvbox images import", args[0])
 			}
-			o.Progress = &image.Progress{W: a.raw.Out, TTY: a.io.TTY, Text: terminal.Printable}
+			// On standard output, as the build's lines always were.
+			o.Progress = terminal.New(terminal.Options{Term: terminal.IfTerminal(a.raw.Out), Log: a.io.Out})
 			im, built, err := image.BuildDebian(c.Context(), a.images(), o)
 			if err != nil {
 				return err

@@ -13,7 +13,6 @@ import (
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
-	"kvbox.dev/kvbox/terminal"
 )
 
 type newOptions struct {
@@ -159,7 +158,7 @@ func (a *app) ensureImage(c *cobra.Command, name string) error {
 		return nil
 	}
 	fmt.Fprintf(a.io.Err, "image %s is missing: building it first (kvbox images build %s)\n", name, name)
-	_, err := image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: &image.Progress{W: a.raw.Err, TTY: a.io.TTY, Text: terminal.Printable}})
+	_, err := image.EnsureDebian(c.Context(), a.images(), image.DebianOptions{Progress: a.reporter()})
 	return err
 }
 
