@@ -23,12 +23,10 @@ import (
 type IO struct {
 	In       io.Reader
 	Out, Err io.Writer
-	// TTY says Out is a terminal: progress and colour are for people.
-	TTY bool
 }
 
 func stdio() IO {
-	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr, TTY: terminal.IsTerminal(os.Stdout)}
+	return IO{In: os.Stdin, Out: os.Stdout, Err: os.Stderr}
 }
 
 // printableIO is ios with standard output and error made printable.
