@@ -43,7 +43,11 @@ const (
 	tokenFile = "token"
 )
 
-func init() { registerFeature(FeatureAuth) }
+func init() {
+	registerFeature(FeatureAuth)
+	registerOp(methodAuth, beforeAuth, (*session).auth)
+	registerOp(methodSetToken, ownCheck, (*session).setToken)
+}
 
 // ErrUnauthorized is what an agent answers a session that has not presented
 // its token.
@@ -139,59 +143,59 @@ func (ss *session) authorized() bool {
 	return ss.authed && ss.authGen == gen
 }
 
-// authRequest handles auth and set-token; ok is false for any other
-// method. It runs on the session's reader goroutine, as every request's
-// authorization check does.
-func (ss *session) authRequest(gen uint64, id uint32, req request) (ok bool) {
-	switch req.Method {
-	case methodAuth:
-		var m authMsg
-		if err := json.Unmarshal(req.Params, &m); err != nil {
-			ss.reply(gen, id, nil, fmt.Errorf("bad auth: %v", err))
-			return true
-		}
-		tok, snapshot, tgen := ss.srv.tokenState()
-		switch {
-		case tok == nil && ss.trusted:
-			ss.authed, ss.authGen = true, tgen
-		case tok == nil || subtle.ConstantTimeCompare(tok, m.Token) != 1:
-			ss.authed = false
-			ss.srv.logf("%s: a peer presented a wrong token", ss.name)
-			ss.reply(gen, id, nil, ErrUnauthorized)
-			return true
-		case snapshot && !ss.trusted:
-			ss.authed = false
-			ss.srv.logf("%s: a snapshot's token was presented on an untrusted transport", ss.name)
-			ss.reply(gen, id, nil, ErrUnauthorized)
-			return true
-		default:
-			ss.authed, ss.authGen = true, tgen
-		}
-		// Replied from a goroutine: the requests behind it may be served
-		// meanwhile (the reader goes on), and the reply waits for the
-		// HELLO's echo.
-		go ss.reply(gen, id, authReply{Provisioned: tok != nil, BootID: bootID()}, nil)
-		return true
-	case methodSetToken:
-		var m authMsg
-		err := json.Unmarshal(req.Params, &m)
-		switch {
-		case err != nil:
-			err = fmt.Errorf("bad token: %v", err)
-		case !ss.authorized():
-			err = ErrUnauthorized
-		default:
-			var tgen uint64
-			if tgen, err = ss.srv.setToken(m.Token, m.Snapshot); err == nil {
-				// Its own rights go on with the new token; every other
-				// session's end here.
-				ss.authed, ss.authGen = true, tgen
-			}
-		}
-		ss.reply(gen, id, nil, err)
-		return true
+// auth serves auth: the session presents a token, and is authorized for
+// it or refused. Served before authorization (it is how a session gets
+// it); it runs on the session's reader goroutine, where ss.authed is kept.
+func (ss *session) auth(gen uint64, id uint32, params json.RawMessage) {
+	var m authMsg
+	if err := json.Unmarshal(params, &m); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad auth: %v", err))
+		return
 	}
-	return false
+	tok, snapshot, tgen := ss.srv.tokenState()
+	switch {
+	case tok == nil && ss.trusted:
+		ss.authed, ss.authGen = true, tgen
+	case tok == nil || subtle.ConstantTimeCompare(tok, m.Token) != 1:
+		ss.authed = false
+		ss.srv.logf("%s: a peer presented a wrong token", ss.name)
+		ss.reply(gen, id, nil, ErrUnauthorized)
+		return
+	case snapshot && !ss.trusted:
+		ss.authed = false
+		ss.srv.logf("%s: a snapshot's token was presented on an untrusted transport", ss.name)
+		ss.reply(gen, id, nil, ErrUnauthorized)
+		return
+	default:
+		ss.authed, ss.authGen = true, tgen
+	}
+	// Replied from a goroutine: the requests behind it may be served
+	// meanwhile (the reader goes on), and the reply waits for the
+	// HELLO's echo.
+	go ss.reply(gen, id, authReply{Provisioned: tok != nil, BootID: bootID()}, nil)
+}
+
+// setToken serves set-token: it checks the session's authorization itself,
+// after its parameters (a malformed request is answered as such on any
+// session), and runs on the session's reader goroutine, where ss.authed
+// is kept.
+func (ss *session) setToken(gen uint64, id uint32, params json.RawMessage) {
+	var m authMsg
+	err := json.Unmarshal(params, &m)
+	switch {
+	case err != nil:
+		err = fmt.Errorf("bad token: %v", err)
+	case !ss.authorized():
+		err = ErrUnauthorized
+	default:
+		var tgen uint64
+		if tgen, err = ss.srv.setToken(m.Token, m.Snapshot); err == nil {
+			// Its own rights go on with the new token; every other
+			// session's end here.
+			ss.authed, ss.authGen = true, tgen
+		}
+	}
+	ss.reply(gen, id, nil, err)
 }
 
 // ErrNoTokens is what SetToken answers for an agent that predates tokens.

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -12,9 +13,16 @@ import (
 // FeatureReprobeBalloon: ReprobeBalloon.
 const FeatureReprobeBalloon = "reprobe-balloon"
 
-func init() { registerFeature(FeatureReprobeBalloon) }
+func init() {
+	registerFeature(FeatureReprobeBalloon)
+	registerOp(methodReprobeBalloon, authorizedOnly, (*session).reprobeBalloon)
+}
 
 const methodReprobeBalloon = "reprobe-balloon"
+
+func (ss *session) reprobeBalloon(gen uint64, id uint32, _ json.RawMessage) {
+	go func() { ss.reply(gen, id, nil, ss.srv.sys().ReprobeBalloon()) }()
+}
 
 // balloonDriver is where the guest's virtio balloon driver lists the devices
 // it drives, and takes a device's name to let it go (unbind) or to drive it

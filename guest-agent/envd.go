@@ -38,9 +38,22 @@ import (
 // FeatureEnvd: EnvdInit and the dial address EnvdDialAddress.
 const FeatureEnvd = "envd"
 
-func init() { registerFeature(FeatureEnvd) }
+func init() {
+	registerFeature(FeatureEnvd)
+	registerOp(methodEnvdInit, authorizedOnly, (*session).envdInit)
+}
 
 const methodEnvdInit = "envd-init"
+
+// envdInit configures the agent's envd (Server.EnvdInit) in the background.
+func (ss *session) envdInit(gen uint64, id uint32, params json.RawMessage) {
+	var cfg envd.Config
+	if err := json.Unmarshal(params, &cfg); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad envd configuration: %v", err))
+		return
+	}
+	go func() { ss.reply(gen, id, nil, ss.srv.EnvdInit(cfg)) }()
+}
 
 // EnvdDialAddress is the dial address of the agent's own envd: give it to
 // Forwarder.Connect for a stream that carries HTTP/1.1 to envd.

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -21,6 +22,36 @@ const (
 	// guest acknowledges one; it bounds what the guest buffers.
 	stdinWindow = 16
 )
+
+func init() { registerOp(methodExec, authorizedOnly, (*session).exec) }
+
+// exec starts the command of an exec request, one at a time on a
+// connection: its stdin, resizes and signals come as frames with its
+// request's id, its output and exit go out from goroutines of its own.
+func (ss *session) exec(gen uint64, id uint32, params json.RawMessage) {
+	var er ExecRequest
+	if err := json.Unmarshal(params, &er); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad exec request: %v", err))
+		return
+	}
+	ss.mu.Lock()
+	busy := ss.proc != nil
+	ss.mu.Unlock()
+	if busy {
+		ss.reply(gen, id, nil, errors.New("an exec is already running on this connection"))
+		return
+	}
+	p, err := startProcess(ss, gen, id, er)
+	if err != nil {
+		ss.reply(gen, id, nil, err)
+		return
+	}
+	ss.mu.Lock()
+	ss.proc = p
+	ss.mu.Unlock()
+	ss.reply(gen, id, nil, nil)
+	p.run()
+}
 
 // process is one running exec in a session.
 type process struct {

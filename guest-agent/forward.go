@@ -16,6 +16,8 @@ type DialRequest struct {
 	Address string `json:"address"`
 }
 
+func init() { registerOp(methodDial, authorizedOnly, (*session).dial) }
+
 // dialTimeout bounds the agent's own connect.
 const dialTimeout = 10 * time.Second
 

@@ -95,7 +95,8 @@ type Identity struct {
 	Hosts []string `json:"hosts,omitempty"`
 }
 
-// Method names of requests.
+// Method names of requests; the file that serves one registers it
+// (registerOp, ops.go).
 const (
 	methodPing       = "ping"
 	methodExec       = "exec"

@@ -17,8 +17,6 @@ import (
 
 	"github.com/mdlayher/vsock"
 	"golang.org/x/sys/unix"
-
-	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
 // System is the seam between the agent and the guest's global state. The
@@ -310,86 +308,33 @@ func (ss *session) handle(f frame) {
 	}
 }
 
-func (ss *session) request(f frame) {
-	gen := ss.gen.Load()
-	var req request
-	if err := json.Unmarshal(f.Payload, &req); err != nil {
-		ss.reply(gen, f.ID, nil, fmt.Errorf("bad request: %v", err))
-		return
-	}
-	if req.Method != methodPing && !ss.authorized() {
-		if !ss.authRequest(gen, f.ID, req) {
-			ss.reply(gen, f.ID, nil, ErrUnauthorized)
-		}
-		return
-	}
-	if ss.authRequest(gen, f.ID, req) {
-		return
-	}
-	s := ss.srv
-	switch req.Method {
-	case methodPing:
-		ss.reply(gen, f.ID, s.info(), nil)
-	case methodExec:
-		ss.exec(gen, f.ID, req.Params)
-	case methodIdentify:
-		ss.identify(gen, f.ID, req.Params)
-	case methodSetClock:
-		var m clockMsg
-		if err := json.Unmarshal(req.Params, &m); err != nil {
-			ss.reply(gen, f.ID, nil, fmt.Errorf("bad clock: %v", err))
-			return
-		}
-		go func() { ss.reply(gen, f.ID, nil, s.sys().SetClock(time.Unix(0, m.UnixNano))) }()
-	case methodAddEntropy:
-		var b []byte
-		if err := json.Unmarshal(req.Params, &b); err != nil {
-			ss.reply(gen, f.ID, nil, fmt.Errorf("bad entropy: %v", err))
-			return
-		}
-		go func() { ss.reply(gen, f.ID, nil, s.sys().AddEntropy(b)) }()
-	case methodReprobeBalloon:
-		go func() { ss.reply(gen, f.ID, nil, s.sys().ReprobeBalloon()) }()
-	case methodEnvdInit:
-		var cfg envd.Config
-		if err := json.Unmarshal(req.Params, &cfg); err != nil {
-			ss.reply(gen, f.ID, nil, fmt.Errorf("bad envd configuration: %v", err))
-			return
-		}
-		go func() { ss.reply(gen, f.ID, nil, s.EnvdInit(cfg)) }()
-	case methodDial:
-		ss.dial(gen, f.ID, req.Params)
-	default:
-		ss.reply(gen, f.ID, nil, fmt.Errorf("unknown method %q", req.Method))
-	}
+func init() {
+	registerOp(methodPing, beforeAuth, (*session).ping)
+	registerOp(methodIdentify, authorizedOnly, (*session).identify)
+	registerOp(methodSetClock, authorizedOnly, (*session).setClock)
+	registerOp(methodAddEntropy, authorizedOnly, (*session).addEntropy)
 }
 
-// exec starts the command of an exec request, one at a time on a
-// connection: its stdin, resizes and signals come as frames with its
-// request's id, its output and exit go out from goroutines of its own.
-func (ss *session) exec(gen uint64, id uint32, params json.RawMessage) {
-	var er ExecRequest
-	if err := json.Unmarshal(params, &er); err != nil {
-		ss.reply(gen, id, nil, fmt.Errorf("bad exec request: %v", err))
+func (ss *session) ping(gen uint64, id uint32, _ json.RawMessage) {
+	ss.reply(gen, id, ss.srv.info(), nil)
+}
+
+func (ss *session) setClock(gen uint64, id uint32, params json.RawMessage) {
+	var m clockMsg
+	if err := json.Unmarshal(params, &m); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad clock: %v", err))
 		return
 	}
-	ss.mu.Lock()
-	busy := ss.proc != nil
-	ss.mu.Unlock()
-	if busy {
-		ss.reply(gen, id, nil, errors.New("an exec is already running on this connection"))
+	go func() { ss.reply(gen, id, nil, ss.srv.sys().SetClock(time.Unix(0, m.UnixNano))) }()
+}
+
+func (ss *session) addEntropy(gen uint64, id uint32, params json.RawMessage) {
+	var b []byte
+	if err := json.Unmarshal(params, &b); err != nil {
+		ss.reply(gen, id, nil, fmt.Errorf("bad entropy: %v", err))
 		return
 	}
-	p, err := startProcess(ss, gen, id, er)
-	if err != nil {
-		ss.reply(gen, id, nil, err)
-		return
-	}
-	ss.mu.Lock()
-	ss.proc = p
-	ss.mu.Unlock()
-	ss.reply(gen, id, nil, nil)
-	p.run()
+	go func() { ss.reply(gen, id, nil, ss.srv.sys().AddEntropy(b)) }()
 }
 
 // identify applies a new identity in the background, the guest boosted
