@@ -19,7 +19,7 @@ import (
 )
 
 // Files: kvbox cp moves a tar stream (archive/tar, PAX) through an exec of
-// the agent's own binary (FilesHelper), so a copy gets exec's flow control,
+// the agent's own binary (runFilesHelper), so a copy gets exec's flow control,
 // process-group abort and exit status, and the guest's side runs in its own
 // process. WriteTree writes the stream on either side; the side that
 // receives it extracts it: ExtractTree in the box, whose stream is the

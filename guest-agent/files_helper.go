@@ -12,7 +12,9 @@ import (
 	"sync"
 )
 
-// RunFilesHelper is the agent binary's main when run as the file helper
+func init() { registerHelper(FilesHelperArg, runFilesHelper) }
+
+// runFilesHelper is the agent binary's main when run as the file helper
 // (argv[1] == FilesHelperArg), by an exec from CopyIn or CopyOut:
 //
 //	send SRC          tar of SRC on stdout; "total N" first on stderr
@@ -20,7 +22,7 @@ import (
 //	recv-stream DIR   any tar stream on stdin extracted into DIR
 //
 // Errors are one line on stderr; the exit code is 3 for a missing path.
-func RunFilesHelper(args []string) int {
+func runFilesHelper(args []string) int {
 	if len(args) != 2 {
 		fmt.Fprintln(os.Stderr, "usage: kvbox-agent files-helper send|recv|recv-stream PATH")
 		return filesExitUsage

@@ -41,6 +41,7 @@ const FeatureHookCount = "after-clone-hook-count"
 func init() {
 	registerFeature(FeatureAfterClone)
 	registerFeature(FeatureHookCount)
+	registerHelper(HooksHelperArg, runHooksHelper)
 }
 
 // hookCount is Info.AfterCloneHooks: how many hooks the runner would run,
@@ -79,10 +80,10 @@ func hookNames(dir string) ([]string, error) {
 	return names, nil
 }
 
-// RunHooksHelper is the agent binary's main as the hook runner: every hook
+// runHooksHelper is the agent binary's main as the hook runner: every hook
 // of dir in order, its output on stdout, one line on stderr and exit 1 at
 // the first that fails.
-func RunHooksHelper(args []string) int {
+func runHooksHelper(args []string) int {
 	dir, timeout := AfterCloneDir, HookTimeout
 	if len(args) > 0 {
 		dir = args[0]

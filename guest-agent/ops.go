@@ -8,7 +8,9 @@ import (
 // The agent's operations: each method a host may call is registered once,
 // from the init of the file that implements it (registerOp), with what it
 // needs of the session and its handler, and session.request serves a
-// request by looking its method up here.
+// request by looking its method up here. The helper modes of the agent's
+// binary (what an exec of selfArgv0 runs) are registered the same way
+// (registerHelper), and cmd/kvbox-agent looks its argv[1] up (Helper).
 
 // access is what an operation needs of its session. The zero value asks
 // for authorization: an operation that says nothing is never served before
@@ -81,3 +83,20 @@ func (ss *session) request(f frame) {
 	}
 	o.serve(ss, gen, f.ID, req.Params)
 }
+
+// helpers are the agent binary's other mains, by their argv[1].
+var helpers = map[string]func(args []string) int{}
+
+// registerHelper is called from the init of the file that implements the
+// helper run as the agent's binary with argv[1] arg.
+func registerHelper(arg string, main func(args []string) int) {
+	if _, dup := helpers[arg]; dup {
+		panic(fmt.Sprintf("agent: helper %q registered twice", arg))
+	}
+	helpers[arg] = main
+}
+
+// Helper is the main of the agent binary run with argv[1] arg
+// (FilesHelperArg, HooksHelperArg): it takes the arguments after arg and
+// returns the exit code. It is nil for any other arg (the agent itself).
+func Helper(arg string) func(args []string) int { return helpers[arg] }

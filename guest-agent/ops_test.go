@@ -13,10 +13,9 @@ import (
 	"testing"
 )
 
-// methodConstants reads the package's method names from its source: every
-// string constant named method... outside tests, which is what the
-// package's client sends.
-func methodConstants(t *testing.T) map[string]string {
+// constants reads string constants from the package's source, outside
+// tests: those whose name match takes, by name.
+func constants(t *testing.T, match func(name string) bool) map[string]string {
 	t.Helper()
 	files, err := filepath.Glob("*.go")
 	if err != nil {
@@ -40,7 +39,7 @@ func methodConstants(t *testing.T) map[string]string {
 			for _, spec := range g.Specs {
 				vs := spec.(*ast.ValueSpec)
 				for i, id := range vs.Names {
-					if !strings.HasPrefix(id.Name, "method") {
+					if !match(id.Name) {
 						continue
 					}
 					lit, ok := vs.Values[i].(*ast.BasicLit)
@@ -53,6 +52,14 @@ func methodConstants(t *testing.T) map[string]string {
 			}
 		}
 	}
+	return consts
+}
+
+// methodConstants are the package's method names: every string constant
+// named method..., which is what the package's client sends.
+func methodConstants(t *testing.T) map[string]string {
+	t.Helper()
+	consts := constants(t, func(name string) bool { return strings.HasPrefix(name, "method") })
 	if len(consts) == 0 {
 		t.Fatal("no method constants found")
 	}
@@ -142,5 +149,28 @@ func TestOpsDispatch(t *testing.T) {
 	}
 	if _, err := served.Ping(tctx(t)); err != nil {
 		t.Errorf("ping of an authorized session: %v", err)
+	}
+}
+
+// Every helper mode the package's client runs (an exec of selfArgv0 with a
+// ...HelperArg) is registered, and nothing else: the agent's own flags are
+// no helper.
+func TestHelpers(t *testing.T) {
+	args := constants(t, func(name string) bool { return strings.HasSuffix(name, "HelperArg") })
+	if len(args) < 2 {
+		t.Fatalf("helper arguments found: %v", args)
+	}
+	for name, arg := range args {
+		if Helper(arg) == nil {
+			t.Errorf("%s (%q) is not a registered helper", name, arg)
+		}
+	}
+	if len(helpers) != len(args) {
+		t.Errorf("%d helpers registered, %d helper arguments: %v", len(helpers), len(args), slices.Sorted(maps.Keys(helpers)))
+	}
+	for _, arg := range []string{"", "-state-dir", "--no-vsock", "ping"} {
+		if Helper(arg) != nil {
+			t.Errorf("argv[1] %q runs a helper", arg)
+		}
 	}
 }

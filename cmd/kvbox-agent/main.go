@@ -28,11 +28,12 @@ import (
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == agent.FilesHelperArg {
-		os.Exit(agent.RunFilesHelper(os.Args[2:]))
-	}
-	if len(os.Args) > 1 && os.Args[1] == agent.HooksHelperArg {
-		os.Exit(agent.RunHooksHelper(os.Args[2:]))
+	// The agent's binary run by an exec of its own (a file copy, the
+	// after-clone hooks) is one of its helpers.
+	if len(os.Args) > 1 {
+		if run := agent.Helper(os.Args[1]); run != nil {
+			os.Exit(run(os.Args[2:]))
+		}
 	}
 	stateDir := flag.String("state-dir", "/var/lib/kvbox-agent", "where the identity is persisted")
 	sysClass := flag.String("sys-class", "/sys/class/virtio-ports", "virtio-serial ports in sysfs")
