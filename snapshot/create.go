@@ -305,10 +305,8 @@ func (c *creation) makeRest(ctx context.Context) error {
 	}
 	// The token of the agent in the memory, the snapshot's own: the
 	// first contact of a clone.
-	if c.token != nil {
-		if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, domain.AgentTokenFile), c.token, 0o600); err != nil {
-			return err
-		}
+	if err := overlay.WriteFileAtomic(filepath.Join(c.tmp, domain.AgentTokenFile), c.token, 0o600); err != nil {
+		return err
 	}
 	cp := c.compat
 	cp.Agent = c.guest.Version
@@ -349,9 +347,6 @@ func (c *creation) giveToken(ctx context.Context) error {
 // (agent.token.snapshot), gets a new one at its next contact. The note
 // says so.
 func (c *creation) renewToken(ctx context.Context) error {
-	if c.token == nil {
-		return nil
-	}
 	actx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	if err := c.h.RenewAgentToken(actx, c.box); err != nil {
