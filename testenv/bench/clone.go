@@ -29,12 +29,8 @@ func (e *env) warmSnapshot(ctx context.Context) (snapshot.Snapshot, error) {
 	}
 	e.cleanup = append(e.cleanup, func() { e.k.RemoveSnapshot(context.Background(), name) })
 	e.warmPause = res.Pause
-	snap, err := e.k.GetSnapshot(ctx, name)
-	if err != nil {
-		return snapshot.Snapshot{}, err
-	}
-	e.warm = &snap
-	return snap, nil
+	e.warm = &res.Snapshot
+	return res.Snapshot, nil
 }
 
 // benchClone times cold boots to agent-ready, then warm clones of one
@@ -109,15 +105,12 @@ func benchClone2(ctx context.Context, e *env) error {
 		return err
 	}
 	defer e.k.Remove(context.Background(), src, true)
-	if _, err := e.snapshot(ctx, src, name); err != nil {
-		return err
-	}
-	defer e.k.RemoveSnapshot(context.Background(), name)
-	snap, err := e.k.GetSnapshot(ctx, name)
+	res, err := e.snapshot(ctx, src, name)
 	if err != nil {
 		return err
 	}
-	walls, timings, _, err := cloneSeries(ctx, e, snap, "bench-clone2")
+	defer e.k.RemoveSnapshot(context.Background(), name)
+	walls, timings, _, err := cloneSeries(ctx, e, res.Snapshot, "bench-clone2")
 	if err != nil {
 		return err
 	}
