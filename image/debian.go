@@ -240,7 +240,7 @@ func debootstrap(ctx context.Context, p progress.Reporter, root string, o Debian
 	if err := preseedInitramfs(root); err != nil {
 		return st.End(err)
 	}
-	if err := writeFiles(root, map[string]string{"etc/dpkg/dpkg.cfg.d/kvbox-slim": dpkgSlim}); err != nil {
+	if err := writeFiles(root, map[string]string{"etc/dpkg/dpkg.cfg.d/kvbox-slim": dpkgSlim, dpkgUnsafeIOFile: dpkgUnsafeIO}); err != nil {
 		return st.End(err)
 	}
 	if o.CacheDir != "-" {
@@ -259,8 +259,22 @@ func debootstrap(ctx context.Context, p progress.Reporter, root string, o Debian
 		}
 		return fmt.Errorf("debootstrap: %w", err)
 	}
+	// What users install in a box later syncs as dpkg always does.
+	if err := os.Remove(filepath.Join(root, dpkgUnsafeIOFile)); err != nil {
+		return fmt.Errorf("debootstrap: %w", err)
+	}
 	return nil
 }
+
+// dpkgUnsafeIO stops dpkg syncing every file it unpacks while debootstrap
+// fills the build's tree: the tree only becomes an image once the whole
+// build succeeded, so a crash midway loses nothing the syncs would have
+// saved, and on a host busy writing (a compile beside the build) those
+// syncs wait behind everyone else's data. Removed once debootstrap is done.
+const (
+	dpkgUnsafeIOFile = "etc/dpkg/dpkg.cfg.d/kvbox-build-unsafe-io"
+	dpkgUnsafeIO     = "# kvbox images build: removed when debootstrap is done.\nforce-unsafe-io\n"
+)
 
 // The kvbox-agent unit: early (a box is ready when the agent answers), no
 // network dependency (the agent configures the network itself).

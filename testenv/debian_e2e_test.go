@@ -103,6 +103,11 @@ func TestDebianImage(t *testing.T) {
 	if s := strings.TrimSpace(inBox(t, n, "systemctl is-active kvbox-agent")); s != "active" {
 		t.Errorf("kvbox-agent service is %q", s)
 	}
+	// dpkg syncs as usual for what users install: the build's unsafe-io
+	// setting is not in the image.
+	if got := strings.TrimSpace(inBox(t, n, "grep -rl unsafe-io /etc/dpkg/dpkg.cfg /etc/dpkg/dpkg.cfg.d || true")); got != "" {
+		t.Errorf("the image's dpkg configuration still has unsafe-io: %s", got)
+	}
 	// root's password is locked: no user in the box can su to root.
 	if pw := strings.TrimSpace(inBox(t, n, "getent shadow root | cut -d: -f2")); pw != "*" && !strings.HasPrefix(pw, "!") {
 		t.Errorf("root's password field is %q, want locked (* or !)", pw)
