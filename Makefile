@@ -48,8 +48,10 @@ fuzz:
 	$(call guarded,GO=$(GO) bash testenv/fuzz.sh $(FUZZTIME) $(FUZZ_TARGETS))
 
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
-# every packet to a guest stays in that namespace.
+# every packet to a guest stays in that namespace. Most boot the Debian image:
+# setup.sh images builds it, or waits for make test's background build.
 e2e:
+	bash testenv/setup.sh images
 	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv)
 
 # kvbox-node, its own Go module (the kvbox CLI does not carry the Kubernetes
@@ -66,6 +68,7 @@ test-kubernetes:
 # skipping (testenv/gate); only vsock, which this test machine lacks, skips.
 test: export KVBOX_TEST_STRICT := 1
 test: export KVBOX_TESTENV_FLEET := background
+test: export KVBOX_TESTENV_IMAGES := background
 test: testenv check unit fuzz e2e test-kubernetes
 
 # The README's main job: set-up, then the warm-pool story on the Debian image,

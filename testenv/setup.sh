@@ -3,6 +3,7 @@
 # without systemd (CI containers have none). Idempotent: a second run only checks.
 #
 #   sudo testenv/setup.sh            # everything
+#   sudo testenv/setup.sh images     # only the Debian images (waits for a build under way)
 #   KVBOX_TESTENV_SKIP_IMAGE=1 ...   # skip the tiny image stage
 #
 # Environment: KVBOX_TESTENV_NS (default kvbox-test), KVBOX_TESTENV_CACHE
@@ -258,6 +259,18 @@ stage_debian() {
 	fi
 }
 
+# stage_debian_background: stage_debian detached, so that make test's checks, unit tests and
+# fuzzing run beside debootstrap; make e2e runs `setup.sh images` first, whose kvbox images
+# build waits for the one under way (each image's build lock) and then finds the image built,
+# or, if the background build failed, builds it again where its error shows. Normal priority:
+# the end-to-end tests wait for it. Its own session, so its own autogroup beside the tests'.
+DEBIAN_LOG=$KVBOX_TESTENV_CACHE/debian-images.log
+stage_debian_background() {
+	mkdir -p "$KVBOX_TESTENV_CACHE" || return 1
+	log "building the Debian images detached, log $DEBIAN_LOG; setup.sh images (make e2e) waits for them"
+	setsid bash "$TESTENV_DIR/setup.sh" images >"$DEBIAN_LOG" 2>&1 </dev/null &
+}
+
 # The E2B JS SDK, pinned (testenv/e2b/VERSION/package-lock.json), for envd's conformance test
 # (guest-agent/envd TestSDKConformance). npm ci runs here, in the root namespace (it downloads
 # from the npm registry); the tests run node in namespaces of their own. Each install is
@@ -347,6 +360,17 @@ stage_registry() {
 	return 1
 }
 
+if [ "${1:-}" = images ]; then
+	if [ -n "${KVBOX_TESTENV_SKIP_DEBIAN:-}" ]; then
+		log "KVBOX_TESTENV_SKIP_DEBIAN set: skipping the Debian image"
+	else
+		stage "Debian images (kvbox images build debian)" stage_debian
+	fi
+	exit 0
+elif [ -n "${1:-}" ]; then
+	die "unknown argument $1 (setup.sh [images])"
+fi
+
 T0=$(now_ms)
 stage "host" stage_host
 stage "packages" stage_packages
@@ -356,16 +380,6 @@ stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
-# The Kubernetes control plane kvbox-node's tests run against; built once per version, in the
-# root namespace (Go module proxy). KVBOX_TESTENV_SKIP_FLEET=1 skips it;
-# KVBOX_TESTENV_FLEET=background (make test) builds it behind the other stages and tests.
-if [ -n "${KVBOX_TESTENV_SKIP_FLEET:-}" ]; then
-	log "KVBOX_TESTENV_SKIP_FLEET set: skipping the control plane build"
-elif [ "${KVBOX_TESTENV_FLEET:-}" = background ]; then
-	stage "control plane for the fleet tests, in the background" bash "$TESTENV_DIR/fleet.sh" build --background
-else
-	stage "control plane for the fleet tests (testenv/fleet.sh build, cached)" bash "$TESTENV_DIR/fleet.sh" build
-fi
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else
@@ -374,7 +388,21 @@ else
 fi
 if [ -n "${KVBOX_TESTENV_SKIP_DEBIAN:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_DEBIAN set: skipping the Debian image"
+elif [ "${KVBOX_TESTENV_IMAGES:-}" = background ]; then
+	stage "Debian images, in the background" stage_debian_background
 else
 	stage "Debian image (kvbox images build debian)" stage_debian
+fi
+# The Kubernetes control plane kvbox-node's tests run against; built once per version, in the
+# root namespace (Go module proxy). KVBOX_TESTENV_SKIP_FLEET=1 skips it;
+# KVBOX_TESTENV_FLEET=background (make test) builds it behind the tests. Started after the
+# images when they are built here: a compile beside debootstrap makes it take up to twice as
+# long, niced or not.
+if [ -n "${KVBOX_TESTENV_SKIP_FLEET:-}" ]; then
+	log "KVBOX_TESTENV_SKIP_FLEET set: skipping the control plane build"
+elif [ "${KVBOX_TESTENV_FLEET:-}" = background ]; then
+	stage "control plane for the fleet tests, in the background" bash "$TESTENV_DIR/fleet.sh" build --background
+else
+	stage "control plane for the fleet tests (testenv/fleet.sh build, cached)" bash "$TESTENV_DIR/fleet.sh" build
 fi
 log "done in $(fmt_ms $(($(now_ms) - T0))). Run tests inside the namespace: ip netns exec $KVBOX_TESTENV_NS go test ..."
