@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A local Kubernetes control plane on this machine, for kvbox-node's tests and for users to try
 # kvbox on Kubernetes: etcd, kube-apiserver, kube-scheduler and kube-controller-manager, all on
-# 127.0.0.1 inside the test namespace, with a certificate authority made fresh for each run.
+# 127.0.0.1 inside the test namespace, with a certificate authority made fresh for each run; and
+# kubernetes-sigs/agent-sandbox's controller and CRDs (warm pools of pods, claimed from them).
 #
 #   testenv/fleet.sh build                  # build the binaries once (cached by version)
 #   testenv/fleet.sh build --background     # the same detached at the lowest priority, then
@@ -17,11 +18,13 @@
 #
 # The build compiles kube-apiserver, kube-scheduler, kube-controller-manager and kubectl from
 # k8s.io/kubernetes through a wrapper module that points its staging modules at their published
-# releases, and etcd from go.etcd.io/etcd/server, with the Go module proxy (root namespace,
-# niced). Nothing of those repositories is kept outside the Go module cache and the binaries.
+# releases, etcd from go.etcd.io/etcd/server and agent-sandbox's controller from
+# sigs.k8s.io/agent-sandbox, with the Go module proxy (root namespace, niced). Nothing of those
+# repositories is kept outside the Go module cache and the binaries (and agent-sandbox's CRDs
+# beside them).
 #
 # Environment: KVBOX_FLEET_K8S_VERSION (default v1.37.2), KVBOX_FLEET_ETCD_VERSION (v3.7.3),
-# KVBOX_FLEET_CACHE (/var/lib/kvbox-testenv/k8s), KVBOX_FLEET_STATE
+# KVBOX_FLEET_AGENT_SANDBOX_VERSION (v1.0.1), KVBOX_FLEET_CACHE (/var/lib/kvbox-testenv/k8s), KVBOX_FLEET_STATE
 # (/var/lib/kvbox-testenv/fleet), KVBOX_FLEET_GRACE (the node-monitor grace period, 20s),
 # KVBOX_FLEET_EVICTION_SECONDS (pods' default toleration of a NotReady node, 30),
 # KVBOX_FLEET_CLUSTER_CIDR (172.31.0.0/23: a /24 per node, two nodes), KVBOX_TESTENV_NS (kvbox-test); for `nodes`:
@@ -32,6 +35,9 @@ _log_prefix=fleet
 
 K8S_VERSION=${KVBOX_FLEET_K8S_VERSION:-v1.37.2}
 ETCD_VERSION=${KVBOX_FLEET_ETCD_VERSION:-v3.7.3}
+# kubernetes-sigs/agent-sandbox: its controller (Sandbox, SandboxTemplate, SandboxWarmPool,
+# SandboxClaim) and CRDs, for warm pools of kvbox pods claimed in an API round trip.
+AGENT_SANDBOX_VERSION=${KVBOX_FLEET_AGENT_SANDBOX_VERSION:-v1.0.1}
 FLEET_CACHE=${KVBOX_FLEET_CACHE:-/var/lib/kvbox-testenv/k8s}
 FLEET_STATE=${KVBOX_FLEET_STATE:-/var/lib/kvbox-testenv/fleet}
 GRACE=${KVBOX_FLEET_GRACE:-20s}
@@ -51,6 +57,7 @@ BIN=$FLEET_CACHE/$K8S_VERSION/bin
 RECIPE=1
 K8S_KEY="kubernetes $K8S_VERSION staging $STAGING_VERSION recipe $RECIPE"
 ETCD_KEY="etcd $ETCD_VERSION recipe $RECIPE"
+AGENT_SANDBOX_KEY="agent-sandbox $AGENT_SANDBOX_VERSION recipe $RECIPE"
 K8S_BINARIES="kube-apiserver kube-scheduler kube-controller-manager kubectl"
 BACKGROUND_LOG=$FLEET_CACHE/background-build.log
 
@@ -59,7 +66,7 @@ ETCD_PEER=127.0.0.1:2380
 APISERVER_PORT=6443
 SCHEDULER_PORT=10259
 CONTROLLER_MANAGER_PORT=10257
-COMPONENTS="etcd kube-apiserver kube-scheduler kube-controller-manager"
+COMPONENTS="etcd kube-apiserver kube-scheduler kube-controller-manager agent-sandbox-controller"
 
 usage() {
 	sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//' >&2
@@ -149,6 +156,38 @@ build_etcd() {
 	echo "$ETCD_KEY" >"$BIN/.etcd.key"
 }
 
+# build_agent_sandbox: agent-sandbox's controller, and its CRDs out of the same module release
+# (copied next to the binaries: kubectl applies them at up).
+build_agent_sandbox() {
+	local work=$FLEET_CACHE/$K8S_VERSION/build/agent-sandbox dir
+	mkdir -p "$work" "$BIN" || return 1
+	{
+		echo "// Written by testenv/fleet.sh build: builds agent-sandbox's controller."
+		echo "module kvbox.dev/testenv/agent-sandbox-build"
+		echo
+		echo "go 1.26.0"
+		echo
+		echo "require sigs.k8s.io/agent-sandbox $AGENT_SANDBOX_VERSION"
+	} >"$work/go.mod" || return 1
+	rm -f "$work/go.sum"
+	go_in "$work" get "sigs.k8s.io/agent-sandbox@$AGENT_SANDBOX_VERSION" || return 1
+	dir=$(go_in "$work" list -m -f '{{.Dir}}' sigs.k8s.io/agent-sandbox) && [ -d "$dir/k8s/crds" ] ||
+		{ warn "sigs.k8s.io/agent-sandbox@$AGENT_SANDBOX_VERSION has no k8s/crds"; return 1; }
+	mkdir -p "$work/out" || return 1
+	CGO_ENABLED=0 go_in "$work" build -trimpath -ldflags "-s -w" -o "$work/out/agent-sandbox-controller" \
+		sigs.k8s.io/agent-sandbox/cmd/agent-sandbox-controller || return 1
+	rm -rf "$BIN/agent-sandbox-crds" && mkdir -p "$BIN/agent-sandbox-crds" &&
+		cp "$dir"/k8s/crds/*.yaml "$BIN/agent-sandbox-crds/" && chmod 644 "$BIN"/agent-sandbox-crds/*.yaml || return 1
+	mv -f "$work/out/agent-sandbox-controller" "$BIN/agent-sandbox-controller" || return 1
+	echo "$AGENT_SANDBOX_KEY" >"$BIN/.agent-sandbox.key"
+}
+
+# built: the whole control plane is in the cache.
+built() {
+	cached "$BIN/.kubernetes.key" "$K8S_KEY" $K8S_BINARIES && cached "$BIN/.etcd.key" "$ETCD_KEY" etcd &&
+		cached "$BIN/.agent-sandbox.key" "$AGENT_SANDBOX_KEY" agent-sandbox-controller
+}
+
 cmd_build() {
 	local t0 lock
 	command -v go >/dev/null || die "go not found (expected /usr/local/go/bin/go)"
@@ -159,8 +198,8 @@ cmd_build() {
 		log "waiting for the build that holds $FLEET_CACHE/.lock (one started with build --background logs to $BACKGROUND_LOG)"
 		flock "$lock"
 	fi
-	if cached "$BIN/.kubernetes.key" "$K8S_KEY" $K8S_BINARIES && cached "$BIN/.etcd.key" "$ETCD_KEY" etcd; then
-		log "control plane $K8S_VERSION and etcd $ETCD_VERSION already built in $BIN"
+	if built; then
+		log "control plane $K8S_VERSION, etcd $ETCD_VERSION and agent-sandbox $AGENT_SANDBOX_VERSION already built in $BIN"
 		return 0
 	fi
 	t0=$(now_ms)
@@ -171,6 +210,10 @@ cmd_build() {
 	if ! cached "$BIN/.etcd.key" "$ETCD_KEY" etcd; then
 		log "building etcd $ETCD_VERSION"
 		build_etcd || die "building etcd $ETCD_VERSION failed"
+	fi
+	if ! cached "$BIN/.agent-sandbox.key" "$AGENT_SANDBOX_KEY" agent-sandbox-controller; then
+		log "building agent-sandbox $AGENT_SANDBOX_VERSION's controller"
+		build_agent_sandbox || die "building agent-sandbox $AGENT_SANDBOX_VERSION failed"
 	fi
 	rm -rf "$FLEET_CACHE/$K8S_VERSION/build"
 	log "built in $(fmt_ms $(($(now_ms) - t0))) into $BIN ($(du -sh "$BIN" | cut -f1)); CPU of the build (user, system):"
@@ -346,7 +389,7 @@ write_env() {
 
 cmd_up() {
 	local t0 c port busy
-	cached "$BIN/.kubernetes.key" "$K8S_KEY" $K8S_BINARIES && cached "$BIN/.etcd.key" "$ETCD_KEY" etcd ||
+	built ||
 		die "the control plane is not built: run testenv/fleet.sh build (or make testenv) first"
 	ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$KVBOX_TESTENV_NS" ||
 		die "network namespace $KVBOX_TESTENV_NS does not exist: run testenv/setup.sh (make testenv) first"
@@ -424,9 +467,20 @@ cmd_up() {
 	wait_for "the controllers" 60 kubectl_admin get serviceaccount default -n default ||
 		{ tail -n 20 "$LOGS/kube-controller-manager.log" >&2; cmd_down; die "the controller manager made no service account (see $LOGS/kube-controller-manager.log)"; }
 	echo "$RBAC" | kubectl_admin apply -f - >/dev/null || { cmd_down; die "applying the fleet's RBAC failed"; }
+	start_agent_sandbox || { cmd_down; die "agent-sandbox's controller did not start (see $LOGS/agent-sandbox-controller.log)"; }
 	write_env
 	log "up in $(fmt_ms $(($(now_ms) - t0))): $(mem_summary)"
 	log "KUBECONFIG=$FLEET_STATE/admin.kubeconfig KUBECTL=$BIN/kubectl (in $FLEET_STATE/env); run kubectl inside $KVBOX_TESTENV_NS"
+}
+
+# start_agent_sandbox: agent-sandbox's CRDs, then its controller with the extensions (templates,
+# warm pools, claims), as the fleet's admin (a local fleet for tests: one identity), its metrics
+# and health endpoints off (nothing here scrapes them; they would listen on every address).
+start_agent_sandbox() {
+	kubectl_admin apply --server-side -f "$BIN/agent-sandbox-crds" >/dev/null || return 1
+	kubectl_admin wait --for condition=Established --timeout 60s -f "$BIN/agent-sandbox-crds" >/dev/null || return 1
+	start agent-sandbox-controller --kubeconfig "$FLEET_STATE/admin.kubeconfig" --extensions --leader-elect=false \
+		--metrics-bind-address 0 --health-probe-bind-address 0
 }
 
 # mem_summary: the resident memory of each component and in all.
