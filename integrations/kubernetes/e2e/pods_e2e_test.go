@@ -322,6 +322,8 @@ func TestFleetPods(t *testing.T) {
 	r.stopIfFailed()
 	r.deployment()
 	r.stopIfFailed()
+	r.warmPool()
+	r.stopIfFailed()
 	r.failingJob()
 	r.stopIfFailed()
 	r.nodeRestarted()
