@@ -7,7 +7,9 @@
 # where process/ and filesystem/ are written; TestGeneratedCode writes to a
 # temporary one and compares.
 #
-# protoc is Debian's protobuf-compiler (apt-get install protobuf-compiler);
+# protoc is Debian's protobuf-compiler, and the well-known types the files
+# import (google/protobuf/timestamp.proto) come with libprotobuf-dev
+# (apt-get install protobuf-compiler libprotobuf-dev);
 # the two plugins are built from the module versions go.mod pins
 # (google.golang.org/protobuf for protoc-gen-go, connectrpc.com/connect for
 # protoc-gen-connect-go), so the output depends on go.mod alone.
@@ -15,6 +17,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here}
 command -v protoc >/dev/null || { echo "generate.sh: protoc not found: apt-get install protobuf-compiler" >&2; exit 1; }
+[ -f /usr/include/google/protobuf/timestamp.proto ] ||
+	{ echo "generate.sh: /usr/include/google/protobuf/timestamp.proto not found: apt-get install libprotobuf-dev" >&2; exit 1; }
 bin=$(mktemp -d)
 trap 'rm -rf "$bin"' EXIT
 cd "$here"
