@@ -135,22 +135,29 @@ build_kubernetes() {
 	echo "$K8S_KEY" >"$BIN/.kubernetes.key"
 }
 
-build_etcd() {
-	local work=$FLEET_CACHE/$K8S_VERSION/build/etcd goline
-	mkdir -p "$work" "$BIN" || return 1
-	# etcd's server module is its main package; its own replaces (to sibling folders) do not
-	# apply to a module that requires it, which gets the siblings' published releases.
+# wrapper_module DIR WHAT NAME MODULE VERSION: DIR (with DIR/out) holds a module that only
+# requires MODULE at VERSION, so MODULE's main packages build against the published releases of
+# what it needs.
+wrapper_module() {
+	local dir=$1 what=$2 name=$3 module=$4 version=$5
+	mkdir -p "$dir/out" "$BIN" || return 1
 	{
-		echo "// Written by testenv/fleet.sh build: builds the etcd server."
-		echo "module kvbox.dev/testenv/etcd-build"
+		echo "// Written by testenv/fleet.sh build: builds $what."
+		echo "module kvbox.dev/testenv/$name"
 		echo
 		echo "go 1.26.0"
 		echo
-		echo "require go.etcd.io/etcd/server/v3 $ETCD_VERSION"
-	} >"$work/go.mod" || return 1
-	rm -f "$work/go.sum"
-	go_in "$work" get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" || return 1
-	mkdir -p "$work/out" || return 1
+		echo "require $module $version"
+	} >"$dir/go.mod" || return 1
+	rm -f "$dir/go.sum"
+	go_in "$dir" get "$module@$version"
+}
+
+build_etcd() {
+	local work=$FLEET_CACHE/$K8S_VERSION/build/etcd
+	# etcd's server module is its main package; its own replaces (to sibling folders) do not
+	# apply to a module that requires it, which gets the siblings' published releases.
+	wrapper_module "$work" "the etcd server" etcd-build go.etcd.io/etcd/server/v3 "$ETCD_VERSION" || return 1
 	CGO_ENABLED=0 go_in "$work" build -trimpath -ldflags "-s -w" -o "$work/out/etcd" go.etcd.io/etcd/server/v3 || return 1
 	mv -f "$work/out/etcd" "$BIN/etcd" || return 1
 	echo "$ETCD_KEY" >"$BIN/.etcd.key"
@@ -160,20 +167,9 @@ build_etcd() {
 # (copied next to the binaries: kubectl applies them at up).
 build_agent_sandbox() {
 	local work=$FLEET_CACHE/$K8S_VERSION/build/agent-sandbox dir
-	mkdir -p "$work" "$BIN" || return 1
-	{
-		echo "// Written by testenv/fleet.sh build: builds agent-sandbox's controller."
-		echo "module kvbox.dev/testenv/agent-sandbox-build"
-		echo
-		echo "go 1.26.0"
-		echo
-		echo "require sigs.k8s.io/agent-sandbox $AGENT_SANDBOX_VERSION"
-	} >"$work/go.mod" || return 1
-	rm -f "$work/go.sum"
-	go_in "$work" get "sigs.k8s.io/agent-sandbox@$AGENT_SANDBOX_VERSION" || return 1
+	wrapper_module "$work" "agent-sandbox's controller" agent-sandbox-build sigs.k8s.io/agent-sandbox "$AGENT_SANDBOX_VERSION" || return 1
 	dir=$(go_in "$work" list -m -f '{{.Dir}}' sigs.k8s.io/agent-sandbox) && [ -d "$dir/k8s/crds" ] ||
 		{ warn "sigs.k8s.io/agent-sandbox@$AGENT_SANDBOX_VERSION has no k8s/crds"; return 1; }
-	mkdir -p "$work/out" || return 1
 	CGO_ENABLED=0 go_in "$work" build -trimpath -ldflags "-s -w" -o "$work/out/agent-sandbox-controller" \
 		sigs.k8s.io/agent-sandbox/cmd/agent-sandbox-controller || return 1
 	rm -rf "$BIN/agent-sandbox-crds" && mkdir -p "$BIN/agent-sandbox-crds" &&
