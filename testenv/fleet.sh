@@ -188,9 +188,10 @@ cmd_build() {
 	local t0 lock
 	command -v go >/dev/null || die "go not found (expected /usr/local/go/bin/go)"
 	mkdir -p "$FLEET_CACHE" || die "cannot create $FLEET_CACHE"
-	# One build at a time on this machine (two set-ups, or a set-up and a test).
+	# One build at a time on this machine (two set-ups, or a set-up and a test). The background
+	# build takes the lock itself, for the control plane and kvbox-node's module both, and says so.
 	exec {lock}>"$FLEET_CACHE/.lock"
-	if ! flock -n "$lock"; then
+	if [ -z "${KVBOX_FLEET_BUILD_LOCKED:-}" ] && ! flock -n "$lock"; then
 		log "waiting for the build that holds $FLEET_CACHE/.lock (one started with build --background logs to $BACKGROUND_LOG)"
 		flock "$lock"
 	fi
@@ -698,16 +699,20 @@ cmd_down() {
 }
 
 # cmd_build_background: cmd_build, then a build and vet of kvbox-node's module (its
-# dependencies into the module cache), detached at the lowest priority, so that the guests of
-# the tests that run meanwhile keep the CPU they want. Its own session is its own autogroup where
-# the kernel groups by session (sched_autogroup_enabled): the group gets the lowest priority
-# too, or it would take half the CPU whatever its nice.
+# dependencies into the module and build caches), detached at the lowest priority, so that the
+# guests of the tests that run meanwhile keep the CPU they want. It holds the build lock to the
+# end: fleet.sh build (make test-kubernetes) waits for the vet too, which would otherwise compile
+# the same packages a second time beside it. Its own session is its own autogroup where the
+# kernel groups by session (sched_autogroup_enabled): the group gets the lowest priority too, or
+# it would take half the CPU whatever its nice.
 cmd_build_background() {
 	mkdir -p "$FLEET_CACHE" || die "cannot create $FLEET_CACHE"
-	log "building the control plane detached (nice 19), log $BACKGROUND_LOG; fleet.sh build waits for it"
+	log "building the control plane and kvbox-node's module detached (nice 19), log $BACKGROUND_LOG; fleet.sh build waits for it"
 	setsid nice -n 19 bash -c '{ echo 19 >/proc/self/autogroup; } 2>/dev/null
-		bash "$1" build && cd "$2" && go build ./... && go vet ./... && go vet -tags e2e ./...' \
-		fleet-build "$TESTENV_DIR/fleet.sh" "$REPO_DIR/integrations/kubernetes" >"$BACKGROUND_LOG" 2>&1 </dev/null &
+		exec {lock}>"$3" && flock "$lock" || exit 1
+		KVBOX_FLEET_BUILD_LOCKED=1 bash "$1" build && cd "$2" && go build ./... && go vet ./... && go vet -tags e2e ./...' \
+		fleet-build "$TESTENV_DIR/fleet.sh" "$REPO_DIR/integrations/kubernetes" "$FLEET_CACHE/.lock" \
+		>"$BACKGROUND_LOG" 2>&1 </dev/null &
 }
 
 case "${1:-}" in
