@@ -347,7 +347,10 @@ wait_for() {
 	done
 }
 
-kubectl_admin() { in_ns "$BIN/kubectl" --kubeconfig "$FLEET_STATE/admin.kubeconfig" "$@"; }
+# kubectl keeps its discovery cache in the fleet's state (as the env file says), not in ~/.kube.
+kubectl_admin() {
+	in_ns "$BIN/kubectl" --kubeconfig "$FLEET_STATE/admin.kubeconfig" --cache-dir "$FLEET_STATE/kubectl-cache" "$@"
+}
 
 healthy() { in_ns curl -fsS --max-time 2 --cacert "$PKI/ca.crt" "$@"; }
 
@@ -381,6 +384,7 @@ write_env() {
 		echo "# The local fleet (testenv/fleet.sh up); its processes run in the network namespace $KVBOX_TESTENV_NS."
 		echo "KUBECONFIG=$FLEET_STATE/admin.kubeconfig"
 		echo "KUBECTL=$BIN/kubectl"
+		echo "KUBECACHEDIR=$FLEET_STATE/kubectl-cache"
 	} >"$FLEET_STATE/env.new" && mv "$FLEET_STATE/env.new" "$FLEET_STATE/env"
 }
 
@@ -594,7 +598,7 @@ cmd_nodes() {
 	[fleet]   kvbox snapshots push --insecure SNAPSHOT 127.0.0.1:5000/REPO:TAG
 	[fleet]   kubectl create deployment web --image 127.0.0.1:5000/REPO:TAG --replicas 3, with
 	[fleet]   runtimeClassName: kvbox in its pod spec (docs/kubernetes.md); kubectl inside $KVBOX_TESTENV_NS:
-	[fleet]   . $FLEET_STATE/env; ip netns exec $KVBOX_TESTENV_NS \$KUBECTL --kubeconfig \$KUBECONFIG get pods -o wide
+	[fleet]   . $FLEET_STATE/env; ip netns exec $KVBOX_TESTENV_NS \$KUBECTL --kubeconfig \$KUBECONFIG --cache-dir \$KUBECACHEDIR get pods -o wide
 	HOWTO
 }
 

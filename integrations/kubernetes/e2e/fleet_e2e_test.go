@@ -144,7 +144,8 @@ func startFleetNodes(t *testing.T) *nodesRun {
 	})
 	r.fleet("up")
 	env := readEnv(t, filepath.Join(r.state, "env"))
-	if env["KUBECTL"] != filepath.Join(bin, "kubectl") || env["KUBECONFIG"] == "" {
+	if env["KUBECTL"] != filepath.Join(bin, "kubectl") || env["KUBECONFIG"] == "" ||
+		!strings.HasPrefix(env["KUBECACHEDIR"], r.state+"/") {
 		t.Fatalf("fleet env file: %v", env)
 	}
 	// fleet.sh up again finds it up and leaves it alone.

@@ -76,9 +76,16 @@ func (f *fleetRun) must(args ...string) string {
 	return out
 }
 
+// kubectlCmd is the fleet's kubectl as its admin, with its discovery cache in
+// the fleet's state (KUBECACHEDIR of the env file) rather than in ~/.kube.
+func (f *fleetRun) kubectlCmd(ctx context.Context, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, f.env["KUBECTL"], append([]string{
+		"--kubeconfig", f.env["KUBECONFIG"], "--cache-dir", f.env["KUBECACHEDIR"]}, args...)...)
+}
+
 // kubectl runs the fleet's kubectl as its admin.
 func (f *fleetRun) kubectl(args ...string) (string, int) {
-	cmd := exec.Command(f.env["KUBECTL"], append([]string{"--kubeconfig", f.env["KUBECONFIG"]}, args...)...)
+	cmd := f.kubectlCmd(context.Background(), args...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
@@ -699,7 +706,7 @@ func (r *podsRun) nodeLost() {
 // portForward runs kubectl port-forward to the pod's port and fetches /
 // through it.
 func portForward(ctx context.Context, t *testing.T, f *fleetRun, pod string, port int) (string, error) {
-	cmd := exec.CommandContext(ctx, f.env["KUBECTL"], "--kubeconfig", f.env["KUBECONFIG"], "port-forward", "--address", "127.0.0.1", pod, fmt.Sprintf(":%d", port))
+	cmd := f.kubectlCmd(ctx, "port-forward", "--address", "127.0.0.1", pod, fmt.Sprintf(":%d", port))
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return "", err
