@@ -119,10 +119,17 @@ func (s *Server) setToken(b []byte, snapshot bool) (uint64, error) {
 		}
 	}
 	s.tokenMu.Lock()
-	defer s.tokenMu.Unlock()
 	s.token, s.tokenSnapshot = append([]byte(nil), b...), snapshot
 	s.tokenGen++
-	return s.tokenGen, nil
+	gen := s.tokenGen
+	s.tokenMu.Unlock()
+	// A new agent token marks a snapshot about to be copied, its source
+	// after the copy, or a clone's first contact: envd's local token is
+	// minted again with it (envd.go).
+	if err := s.renewEnvdToken(); err != nil {
+		s.logf("envd: %v", err)
+	}
+	return gen, nil
 }
 
 // greet starts a session's authorization afresh (at each HELLO).

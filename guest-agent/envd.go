@@ -2,6 +2,8 @@ package agent
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -9,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -22,16 +25,22 @@ import (
 //
 // The host reaches it over the agent channel, as a stream to the dial
 // address EnvdDialAddress: no guest TCP port is involved, so no process
-// in the guest can stand in for it. For callers inside the guest (a code
-// interpreter asking GET /envs) the agent also listens on 127.0.0.1:49983,
-// the port E2B's sandboxes have, once the host has configured it
-// (EnvdInit): a box that is no sandbox has no such listener, and a guest
-// user cannot reach an envd that would run commands as root without the
-// sandbox's token.
+// in the guest can stand in for it, and envd serves those streams without
+// a token (envd.Server.HostHandler): the host checked its caller. For
+// callers inside the guest (a code interpreter asking GET /envs) the agent
+// also listens on 127.0.0.1:49983, the port E2B's sandboxes have, once the
+// host has configured it (EnvdInit). That door wants the box's local
+// token: a guest-side secret that no client ever sees, which the agent
+// mints itself and keeps in EnvdTokenFile in its state folder (root's
+// only, for the guest's own root processes), and mints again whenever the
+// agent's own token is set (the token of a snapshot before its memory is
+// copied, the source's own again after it, a clone's own at its identity):
+// the local token a snapshot's memory or disk holds is dead in every box
+// by the time a clone runs.
 //
-// The configuration (the sandbox's access token, environment variables,
-// default user and workdir, sandbox and template ids) comes from the host
-// in EnvdInit, typically in a clone's re-identification pipeline
+// The configuration (environment variables, default user and workdir,
+// sandbox and template ids; no secret of the sandbox's client) comes from
+// the host in EnvdInit, typically in a clone's re-identification pipeline
 // (EnvdInitCall), and is kept in the agent's state folder (0600), so an
 // agent that restarts serves the same sandbox.
 
@@ -65,15 +74,22 @@ var DefaultEnvdAddr = fmt.Sprintf("127.0.0.1:%d", envd.Port)
 // envdConfigFile holds the configuration in StateDir.
 const envdConfigFile = "envd.json"
 
+// EnvdTokenFile holds the box's local envd token in StateDir: hex, root's
+// only, overwritten in place at each new one.
+const EnvdTokenFile = "envd-token"
+
 // envdState is the agent's envd: made on first use.
 type envdState struct {
 	once  sync.Once
 	srv   *envd.Server
-	http  *http.Server
+	http  *http.Server  // the host's streams
+	local *http.Server  // the guest loopback listener's
 	conns chan net.Conn // the host's streams, for http.Serve
 
 	mu        sync.Mutex
 	listening net.Listener // the guest loopback listener, once up
+
+	tokenMu sync.Mutex // the local token's file
 }
 
 // envdServer returns the agent's envd, serving the host's streams.
@@ -83,11 +99,102 @@ func (s *Server) envdServer() *envd.Server {
 		e.srv = envd.New(envd.Options{StartProcess: s.boosts.unboosted, Log: s.Log})
 		// No read or write timeout: a process's stream lasts as long as
 		// the process. Idle keep-alive connections go after a while.
-		e.http = &http.Server{Handler: e.srv, IdleTimeout: 640 * time.Second, ErrorLog: s.Log}
+		e.http = &http.Server{Handler: e.srv.HostHandler(), IdleTimeout: 640 * time.Second, ErrorLog: s.Log}
+		e.local = &http.Server{Handler: e.srv, IdleTimeout: 640 * time.Second, ErrorLog: s.Log}
 		e.conns = make(chan net.Conn)
 		go e.http.Serve(chanListener{e.conns})
+		s.loadEnvdToken()
 	})
 	return e.srv
+}
+
+// loadEnvdToken gives envd the local token kept in StateDir, or a new one.
+func (s *Server) loadEnvdToken() {
+	if s.StateDir != "" {
+		b, err := os.ReadFile(filepath.Join(s.StateDir, EnvdTokenFile))
+		if tok := strings.TrimSpace(string(b)); err == nil && validEnvdToken(tok) {
+			s.envd.srv.SetLocalToken(tok)
+			return
+		}
+	}
+	if err := s.mintEnvdToken(s.envd.srv); err != nil {
+		s.logf("envd: %v", err)
+	}
+}
+
+// renewEnvdToken mints the box's local envd token: the one before it opens
+// nothing from then on. Called whenever the agent's own token is set
+// (setToken).
+func (s *Server) renewEnvdToken() error { return s.mintEnvdToken(s.envdServer()) }
+
+// mintEnvdToken mints a local token, keeps it in StateDir and gives it to
+// srv.
+func (s *Server) mintEnvdToken(srv *envd.Server) error {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return fmt.Errorf("mint a local token: %w", err)
+	}
+	tok := hex.EncodeToString(b)
+	e := &s.envd
+	e.tokenMu.Lock()
+	defer e.tokenMu.Unlock()
+	var err error
+	if s.StateDir != "" {
+		if err = os.MkdirAll(s.StateDir, 0o700); err == nil {
+			err = overwriteInPlace(filepath.Join(s.StateDir, EnvdTokenFile), []byte(tok+"\n"), 0o600)
+		}
+		if err != nil {
+			err = fmt.Errorf("keep the local token: %w", err)
+		}
+	}
+	srv.SetLocalToken(tok)
+	return err
+}
+
+func validEnvdToken(tok string) bool {
+	_, err := hex.DecodeString(tok)
+	return len(tok) == 64 && err == nil
+}
+
+// overwriteInPlace writes data over the file at path (made with perm if
+// missing), in its own blocks rather than in a new file renamed over it:
+// the secret it held is not left in a freed block of the guest's disk,
+// which a snapshot copies whole. What was beyond data's length is zeroed
+// and synced before the file is cut to data's length.
+func overwriteInPlace(path string, data []byte, perm os.FileMode) error {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, perm)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a plain file", path)
+	}
+	if err := f.Chmod(perm); err != nil {
+		return err
+	}
+	buf := data
+	if old := fi.Size(); old > int64(len(data)) {
+		buf = make([]byte, old)
+		copy(buf, data)
+	}
+	if _, err := f.WriteAt(buf, 0); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if len(buf) != len(data) {
+		if err := f.Truncate(int64(len(data))); err != nil {
+			return err
+		}
+		return f.Sync()
+	}
+	return nil
 }
 
 // dialEnvd connects a new stream to the agent's envd: one end of a unix
@@ -154,8 +261,10 @@ func (s *Server) EnvdInit(cfg envd.Config) error {
 		if err := os.MkdirAll(s.StateDir, 0o700); err != nil {
 			return err
 		}
-		// The token is a secret: root's only.
-		if err := writeFileAtomic(filepath.Join(s.StateDir, envdConfigFile), b, 0o600); err != nil {
+		// Root's only: the variables may be secrets. In place, so that a
+		// configuration kept by an older agent (which held the client's
+		// token) leaves nothing behind.
+		if err := overwriteInPlace(filepath.Join(s.StateDir, envdConfigFile), b, 0o600); err != nil {
 			return fmt.Errorf("envd: keep the configuration: %w", err)
 		}
 	}
@@ -209,7 +318,7 @@ func (s *Server) envdListen() error {
 		return fmt.Errorf("envd configured, but it cannot listen on %s in the guest (callers inside the box cannot reach it; the host's streams are served): %w", addr, err)
 	}
 	e.listening = l
-	go e.http.Serve(l)
+	go e.local.Serve(l)
 	s.logf("envd listening on %s", l.Addr())
 	return nil
 }

@@ -87,38 +87,73 @@ func TestEnvdFeature(t *testing.T) {
 		t.Fatalf("Stat over the agent stream: %d %s", resp.StatusCode, body)
 	}
 
-	cfg := envd.Config{AccessToken: "tok-1", SandboxID: "sbx1", EnvVars: map[string]string{"A": "1"}}
+	cfg := envd.Config{SandboxID: "sbx1", EnvVars: map[string]string{"A": "1"}}
 	if err := c.EnvdInit(tctx(t), envd.Config{EnvVars: map[string]string{"A=B": "x"}}); err == nil {
 		t.Error("a bad configuration was accepted")
 	}
 	if err := c.EnvdInit(tctx(t), cfg); err != nil {
 		t.Fatal(err)
 	}
-	st, err := os.Stat(filepath.Join(state, envdConfigFile))
-	if err != nil || st.Mode().Perm() != 0o600 {
-		t.Fatalf("kept configuration: %v %v, want mode 0600", st, err)
+	for _, f := range []string{envdConfigFile, EnvdTokenFile} {
+		st, err := os.Stat(filepath.Join(state, f))
+		if err != nil || st.Mode().Perm() != 0o600 {
+			t.Fatalf("kept %s: %v %v, want mode 0600", f, st, err)
+		}
 	}
 	addr := s.EnvdAddrListening()
 	if !strings.HasPrefix(addr, "127.0.0.1:") {
 		t.Fatalf("after envd-init envd listens on %q, want the guest's loopback", addr)
 	}
-	if resp, body := httpOver(t, stream(), statRequest("/", "")); resp.StatusCode != 401 {
+	// The host's streams need no token: the host checked its caller.
+	if resp, body := httpOver(t, stream(), statRequest("/", "")); resp.StatusCode != 200 {
 		t.Errorf("no token over the agent stream: %d %s", resp.StatusCode, body)
 	}
-	if resp, body := httpOver(t, stream(), statRequest("/", "tok-1")); resp.StatusCode != 200 {
-		t.Errorf("the token over the agent stream: %d %s", resp.StatusCode, body)
-	}
 	keepAlive(t, stream())
-	lc, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
+	local := localEnvdToken(t, state)
+	onLoopback := func(tok string) int {
+		lc, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lc.Close()
+		resp, _ := httpOver(t, lc, statRequest("/", tok))
+		return resp.StatusCode
 	}
-	if resp, body := httpOver(t, lc, statRequest("/", "")); resp.StatusCode != 401 {
-		t.Errorf("no token on the guest's listener: %d %s", resp.StatusCode, body)
+	if code := onLoopback(""); code != 401 {
+		t.Errorf("no token on the guest's listener: %d", code)
 	}
-	lc.Close()
+	if code := onLoopback(local); code != 200 {
+		t.Errorf("the local token on the guest's listener: %d", code)
+	}
 
-	restartServesSame(t, state)
+	restartServesSame(t, state, local)
+
+	// Every token the agent takes (a snapshot's, the source's own after
+	// the copy, a clone's at its identity) mints the local token again:
+	// the one before opens nothing, and the file is the same file,
+	// overwritten in place.
+	before, _ := os.Stat(filepath.Join(state, EnvdTokenFile))
+	for i, snapshot := range []bool{true, false} {
+		tok := bytes.Repeat([]byte{byte('a' + i)}, TokenSize)
+		if _, err := c.SetToken(tctx(t), tok, snapshot); err != nil {
+			t.Fatal(err)
+		}
+		renewed := localEnvdToken(t, state)
+		if renewed == local {
+			t.Fatalf("set-token (snapshot %v) left the local token as it was", snapshot)
+		}
+		if code := onLoopback(local); code != 401 {
+			t.Errorf("after set-token (snapshot %v) the local token before it: %d, want 401", snapshot, code)
+		}
+		if code := onLoopback(renewed); code != 200 {
+			t.Errorf("after set-token (snapshot %v) the new local token: %d", snapshot, code)
+		}
+		local = renewed
+	}
+	after, _ := os.Stat(filepath.Join(state, EnvdTokenFile))
+	if !os.SameFile(before, after) {
+		t.Error("the local token's file was replaced, not overwritten in place")
+	}
 	if !slices.Contains(Features(), FeatureEnvd) {
 		t.Error("not advertised")
 	}
@@ -141,22 +176,61 @@ func keepAlive(t *testing.T, conn net.Conn) {
 }
 
 // restartServesSame: an agent that restarts on the state dir serves the
-// same sandbox (TestEnvdFeature's configuration, tok-1).
-func restartServesSame(t *testing.T, state string) {
+// same sandbox (TestEnvdFeature's configuration) with the same local
+// token.
+func restartServesSame(t *testing.T, state, local string) {
 	t.Helper()
 	s2 := envdTestServer(t, state)
 	if err := s2.RestoreEnvd(); err != nil {
 		t.Fatal(err)
 	}
-	if got := s2.envdServer().Config(); got.AccessToken != "tok-1" || got.SandboxID != "sbx1" || got.EnvVars["A"] != "1" {
+	if got := s2.envdServer().Config(); got.SandboxID != "sbx1" || got.EnvVars["A"] != "1" {
 		t.Errorf("restored %+v", got)
+	}
+	if got := s2.envdServer().LocalToken(); got != local {
+		t.Errorf("restored local token %q, want %q", got, local)
 	}
 	if s2.EnvdAddrListening() == "" {
 		t.Error("a restored envd does not listen")
 	}
-	var kept envd.Config
-	b, _ := os.ReadFile(filepath.Join(state, envdConfigFile))
-	if json.Unmarshal(b, &kept) != nil || kept.AccessToken != "tok-1" {
+}
+
+// localEnvdToken is the local token the agent keeps in state.
+func localEnvdToken(t *testing.T, state string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(state, EnvdTokenFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok := strings.TrimSpace(string(b))
+	if !validEnvdToken(tok) {
+		t.Fatalf("%s holds %q, not a token", EnvdTokenFile, b)
+	}
+	return tok
+}
+
+// A configuration kept by an older agent held the client's token: the
+// next one is written over it in place, and nothing of it is left in the
+// file (or, beyond the file's new end, in the blocks it had).
+func TestEnvdConfigOverwrittenInPlace(t *testing.T) {
+	state := t.TempDir()
+	path := filepath.Join(state, envdConfigFile)
+	old := `{"access_token":"` + strings.Repeat("c0ffee", 20) + `","env_vars":{"LONG":"` + strings.Repeat("x", 4000) + `"}}`
+	if err := os.WriteFile(path, []byte(old), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := os.Stat(path)
+	s := envdTestServer(t, state)
+	s.EnvdAddr = "-"
+	if err := s.EnvdInit(envd.Config{SandboxID: "sbx2"}); err != nil {
+		t.Fatal(err)
+	}
+	after, err := os.Stat(path)
+	if err != nil || !os.SameFile(before, after) || after.Mode().Perm() != 0o600 {
+		t.Fatalf("the configuration's file: %v %v (same file %v), want the same file, 0600", after, err, os.SameFile(before, after))
+	}
+	b, _ := os.ReadFile(path)
+	if strings.Contains(string(b), "c0ffee") || !strings.Contains(string(b), "sbx2") {
 		t.Errorf("kept %s", b)
 	}
 }
@@ -172,12 +246,12 @@ func TestEnvdInitPortTaken(t *testing.T) {
 	s := testServer(t)
 	s.EnvdAddr = l.Addr().String()
 	c := start(t, s)
-	err = c.EnvdInit(tctx(t), envd.Config{AccessToken: "x"})
+	err = c.EnvdInit(tctx(t), envd.Config{SandboxID: "x"})
 	var re *RemoteError
 	if !errors.As(err, &re) || !strings.Contains(re.Message, "cannot listen on "+l.Addr().String()) {
 		t.Fatalf("envd-init with the port taken: %v", err)
 	}
-	if s.envdServer().Config().AccessToken != "x" {
+	if s.envdServer().Config().SandboxID != "x" {
 		t.Error("the configuration was not applied")
 	}
 }
@@ -227,11 +301,11 @@ func TestEnvdInitInSlowFirstContact(t *testing.T) {
 	go s.serveConn(context.Background(), &slowStart{Conn: rec, delay: 1300 * time.Millisecond}, true)
 	c := NewClient(hc)
 	defer c.Close()
-	cfg := envd.Config{AccessToken: "tok", SandboxID: "sbx1"}
+	cfg := envd.Config{SandboxID: "sbx1"}
 	if err := c.Reidentify(tctx(t), Identity{Hostname: "c1"}, time.Now(), nil, nil, EnvdInitCall(cfg)); err != nil {
 		t.Fatalf("a slow first contact with envd-init: %v", err)
 	}
-	if got := s.envdServer().Config(); got.AccessToken != "tok" || got.SandboxID != "sbx1" {
+	if got := s.envdServer().Config(); got.SandboxID != "sbx1" {
 		t.Errorf("envd's configuration after the first contact: %+v", got)
 	}
 	n := rec.requests(t)

@@ -23,7 +23,8 @@ import (
 // which this test exposes on a loopback port of the test's namespace, as
 // kvbox serve's router will; the real E2B SDK, both pinned versions, then
 // runs its conformance script against the guest. Inside the guest envd
-// listens on 127.0.0.1:49983 once configured, and wants the token there.
+// listens on 127.0.0.1:49983 once configured, and wants the box's local
+// token there, which every new agent token renews.
 func TestEnvdInGuest(t *testing.T) {
 	repo, err := filepath.Abs("..")
 	if err != nil {
@@ -55,18 +56,40 @@ func TestEnvdInGuest(t *testing.T) {
 	}
 	scratch := "/srv/e2b-sdk"
 	mustKvbox(t, "exec", b.Name, "--", "mkdir", "-p", scratch)
-	tok := make([]byte, 16)
-	rand.Read(tok)
-	cfg := envd.Config{AccessToken: hex.EncodeToString(tok), EnvVars: map[string]string{"FOO": "from-the-host"},
+	cfg := envd.Config{EnvVars: map[string]string{"FOO": "from-the-host"},
 		DefaultWorkdir: scratch, SandboxID: "sbx" + runID, TemplateID: "tiny"}
 	if err := c.EnvdInit(ctx, cfg); err != nil {
 		t.Fatal(err)
 	}
-	if r := kvbox(t, "exec", b.Name, "--", "wget", "-q", "-O", "-", "--header", "X-Access-Token: "+cfg.AccessToken, "http://127.0.0.1:49983/envs"); r.code != 0 || strings.TrimSpace(r.stdout) != `{"FOO":"from-the-host"}` {
+	// The guest's own processes reach envd on its loopback with the box's
+	// local token, root's only in the agent's state folder.
+	readLocal := func() string {
+		r := mustKvbox(t, "exec", b.Name, "--", "cat", "/var/lib/kvbox-agent/"+agent.EnvdTokenFile)
+		return strings.TrimSpace(r)
+	}
+	local := readLocal()
+	envs := func(tok string) result {
+		return kvbox(t, "exec", b.Name, "--", "wget", "-q", "-O", "-", "--header", "X-Access-Token: "+tok, "http://127.0.0.1:49983/envs")
+	}
+	if r := envs(local); r.code != 0 || strings.TrimSpace(r.stdout) != `{"FOO":"from-the-host"}` {
 		t.Errorf("GET /envs in the guest: %s", r)
 	}
 	if r := kvbox(t, "exec", b.Name, "--", "wget", "-q", "-O", "-", "http://127.0.0.1:49983/envs"); r.code == 0 {
 		t.Errorf("GET /envs in the guest without the token: %s", r)
+	}
+	// A new agent token (a snapshot's, a clone's) mints a new local one.
+	newTok := make([]byte, agent.TokenSize)
+	rand.Read(newTok)
+	if _, err := c.SetToken(ctx, newTok, false); err != nil {
+		t.Fatal(err)
+	}
+	// kvbox's own record of the agent's token follows (kvbox exec).
+	if err := os.WriteFile(filepath.Join(b.Dir, "agent.token"), newTok, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	token = newTok
+	if renewed := readLocal(); renewed == local || envs(local).code == 0 || envs(renewed).code != 0 {
+		t.Errorf("after set-token the local token %q (was %q): the old one must open nothing, the new one /envs", renewed, local)
 	}
 
 	f, err := dialAgent(t, b, token).Forward(ctx)
@@ -91,7 +114,9 @@ func TestEnvdInGuest(t *testing.T) {
 			}
 		}
 	}()
-	sb := envdtest.Sandbox{ID: cfg.SandboxID, Token: cfg.AccessToken, EnvdVersion: envd.Version, BadTokenID: "sbxwrong" + runID,
+	// The host's streams carry no token (kvbox serve checks the client's
+	// on the host, TestServe): no sandbox of the stub has a wrong one.
+	sb := envdtest.Sandbox{ID: cfg.SandboxID, Token: hex.EncodeToString(newTok), EnvdVersion: envd.Version,
 		EnvdURL: "http://" + l.Addr().String(), Scratch: scratch, Foo: cfg.EnvVars["FOO"], HasUser: true}
 	for _, v := range envdtest.Versions {
 		t.Run("e2b@"+v, func(t *testing.T) {

@@ -5,10 +5,20 @@
 // reports Version, and implements what the SDKs send to an envd of that
 // version.
 //
-// The sandbox's own state (its access token, environment variables,
-// default user and working directory, sandbox and template ids) is not
-// taken over HTTP, as E2B's /init does: the host sets it through
-// SetConfig, over the agent channel (guest-agent's envd feature).
+// The sandbox's own state (environment variables, default user and
+// working directory, sandbox and template ids) is not taken over HTTP, as
+// E2B's /init does: the host sets it through SetConfig, over the agent
+// channel (guest-agent's envd feature).
+//
+// No secret a client holds is ever in the guest. The host checks the
+// sandbox's access token (and /files signatures) before anything crosses
+// into the box, and only the host reaches envd through the agent channel,
+// so envd trusts those requests (HostHandler). Its other door, the guest's
+// loopback listener for the guest's own processes (ServeHTTP), wants the
+// local token: a guest-side secret no client sees, which the agent mints
+// per box and mints again whenever its own token changes (a snapshot, a
+// clone's identity), so a copy found in a clone's memory or disk opens
+// nothing.
 //
 // Processes belong to the Server, not to the request that started them: a
 // client that disconnects leaves its process running, to be reattached by
@@ -49,11 +59,9 @@ const Version = "0.6.1"
 // on the guest's loopback only.
 const Port = 49983
 
-// Config is the per-sandbox state the host hands over.
+// Config is the per-sandbox state the host hands over. It holds no
+// secret of the sandbox's client: a snapshot copies it into every clone.
 type Config struct {
-	// AccessToken, when set, must come in X-Access-Token with every call
-	// but GET /health, and with /files unless a signature does.
-	AccessToken string `json:"access_token,omitempty"`
 	// EnvVars are added to every process's environment (after PATH,
 	// HOME, USER and the E2B_ variables, before the call's own).
 	EnvVars map[string]string `json:"env_vars,omitempty"`
@@ -97,6 +105,7 @@ type Server struct {
 
 	cfgMu sync.RWMutex
 	cfg   Config
+	local string // the loopback listener's token (SetLocalToken)
 
 	procs    processes // process.go
 	watchers watchers  // watch.go
@@ -104,8 +113,9 @@ type Server struct {
 	handler http.Handler
 }
 
-// New makes an envd with an empty Config (no token, root as the default
-// user) until SetConfig.
+// New makes an envd with an empty Config (root as the default user) until
+// SetConfig, and no local token (its loopback door is shut) until
+// SetLocalToken.
 func New(o Options) *Server {
 	s := &Server{opts: o}
 	mux := http.NewServeMux()
@@ -122,8 +132,36 @@ func New(o Options) *Server {
 	return s
 }
 
-// ServeHTTP serves the envd contract.
+// ServeHTTP serves the envd contract to the guest's own processes: every
+// call but GET /health wants the local token in X-Access-Token (or, for
+// /files, a URL signed with it).
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.handler.ServeHTTP(w, r) }
+
+// HostHandler serves the envd contract to the host, which checked the
+// caller before the request crossed into the box: no token is asked for.
+// Give it only the agent channel's streams.
+func (s *Server) HostHandler() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.handler.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), fromHost{}, true)))
+	})
+}
+
+// fromHost marks a request's context as the host's (HostHandler).
+type fromHost struct{}
+
+// SetLocalToken replaces the token the loopback door wants; "" shuts it.
+func (s *Server) SetLocalToken(tok string) {
+	s.cfgMu.Lock()
+	s.local = tok
+	s.cfgMu.Unlock()
+}
+
+// LocalToken is the token the loopback door wants, "" while it is shut.
+func (s *Server) LocalToken() string {
+	s.cfgMu.RLock()
+	defer s.cfgMu.RUnlock()
+	return s.local
+}
 
 // SetConfig replaces the sandbox's state. Processes already running keep
 // the environment they started with.
@@ -158,23 +196,24 @@ func (s *Server) logf(format string, args ...any) {
 // accessTokenHeader carries the sandbox's access token.
 const accessTokenHeader = "X-Access-Token"
 
-// tokenOK reports whether h carries the sandbox's token (or none is set).
-func (s *Server) tokenOK(h http.Header) bool {
-	tok := s.Config().AccessToken
-	if tok == "" {
+// tokenOK reports whether a call may be served: it is the host's, or h
+// carries the local token (and there is one).
+func (s *Server) tokenOK(ctx context.Context, h http.Header) bool {
+	if trusted, _ := ctx.Value(fromHost{}).(bool); trusted {
 		return true
 	}
-	return subtle.ConstantTimeCompare([]byte(h.Get(accessTokenHeader)), []byte(tok)) == 1
+	tok := s.LocalToken()
+	return tok != "" && subtle.ConstantTimeCompare([]byte(h.Get(accessTokenHeader)), []byte(tok)) == 1
 }
 
-var errToken = errors.New("missing or wrong access token (X-Access-Token)")
+var errToken = errors.New("missing or wrong access token (X-Access-Token): envd in the guest wants the box's local token (root's, in the agent's state folder)")
 
 // tokenInterceptor refuses every RPC without the sandbox's token.
 type tokenInterceptor struct{ s *Server }
 
 func (ti tokenInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		if !ti.s.tokenOK(req.Header()) {
+		if !ti.s.tokenOK(ctx, req.Header()) {
 			return nil, connect.NewError(connect.CodeUnauthenticated, errToken)
 		}
 		return next(ctx, req)
@@ -187,7 +226,7 @@ func (ti tokenInterceptor) WrapStreamingClient(next connect.StreamingClientFunc)
 
 func (ti tokenInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		if !ti.s.tokenOK(conn.RequestHeader()) {
+		if !ti.s.tokenOK(ctx, conn.RequestHeader()) {
 			return connect.NewError(connect.CodeUnauthenticated, errToken)
 		}
 		return next(ctx, conn)
@@ -280,7 +319,7 @@ const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 
 // envs answers GET /envs: the sandbox's environment variables.
 func (s *Server) envs(w http.ResponseWriter, r *http.Request) {
-	if !s.tokenOK(r.Header) {
+	if !s.tokenOK(r.Context(), r.Header) {
 		httpError(w, http.StatusUnauthorized, errToken.Error())
 		return
 	}

@@ -39,12 +39,27 @@ import (
 // (proto3's JSON: int64 as strings, enums by name, defaults left out,
 // oneofs by the name of the field set).
 
+// newTestServer serves envd as the host reaches it (HostHandler).
 func newTestServer(t *testing.T, cfg Config) (*Server, string) {
 	t.Helper()
 	s := New(Options{})
 	if err := s.SetConfig(cfg); err != nil {
 		t.Fatal(err)
 	}
+	srv := httptest.NewServer(s.HostHandler())
+	t.Cleanup(srv.Close)
+	return s, strings.TrimPrefix(srv.URL, "http://")
+}
+
+// newLocalServer serves envd as the guest's processes reach it (its
+// loopback door), with the local token tok.
+func newLocalServer(t *testing.T, cfg Config, tok string) (*Server, string) {
+	t.Helper()
+	s := New(Options{})
+	if err := s.SetConfig(cfg); err != nil {
+		t.Fatal(err)
+	}
+	s.SetLocalToken(tok)
 	srv := httptest.NewServer(s)
 	t.Cleanup(srv.Close)
 	return s, strings.TrimPrefix(srv.URL, "http://")
@@ -421,11 +436,13 @@ func TestSignalKillsAndPTY(t *testing.T) {
 	}
 }
 
+// The loopback door wants the local token; the host's does not (serve
+// checked the client's before the request crossed into the box).
 func TestAccessToken(t *testing.T) {
 	dir := t.TempDir()
 	file := filepath.Join(dir, "f")
 	os.WriteFile(file, []byte("data"), 0o644)
-	_, addr := newTestServer(t, Config{AccessToken: "secret"})
+	s, addr := newLocalServer(t, Config{}, "secret")
 	stat := fmt.Sprintf(`{"path":%q}`, file)
 	for _, tc := range []struct {
 		name   string
@@ -464,6 +481,42 @@ func TestAccessToken(t *testing.T) {
 		if tc.status == 401 && tc.code == "" && jsonMap(t, string(b))["code"] != float64(401) {
 			t.Errorf("%s: %s, want a numeric code 401", tc.name, b)
 		}
+	}
+	// The host's door: no token asked for, any token ignored.
+	host := httptest.NewServer(s.HostHandler())
+	defer host.Close()
+	haddr := strings.TrimPrefix(host.URL, "http://")
+	for name, raw := range map[string]string{
+		"rpc":   unary("filesystem.Filesystem/Stat", stat),
+		"files": request("GET", "/files?path="+file, nil, nil),
+		"envs":  request("GET", "/envs", nil, nil),
+	} {
+		if resp, b := roundTrip(t, haddr, raw); resp.StatusCode != 200 {
+			t.Errorf("the host's %s: %d %s", name, resp.StatusCode, b)
+		}
+	}
+	// A new local token: the old one opens nothing; none at all shuts the
+	// door but for /health.
+	s.SetLocalToken("renewed")
+	if resp, b := roundTrip(t, addr, unary("filesystem.Filesystem/Stat", stat, "X-Access-Token: secret")); resp.StatusCode != 401 {
+		t.Errorf("the old local token: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := roundTrip(t, addr, unary("filesystem.Filesystem/Stat", stat, "X-Access-Token: renewed")); resp.StatusCode != 200 {
+		t.Errorf("the new local token: %d %s", resp.StatusCode, b)
+	}
+	s.SetLocalToken("")
+	for name, raw := range map[string]string{
+		"rpc with an empty token": unary("filesystem.Filesystem/Stat", stat, "X-Access-Token: "),
+		"rpc with none":           unary("filesystem.Filesystem/Stat", stat),
+		"files signed with ''":    request("GET", "/files?path="+file+"&signature="+url.QueryEscape(Signature(file, "read", "", "", 0)), nil, nil),
+		"envs":                    request("GET", "/envs", nil, nil),
+	} {
+		if resp, b := roundTrip(t, addr, raw); resp.StatusCode != 401 {
+			t.Errorf("no local token, %s: %d %s", name, resp.StatusCode, b)
+		}
+	}
+	if resp, b := roundTrip(t, addr, request("GET", "/health", nil, nil)); resp.StatusCode != 204 {
+		t.Errorf("no local token, /health: %d %s", resp.StatusCode, b)
 	}
 }
 
@@ -651,7 +704,7 @@ func TestWatchDirAndPolledWatcher(t *testing.T) {
 func TestBinaryCodec(t *testing.T) {
 	dir := t.TempDir()
 	os.WriteFile(dir+"/f", []byte("abc"), 0o644)
-	s, _ := newTestServer(t, Config{AccessToken: "tok"})
+	s, _ := newLocalServer(t, Config{}, "tok")
 	srv := httptest.NewServer(s)
 	defer srv.Close()
 	fc := filesystemconnect.NewFilesystemClient(srv.Client(), srv.URL)

@@ -38,13 +38,16 @@ func Signature(path, operation, user, token string, expiration int64) string {
 	return "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
 }
 
-// filesAuthorized reports whether a /files request may be served: no
-// token is set, or it carries the token, or a valid, unexpired signature
-// of its path, operation and user.
+// filesAuthorized reports whether a /files request may be served: it is
+// the host's, or it carries the local token, or a valid, unexpired
+// signature of its path, operation and user made with that token.
 func (s *Server) filesAuthorized(r *http.Request, operation string) (bool, string) {
-	tok := s.Config().AccessToken
-	if tok == "" || s.tokenOK(r.Header) {
+	if s.tokenOK(r.Context(), r.Header) {
 		return true, ""
+	}
+	tok := s.LocalToken()
+	if tok == "" {
+		return false, errToken.Error()
 	}
 	q := r.URL.Query()
 	sig := q.Get("signature")

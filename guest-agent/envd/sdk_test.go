@@ -89,8 +89,8 @@ func sdkChild() int {
 	scratch := os.Getenv("KVBOX_SCRATCH")
 	tok := make([]byte, 16)
 	rand.Read(tok)
+	token := hex.EncodeToString(tok)
 	cfg := Config{
-		AccessToken:    hex.EncodeToString(tok),
 		EnvVars:        map[string]string{"FOO": "from-the-sandbox"},
 		DefaultWorkdir: scratch,
 		SandboxID:      "sbxconformance01",
@@ -100,12 +100,15 @@ func sdkChild() int {
 	if err := s.SetConfig(cfg); err != nil {
 		return fail(err)
 	}
+	// The loopback door, whose token checks are envd's own (on the host's
+	// door serve checks the client's).
+	s.SetLocalToken(token)
 	envdL, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return fail(err)
 	}
 	go (&http.Server{Handler: s}).Serve(envdL)
-	sb := envdtest.Sandbox{ID: cfg.SandboxID, Token: cfg.AccessToken, EnvdVersion: Version, BadTokenID: "sbxwrongtoken01",
+	sb := envdtest.Sandbox{ID: cfg.SandboxID, Token: token, EnvdVersion: Version, BadTokenID: "sbxwrongtoken01",
 		EnvdURL: "http://" + envdL.Addr().String(), Scratch: scratch, Foo: cfg.EnvVars["FOO"]}
 	err = envdtest.Run(context.Background(), os.Getenv("KVBOX_REPO"), os.Getenv("KVBOX_SDK_VERSION"), sb, scratch, os.Stdout, os.Stderr)
 	var ee *exec.ExitError
