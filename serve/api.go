@@ -286,7 +286,9 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 	}
 	defer func() { <-s.clones }()
 	at := time.Now().Add(timeout)
-	cfg := &envd.Config{AccessToken: rec.AccessToken, EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
+	// No token: the client's stays on the host (serve checks it), since
+	// whatever the guest holds, every snapshot and fork of it carries.
+	cfg := &envd.Config{EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
 	b, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
 		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout})
 	if err != nil {

@@ -3,6 +3,7 @@ package serve
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log"
@@ -24,8 +25,9 @@ type fakeHost struct {
 	failClone map[string]error // by snapshot name
 	clones    int
 	calls     []string
-	disk      int64 // of the next clones (0: 8 GiB)
-	failNth   int   // the clone of this number fails
+	disk      int64             // of the next clones (0: 8 GiB)
+	envd      map[string]string // each clone's envd configuration, as JSON
+	failNth   int               // the clone of this number fails
 }
 
 type fakeBox struct {
@@ -38,8 +40,8 @@ type fakeBox struct {
 
 // seenReq is a request as it reached a box.
 type seenReq struct {
-	Target, Method, Path string
-	Header               http.Header
+	Target, Method, Path, Query string
+	Header                      http.Header
 }
 
 func newFakeHost() *fakeHost {
@@ -65,9 +67,14 @@ func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
 	if _, ok := h.boxes[req.Name]; ok {
 		return Box{}, fmt.Errorf("box %s: %w", req.Name, ErrExists)
 	}
-	if req.Envd == nil || req.Envd.AccessToken == "" || req.Envd.SandboxID != req.Name {
+	if req.Envd == nil || req.Envd.SandboxID != req.Name {
 		return Box{}, fmt.Errorf("clone without an envd configuration: %+v", req.Envd)
 	}
+	if h.envd == nil {
+		h.envd = map[string]string{}
+	}
+	j, _ := json.Marshal(req.Envd)
+	h.envd[req.Name] = string(j)
 	h.clones++
 	if h.clones == h.failNth {
 		return Box{}, fmt.Errorf("clone %s: the agent did not answer", req.Name)
@@ -256,7 +263,7 @@ func (h *fakeHost) Dial(ctx context.Context, name, target string) (net.Conn, err
 		}
 		io.Copy(io.Discard, r.Body)
 		h.mu.Lock()
-		b.seen = append(b.seen, seenReq{Target: target, Method: r.Method, Path: r.URL.Path, Header: r.Header.Clone()})
+		b.seen = append(b.seen, seenReq{Target: target, Method: r.Method, Path: r.URL.Path, Query: r.URL.RawQuery, Header: r.Header.Clone()})
 		h.mu.Unlock()
 		w.Header().Set("X-Box", name)
 		fmt.Fprintf(w, "%s %s %s", name, target, r.URL.Path)

@@ -36,6 +36,11 @@ func (s *Server) data(w http.ResponseWriter, r *http.Request, id string, port in
 			unauthorized(w, r, why)
 			return
 		}
+		if !tokenMatches(r, rec.AccessToken) {
+			// Signed, not the token: the URL's user (or the default
+			// one) is who reads or writes, not one a header picks.
+			r.Header.Del("Authorization")
+		}
 		if !envdPath(r.URL.Path) {
 			writeError(w, http.StatusNotFound, "%s %s: not a path of envd kvbox serve forwards", r.Method, r.URL.Path)
 			return
@@ -130,7 +135,7 @@ func envdAuthorized(r *http.Request, token string) string {
 	if r.URL.Path == "/health" && r.Method == http.MethodGet {
 		return ""
 	}
-	if subtle.ConstantTimeCompare([]byte(r.Header.Get(hdrAccessToken)), []byte(token)) == 1 {
+	if tokenMatches(r, token) {
 		return ""
 	}
 	if r.URL.Path == "/files" && r.URL.Query().Get("signature") != "" {
@@ -141,6 +146,11 @@ func envdAuthorized(r *http.Request, token string) string {
 		return signatureOK(r, op, token)
 	}
 	return "missing or wrong access token (" + hdrAccessToken + ")"
+}
+
+// tokenMatches says r carries token in X-Access-Token.
+func tokenMatches(r *http.Request, token string) bool {
+	return subtle.ConstantTimeCompare([]byte(r.Header.Get(hdrAccessToken)), []byte(token)) == 1
 }
 
 // connectPath says a path is a Connect RPC (its errors are Connect's JSON,
@@ -170,8 +180,10 @@ func unauthorized(w http.ResponseWriter, r *http.Request, why string) {
 }
 
 // proxy passes the request on to port in the sandbox's box, through its
-// agent, with the routing headers and the API key taken off (the access
-// token goes to envd only, which checks it again).
+// agent, with every credential taken off: the routing headers, the API
+// key, the access and traffic tokens and a /files URL's signature. Serve
+// checked them; envd trusts the agent channel's streams, and whatever
+// reaches a guest, its snapshots carry to every clone.
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port int) {
 	s.mu.Lock()
 	e := s.boxes[id]
@@ -194,8 +206,12 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 			h.Del(hdrSandboxPort)
 			h.Del(hdrAPIKey)
 			h.Del(hdrTraffic)
-			if port != envd.Port {
-				h.Del(hdrAccessToken)
+			h.Del(hdrAccessToken)
+			if port == envd.Port && pr.Out.URL.Path == "/files" {
+				q := pr.Out.URL.Query()
+				q.Del("signature")
+				q.Del("signature_expiration")
+				pr.Out.URL.RawQuery = q.Encode()
 			}
 		},
 		Transport: e.tr,

@@ -165,6 +165,11 @@ func TestCreateMapsOntoAClone(t *testing.T) {
 	if d := b.Expires.Sub(t0); d < 58*time.Second || d > 62*time.Second {
 		t.Errorf("deadline %s after the create, want 60s", d)
 	}
+	// The guest's envd gets the sandbox's variables, never the client's
+	// token: a snapshot would carry it to every clone.
+	if cfg := h.envd[sb.ID]; strings.Contains(cfg, sb.Token) || !strings.Contains(cfg, "s3cr3t") {
+		t.Errorf("the clone's envd configuration: %s", cfg)
+	}
 	for k, v := range b.Labels {
 		if strings.Contains(k+v, "s3cr3t") || strings.Contains(k+v, sb.Token) {
 			t.Errorf("a secret in the box's labels: %s=%s", k, v)
@@ -263,8 +268,10 @@ func TestRouter(t *testing.T) {
 			t.Errorf("%s reached the box", k)
 		}
 	}
-	if seen[0].Header.Get("X-Access-Token") != a.Token {
-		t.Errorf("the access token did not reach envd")
+	// Whatever reaches a guest its snapshots carry to every clone: the
+	// client's token stays on the host.
+	if seen[0].Header.Get("X-Access-Token") != "" {
+		t.Errorf("the access token reached envd")
 	}
 
 	// Another port: by header and by Host; no access token passed on.
@@ -375,6 +382,33 @@ func TestSignedFiles(t *testing.T) {
 	status, body, _ = call(t, ts, "GET", sign(a.Token, "/tmp/x", "read", "", 0), "", "X-API-Key: ", "E2b-Sandbox-Id: "+a.ID)
 	if status != 200 || !strings.HasPrefix(body, a.ID+" ") {
 		t.Errorf("a's signature with a's routing headers: %d %s", status, body)
+	}
+	// What reached the boxes: no token, no signature (a clone that finds
+	// one in its memory could replay it), and for a signed URL no user
+	// but the one signed (an Authorization header cannot pick root).
+	status, body, _ = call(t, ts, "GET", sign(a.Token, "/tmp/x", "read", "", 0), "", "X-API-Key: ", "Authorization: Basic cm9vdDo=")
+	if status != 200 {
+		t.Errorf("a signed download with an Authorization header: %d %s", status, body)
+	}
+	status, body, _ = call(t, ts, "GET", "/files?path=/tmp/x", "", "X-API-Key: ", "X-Access-Token: "+a.Token, "Authorization: Basic cm9vdDo=")
+	if status != 200 {
+		t.Errorf("a download with the token and a user: %d %s", status, body)
+	}
+	seen := append(h.seen(a.ID), h.seen(b.ID)...)
+	for _, r := range seen {
+		if r.Header.Get("X-Access-Token") != "" || strings.Contains(r.Query, "signature") {
+			t.Errorf("a credential reached the box: %s %s?%s %v", r.Method, r.Path, r.Query, r.Header)
+		}
+		if !strings.Contains(r.Query, "path=") {
+			t.Errorf("the path did not reach the box: %s?%s", r.Path, r.Query)
+		}
+	}
+	last2 := h.seen(a.ID)[len(h.seen(a.ID))-2:]
+	if last2[0].Header.Get("Authorization") != "" {
+		t.Errorf("a signed URL's request passed an Authorization header on")
+	}
+	if last2[1].Header.Get("Authorization") == "" {
+		t.Errorf("a token holder's user (Authorization) did not reach envd")
 	}
 }
 
