@@ -164,8 +164,8 @@ func runNode(t *testing.T, v string, p *serveProc, template, page string, env []
 
 // TestServe: the real, unmodified E2B SDK (both pinned versions) against
 // kvbox serve, on warm clones of a Debian template with a server started
-// before its snapshot: every call the issue lists (serve.test.mjs); then
-// serve killed in the middle and started again, with nothing lost and a
+// before its snapshot: every call the issue lists (serve.test.mjs); what a
+// snapshot copies opening nothing (secretsStep); then serve killed in the middle and started again, with nothing lost and a
 // sandbox that timed out meanwhile gone (serve-restart.mjs).
 func TestServe(t *testing.T) {
 	repo, err := filepath.Abs("..")
@@ -208,6 +208,8 @@ func TestServe(t *testing.T) {
 			}
 		})
 	}
+
+	t.Run("secrets", func(t *testing.T) { secretsStep(t, p, template, page) })
 
 	t.Run("restart", func(t *testing.T) {
 		v := envdtest.Versions[0]
