@@ -203,12 +203,16 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 	}
 	if !o.Force {
 		if im, err := s.Get(o.Name); err == nil {
-			if recipeChanged(s, im, DebianRecipe(o)) {
+			agent, aerr := FindAgent(o.Agent)
+			switch {
+			case recipeChanged(s, im, DebianRecipe(o)):
 				o.Progress.Log(fmt.Sprintf("image %s was built from another recipe than this kvbox's: building it again", im.Name))
-			} else {
-				if agent, err := FindAgent(o.Agent); err == nil && agentChanged(s, im, agent) {
-					o.Progress.Log(fmt.Sprintf("note: %s differs from the kvbox-agent in image %s; --force rebuilds the image with it", agent, im.Name))
-				}
+			case aerr == nil && agentChanged(s, im, agent):
+				// The agent is an input of the build like the recipe: an
+				// image with an older agent gives its boxes the older
+				// agent's behaviour (and its holes).
+				o.Progress.Log(fmt.Sprintf("image %s holds another kvbox-agent than %s: building it again", im.Name, agent))
+			default:
 				return "", im, true, nil
 			}
 		}
