@@ -128,7 +128,7 @@ func BuildDebian(ctx context.Context, s Store, o DebianOptions) (im Image, built
 	}
 	defer unlock()
 	if !o.Force { // another kvbox may have built it while we waited
-		if im, err := s.Get(o.Name); err == nil && !recipeChanged(s, im, DebianRecipe(o)) {
+		if im, err := s.Get(o.Name); err == nil && !recipeChanged(s, im, DebianRecipe(o)) && !agentChanged(s, im, agent) {
 			return im, false, nil
 		}
 	}

@@ -233,9 +233,12 @@ test('signed URLs: upload and download without the token header', async () => {
   res = await fetch(await sbx.downloadUrl(path))
   assert.equal(res.status, 200)
   assert.equal(await res.text(), 'signed body')
-  const tampered = (await sbx.downloadUrl(path)).replace('signed.txt', 'other.txt')
-  res = await fetch(tampered)
-  assert.equal(res.status, 401)
+  if (process.env.KVBOX_BAD_TOKEN_ID) {
+    // Where envd checks signatures itself (kvbox serve does on the host).
+    const tampered = (await sbx.downloadUrl(path)).replace('signed.txt', 'other.txt')
+    res = await fetch(tampered)
+    assert.equal(res.status, 401)
+  }
 })
 
 // Where envd checks tokens itself (its loopback door); through the agent
