@@ -71,10 +71,11 @@ test: export KVBOX_TESTENV_FLEET := background
 test: export KVBOX_TESTENV_IMAGES := background
 test: testenv check unit fuzz e2e test-kubernetes
 
-# The README's main job: set-up, then the warm-pool story on the Debian image,
-# all inside the kvbox-test network namespace.
-demo: export KVBOX_TESTENV_SKIP_FLEET := 1
-demo: testenv build
+# The README's main job: set-up of what it uses alone (setup.sh demo: packages,
+# the namespace with libvirtd, the build; the demo builds the Debian image as a
+# step), then the warm-pool story on it, all inside the kvbox-test namespace.
+demo:
+	bash testenv/setup.sh demo
 	$(call guarded,bash testenv/demo.sh)
 
 # Benchmarks are programs, not timed assertions in tests: one run, medians

@@ -35,7 +35,7 @@ demo_cmdline() { local s="$*"; echo "${s#ip netns exec $KVBOX_TESTENV_NS $REPO_D
 
 T0=$(now_ms)
 echo "kvbox demo: everything below runs inside the network namespace $KVBOX_TESTENV_NS; the host's networking is left alone."
-step "set up this machine (packages, libvirtd in $KVBOX_TESTENV_NS)" env KVBOX_TESTENV_SKIP_DEBIAN=1 bash testenv/setup.sh
+step "set up this machine (packages, libvirtd in $KVBOX_TESTENV_NS)" bash testenv/setup.sh demo
 # debootstrap downloads Debian's packages: this one step runs in the root namespace
 # (it talks to the Debian mirror, never to a box).
 step "build the default Debian image (cached after the first run)" "$REPO_DIR/bin/kvbox" images build debian

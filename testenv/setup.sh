@@ -4,6 +4,7 @@
 #
 #   sudo testenv/setup.sh            # everything
 #   sudo testenv/setup.sh images     # only the Debian images (waits for a build under way)
+#   sudo testenv/setup.sh demo       # only what make demo uses (packages, namespace, libvirtd, build)
 #   KVBOX_TESTENV_SKIP_IMAGE=1 ...   # skip the tiny image stage
 #
 # Environment: KVBOX_TESTENV_NS (default kvbox-test), KVBOX_TESTENV_CACHE
@@ -360,7 +361,12 @@ stage_registry() {
 	return 1
 }
 
-if [ "${1:-}" = images ]; then
+profile=all
+if [ "${1:-}" = demo ]; then
+	# make demo: what the demo uses and no more. No registry, SDKs, tiny image or
+	# second Debian image; the demo builds the Debian image itself, as a step it shows.
+	profile=demo
+elif [ "${1:-}" = images ]; then
 	if [ -n "${KVBOX_TESTENV_SKIP_DEBIAN:-}" ]; then
 		log "KVBOX_TESTENV_SKIP_DEBIAN set: skipping the Debian image"
 	else
@@ -368,7 +374,7 @@ if [ "${1:-}" = images ]; then
 	fi
 	exit 0
 elif [ -n "${1:-}" ]; then
-	die "unknown argument $1 (setup.sh [images])"
+	die "unknown argument $1 (setup.sh [images|demo])"
 fi
 
 T0=$(now_ms)
@@ -378,6 +384,10 @@ stage "network namespace $KVBOX_TESTENV_NS" stage_netns
 stage "small filesystem $SMALL_FS" stage_small_fs
 stage "virtlogd + libvirtd in $KVBOX_TESTENV_NS" stage_daemons
 stage "build" stage_build
+if [ "$profile" = demo ]; then
+	log "done in $(fmt_ms $(($(now_ms) - T0))) (what the demo needs)"
+	exit 0
+fi
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
