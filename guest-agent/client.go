@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -227,7 +228,7 @@ func (c *Client) write(ctx context.Context, b []byte) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	dl, _ := ctx.Deadline()
+	dl, hasDeadline := ctx.Deadline()
 	c.conn.SetWriteDeadline(dl)
 	stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(time.Unix(1, 0)) })
 	_, err := c.conn.Write(b)
@@ -237,6 +238,11 @@ func (c *Client) write(ctx context.Context, b []byte) error {
 	c.conn.SetWriteDeadline(time.Time{})
 	if err != nil {
 		c.dirty.Store(true) // maybe half a frame: resync before the next call
+		if hasDeadline && errors.Is(err, os.ErrDeadlineExceeded) && !time.Now().Before(dl) {
+			// The socket's deadline is ctx's, on a timer of its own that
+			// can fire first: the call ends for ctx's reason.
+			<-ctx.Done()
+		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
