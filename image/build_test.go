@@ -218,3 +218,26 @@ func TestRecipeChanged(t *testing.T) {
 		t.Error("the suite is not part of the recipe")
 	}
 }
+
+// A build of one image removes what killed builds of it left, and nothing
+// of an image whose name starts with its own (debian, debian-ssh).
+func TestRemoveStaleBuildsKeepsOtherImages(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	for _, d := range []string{".build-debian-123", ".build-debian-ssh-456"} {
+		os.MkdirAll(filepath.Join(s.Dir, d, "root"), 0o755)
+	}
+	for _, f := range []string{".build-debian-ssh.agent.json", ".build-debian-ssh.lock", ".build-debian.agent.json"} {
+		os.WriteFile(filepath.Join(s.Dir, f), []byte("{}"), 0o644)
+	}
+	removeStaleBuilds(s, "debian")
+	for _, gone := range []string{".build-debian-123"} {
+		if _, err := os.Stat(filepath.Join(s.Dir, gone)); err == nil {
+			t.Errorf("%s left", gone)
+		}
+	}
+	for _, kept := range []string{".build-debian-ssh-456", ".build-debian-ssh.agent.json", ".build-debian-ssh.lock", ".build-debian.agent.json"} {
+		if _, err := os.Stat(filepath.Join(s.Dir, kept)); err != nil {
+			t.Errorf("%s removed by a build of debian: %v", kept, err)
+		}
+	}
+}

@@ -219,7 +219,7 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 	}
 	if err := requireTools(map[string]string{
 		"debootstrap": "debootstrap", "unshare": "util-linux", "mkfs.ext4": "e2fsprogs",
-		"qemu-img": "qemu-utils", "xz": "xz-utils", "chroot": "coreutils",
+		"qemu-img": "qemu-utils", "xz": "xz-utils", "chroot": "coreutils", "tar": "tar", "zstd": "zstd",
 	}); err != nil {
 		return "", Image{}, false, base.Errorf(base.Unavailable, "%v", err)
 	}
@@ -234,10 +234,32 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 // debootstrap mounts in the target (proc, sys, devpts) goes away with it,
 // even if it is killed.
 func debootstrap(ctx context.Context, p progress.Reporter, root string, o DebianOptions) error {
-	pkgs := DebianPackages
+	var extra []string
 	if o.SSH {
-		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
+		extra = SSHPackages
 	}
+	tree := baseTreePath(o)
+	if tree != "" {
+		if _, err := os.Stat(tree); err == nil {
+			st := startStage(p, "Debian "+o.Suite+" base tree, cached ("+filepath.Base(tree)+")")
+			if err := os.MkdirAll(root, 0o755); err != nil {
+				return st.End(err)
+			}
+			err := runTool(ctx, st, nil, "tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-I", "zstd -d", "-xpf", tree, "-C", root)
+			if err = st.End(err); err == nil {
+				return installExtras(ctx, p, root, o, extra)
+			}
+			// A cache that does not unpack is made again.
+			os.Remove(tree)
+			if err := os.RemoveAll(root); err != nil {
+				return err
+			}
+			if err := os.MkdirAll(root, 0o755); err != nil {
+				return err
+			}
+		}
+	}
+	pkgs := DebianPackages
 	st := startStage(p, fmt.Sprintf("debootstrap %s (minbase + %d packages)", o.Suite, len(pkgs)))
 	args := []string{"--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
 		"--include=" + strings.Join(pkgs, ","), "--components=main"}
@@ -263,11 +285,105 @@ func debootstrap(ctx context.Context, p progress.Reporter, root string, o Debian
 		}
 		return fmt.Errorf("debootstrap: %w", err)
 	}
-	// What users install in a box later syncs as dpkg always does.
-	if err := os.Remove(filepath.Join(root, dpkgUnsafeIOFile)); err != nil {
+	if tree != "" {
+		// Kept with dpkg's unsafe-io setting, which installExtras needs
+		// too and removes. A cache that cannot be written costs the next
+		// build a debootstrap, nothing more.
+		st := startStage(p, "keep the base tree for derived builds ("+filepath.Base(tree)+")")
+		if err := st.End(saveTree(ctx, st, root, tree)); err != nil {
+			p.Log(fmt.Sprintf("note: the base tree was not kept: %v", err))
+		}
+	}
+	return installExtras(ctx, p, root, o, extra)
+}
+
+// The base tree: what debootstrap makes of DebianPackages, before kvbox
+// configures anything. Every Debian image starts from it, so an image
+// with more packages (--ssh; the code interpreter's) is the base tree
+// plus those, installed with apt, not a second debootstrap of
+// everything. It is cached in the build's cache folder by what makes it.
+const baseTreeVersion = 1
+
+// baseTreePath is where o's base tree is cached, "" with no cache folder.
+func baseTreePath(o DebianOptions) string {
+	if o.CacheDir == "-" || o.CacheDir == "" {
+		return ""
+	}
+	h := sha256.New()
+	fmt.Fprintf(h, "v%d\n%s\n%s %s\n", baseTreeVersion, strings.Join(DebianPackages, ","), o.Suite, o.Mirror)
+	for _, part := range []string{dpkgSlim, dpkgUnsafeIO, initramfsConf, initramfsModules} {
+		fmt.Fprintf(h, "%d:%s", len(part), part)
+	}
+	return filepath.Join(o.CacheDir, "trees", o.Suite+"-"+hex.EncodeToString(h.Sum(nil))[:16]+".tar.zst")
+}
+
+// saveTree writes root as a tar (zstd) at path, atomically.
+func saveTree(ctx context.Context, st *stage, root, path string) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	tmp := path + ".part"
+	if err := runTool(ctx, st, nil, "tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-I", "zstd -T0 -3", "-cpf", tmp, "-C", root, "."); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// installExtras installs pkgs into the base tree at root with apt in a
+// chroot (no service started), from the same mirror and the same package
+// cache as debootstrap, then takes dpkg's build-time unsafe-io setting
+// out: what users install in a box later syncs as dpkg always does.
+func installExtras(ctx context.Context, p progress.Reporter, root string, o DebianOptions, pkgs []string) error {
+	unsafe := filepath.Join(root, dpkgUnsafeIOFile)
+	if len(pkgs) > 0 {
+		st := startStage(p, "apt-get install "+strings.Join(pkgs, " "))
+		err := st.End(aptInstall(ctx, st, root, o, pkgs))
+		if err != nil {
+			if ctx.Err() != nil {
+				return fmt.Errorf("build of image %s interrupted; nothing registered: %w", o.Name, err)
+			}
+			return fmt.Errorf("apt-get install %s: %w", strings.Join(pkgs, " "), err)
+		}
+	}
+	if err := os.Remove(unsafe); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("debootstrap: %w", err)
 	}
 	return nil
+}
+
+// policyRCD keeps maintainer scripts from starting services in the build's
+// chroot.
+const policyRCD = "#!/bin/sh\n# kvbox images build: no service starts while packages install.\nexit 101\n"
+
+func aptInstall(ctx context.Context, st *stage, root string, o DebianOptions, pkgs []string) error {
+	if err := writeFiles(root, map[string]string{"usr/sbin/policy-rc.d": policyRCD}); err != nil {
+		return err
+	}
+	if err := os.Chmod(filepath.Join(root, "usr/sbin/policy-rc.d"), 0o755); err != nil {
+		return err
+	}
+	defer os.Remove(filepath.Join(root, "usr/sbin/policy-rc.d"))
+	// The host's resolver for the mirror, as debootstrap had it.
+	if b, err := os.ReadFile("/etc/resolv.conf"); err == nil {
+		os.WriteFile(filepath.Join(root, "etc/resolv.conf"), b, 0o644)
+	}
+	archives := ""
+	if o.CacheDir != "-" && o.CacheDir != "" {
+		archives = o.CacheDir
+	}
+	script := `set -e
+r=$1; shift
+mount -t proc proc "$r/proc"; mount -t sysfs sysfs "$r/sys"; mount --bind /dev "$r/dev"; mount --bind /dev/pts "$r/dev/pts"
+if [ -n "$ARCHIVES" ]; then mount --bind "$ARCHIVES" "$r/var/cache/apt/archives"; fi
+chroot "$r" apt-get -q update
+chroot "$r" apt-get -q -y --no-install-recommends install "$@"`
+	args := append([]string{"--mount", "--propagation", "private", "sh", "-ec", script, "sh", root}, pkgs...)
+	return runTool(ctx, st, []string{"ARCHIVES=" + archives}, "unshare", args...)
 }
 
 // dpkgUnsafeIO stops dpkg syncing every file it unpacks while debootstrap
@@ -334,10 +450,15 @@ var maskedUnits = []string{
 // conffile: dpkg leaves them alone).
 func preseedInitramfs(root string) error {
 	return writeFiles(root, map[string]string{
-		"etc/initramfs-tools/conf.d/kvbox.conf": "# kvbox images build: only the modules listed in ../modules\nMODULES=list\nCOMPRESS=zstd\n",
-		"etc/initramfs-tools/modules":           "# kvbox: root on a virtio disk\nvirtio_pci\nvirtio_blk\next4\ncrc32c_generic\n",
+		"etc/initramfs-tools/conf.d/kvbox.conf": initramfsConf,
+		"etc/initramfs-tools/modules":           initramfsModules,
 	})
 }
+
+const (
+	initramfsConf    = "# kvbox images build: only the modules listed in ../modules\nMODULES=list\nCOMPRESS=zstd\n"
+	initramfsModules = "# kvbox: root on a virtio disk\nvirtio_pci\nvirtio_blk\next4\ncrc32c_generic\n"
+)
 
 // dpkgSlim keeps out of the image what a box does not use: documentation,
 // translations, and the kernel drivers for hardware a virtual machine does
@@ -665,6 +786,12 @@ func lockBuild(ctx context.Context, s Store, name string, p progress.Reporter) (
 func removeStaleBuilds(s Store, name string) {
 	m, _ := filepath.Glob(filepath.Join(s.Dir, ".build-"+name+"-*"))
 	for _, d := range m {
+		// os.MkdirTemp's suffix is digits: .build-debian-ssh.agent.json
+		// (and a build of debian-ssh under its own lock) are not debian's.
+		rest := strings.TrimPrefix(filepath.Base(d), ".build-"+name+"-")
+		if fi, err := os.Lstat(d); err != nil || !fi.IsDir() || rest == "" || strings.Trim(rest, "0123456789") != "" {
+			continue
+		}
 		removeBuildDir(d)
 	}
 }
