@@ -28,9 +28,11 @@ const (
 	// streamWindow is how many unacknowledged data frames a side may have
 	// in flight on one stream (8 × 32 KiB).
 	streamWindow = 8
-	// maxStreams bounds the streams one agent session carries at once.
-	maxStreams = 256
 )
+
+// maxStreams bounds the streams one agent session carries at once (a
+// variable so that tests can make it small).
+var maxStreams = 256
 
 // halfCloser is a local end that can end its write side alone
 // (*net.TCPConn, *net.UnixConn, or a pair of pipes).

@@ -1,0 +1,118 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// setStreamCap makes one session's stream cap small for a test.
+func setStreamCap(t *testing.T, total int) {
+	t.Helper()
+	old := maxStreams
+	maxStreams = total
+	t.Cleanup(func() { maxStreams = old })
+}
+
+// holdDials makes the agent's guest dials wait until release is called;
+// entered counts the dials that reached it.
+func holdDials(t *testing.T) (entered *atomic.Int32, release func()) {
+	t.Helper()
+	entered = new(atomic.Int32)
+	gate := make(chan struct{})
+	old := dialGuest
+	dialGuest = func(addr string) (net.Conn, error) {
+		entered.Add(1)
+		<-gate
+		return old(addr)
+	}
+	var released atomic.Bool
+	release = func() {
+		if released.CompareAndSwap(false, true) {
+			close(gate)
+		}
+	}
+	t.Cleanup(func() { release(); dialGuest = old })
+	return entered, release
+}
+
+// refusedForCap says err is the agent refusing a dial for its stream cap.
+func refusedForCap(err error) bool {
+	var re *RemoteError
+	return errors.As(err, &re) && strings.Contains(re.Message, "streams")
+}
+
+// waitUntil waits for cond, failing the test with what after a deadline
+// that only a stuck run reaches.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+type connected struct {
+	mine  *net.TCPConn
+	ended <-chan struct{}
+	err   error
+}
+
+// Dials the host sends all at once are counted as they start, not once
+// they are connected: while the first ones are still dialling, those past
+// the cap are refused (the agent used to count only connected streams, so
+// every dial in flight passed the check).
+func TestForwardCapCountsDialsInFlight(t *testing.T) {
+	const limit, extra = 3, 5
+	setStreamCap(t, limit)
+	addr := listen(t, echo)
+	entered, release := holdDials(t)
+	f := forwarder(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	results := make(chan connected, limit+extra)
+	for range limit + extra {
+		mine, theirs := localPair(t)
+		go func() {
+			ended, err := f.Connect(ctx, addr, theirs)
+			results <- connected{mine, ended, err}
+		}()
+	}
+	// With the first dials held, every one past the cap is answered.
+	deadline := time.After(10 * time.Second)
+	for refused := 0; refused < extra; {
+		select {
+		case r := <-results:
+			if !refusedForCap(r.err) {
+				t.Fatalf("a dial past the cap was not refused for it: %v", r.err)
+			}
+			refused++
+		case <-deadline:
+			t.Fatalf("%d dials held by the guest at once, none refused: the cap of %d was not counted as they started", entered.Load(), limit)
+		}
+	}
+	waitUntil(t, "the dials within the cap reach the guest", func() bool { return entered.Load() == limit })
+	release()
+	for range limit {
+		r := <-results
+		if r.err != nil {
+			t.Fatalf("a dial within the cap: %v", r.err)
+		}
+		r.mine.Write([]byte("ok"))
+		r.mine.CloseWrite()
+		if b, _ := io.ReadAll(r.mine); string(b) != "ok" {
+			t.Fatalf("echo through a stream within the cap: %q", b)
+		}
+	}
+	if n := entered.Load(); n != limit {
+		t.Errorf("%d dials reached the guest, cap %d", n, limit)
+	}
+}
