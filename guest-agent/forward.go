@@ -43,27 +43,37 @@ func guestAddress(a string) (string, error) {
 // slots of maxStreams they hold. A dial takes its slot as it starts, before
 // the guest is dialled, and gives it back when it fails or its stream ends:
 // dials under way count, so however many come at once, no more than the
-// cap pass.
+// cap pass. Streams to guest ports may hold all but envdStreams of them.
 type forwards struct {
 	mu      sync.Mutex
 	streams map[uint32]*stream
 	held    int // slots taken: streams and dials under way
+	ports   int // of them, those to guest ports (not envd)
 }
 
-// take takes a slot, or says why none is free; release gives it back (once,
-// however often it is called).
-func (fw *forwards) take() (release func(), err error) {
+// take takes a slot for a stream to envd or to a guest port, or says why
+// none is free; release gives it back (once, however often it is called).
+func (fw *forwards) take(envd bool) (release func(), err error) {
 	fw.mu.Lock()
 	defer fw.mu.Unlock()
-	if fw.held >= maxStreams {
+	switch {
+	case fw.held >= maxStreams:
 		return nil, fmt.Errorf("this connection already carries %d streams", fw.held)
+	case !envd && fw.ports >= maxStreams-envdStreams:
+		return nil, fmt.Errorf("this connection already carries %d streams to guest ports (its other streams are kept for envd)", fw.ports)
 	}
 	fw.held++
+	if !envd {
+		fw.ports++
+	}
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			fw.mu.Lock()
 			fw.held--
+			if !envd {
+				fw.ports--
+			}
 			fw.mu.Unlock()
 		})
 	}, nil
@@ -106,7 +116,7 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 		}
 	}
 	fw := &ss.fwd
-	release, err := fw.take()
+	release, err := fw.take(addr == EnvdDialAddress)
 	if err != nil {
 		ss.reply(gen, id, nil, err)
 		return

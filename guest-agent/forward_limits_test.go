@@ -11,12 +11,13 @@ import (
 	"time"
 )
 
-// setStreamCap makes one session's stream cap small for a test.
-func setStreamCap(t *testing.T, total int) {
+// setStreamCaps makes one session's stream cap, and the part of it kept
+// for envd, small for a test.
+func setStreamCaps(t *testing.T, total, envd int) {
 	t.Helper()
-	old := maxStreams
-	maxStreams = total
-	t.Cleanup(func() { maxStreams = old })
+	oldTotal, oldEnvd := maxStreams, envdStreams
+	maxStreams, envdStreams = total, envd
+	t.Cleanup(func() { maxStreams, envdStreams = oldTotal, oldEnvd })
 }
 
 // holdDials makes the agent's guest dials wait until release is called;
@@ -72,7 +73,7 @@ type connected struct {
 // every dial in flight passed the check).
 func TestForwardCapCountsDialsInFlight(t *testing.T) {
 	const limit, extra = 3, 5
-	setStreamCap(t, limit)
+	setStreamCaps(t, limit, 0)
 	addr := listen(t, echo)
 	entered, release := holdDials(t)
 	f := forwarder(t)
@@ -115,4 +116,44 @@ func TestForwardCapCountsDialsInFlight(t *testing.T) {
 	if n := entered.Load(); n != limit {
 		t.Errorf("%d dials reached the guest, cap %d", n, limit)
 	}
+}
+
+// Streams to the guest's ports cannot take the part of the cap kept for
+// envd: with them at their share, the owner's envd is still dialled, and
+// only a full cap refuses it.
+func TestForwardEnvdKeepsItsShare(t *testing.T) {
+	const total, envd = 4, 2
+	setStreamCaps(t, total, envd)
+	addr := listen(t, echo)
+	f := forwarder(t)
+	var ports []*net.TCPConn
+	for i := range total - envd {
+		mine, theirs := localPair(t)
+		if _, err := f.Connect(tctx(t), addr, theirs); err != nil {
+			t.Fatalf("stream %d to a guest port: %v", i, err)
+		}
+		ports = append(ports, mine)
+	}
+	_, theirs := localPair(t)
+	if _, err := f.Connect(tctx(t), addr, theirs); !refusedForCap(err) {
+		t.Fatalf("a guest port's stream past their share: %v, want refused", err)
+	}
+	for i := range envd {
+		_, theirs := localPair(t)
+		if _, err := f.Connect(tctx(t), EnvdDialAddress, theirs); err != nil {
+			t.Fatalf("envd stream %d beside the guest ports' full share: %v", i, err)
+		}
+	}
+	_, theirs = localPair(t)
+	if _, err := f.Connect(tctx(t), EnvdDialAddress, theirs); !refusedForCap(err) {
+		t.Fatalf("an envd stream past the whole cap: %v, want refused", err)
+	}
+	// A guest port's stream that ends gives its slot back.
+	ports[0].CloseWrite()
+	io.ReadAll(ports[0])
+	waitUntil(t, "a guest port's slot is given back", func() bool {
+		_, theirs := localPair(t)
+		_, err := f.Connect(tctx(t), addr, theirs)
+		return err == nil
+	})
 }

@@ -30,9 +30,23 @@ const (
 	streamWindow = 8
 )
 
-// maxStreams bounds the streams one agent session carries at once (a
-// variable so that tests can make it small).
-var maxStreams = 256
+// Stream caps of one agent session (variables so that tests can make them
+// small).
+var (
+	// maxStreams bounds the streams one session carries at once: each
+	// holds a socket in the guest and one on the host, two goroutines and
+	// a window of frames, and a host that keeps opening them must meet a
+	// bound well below the guest's and its own open files.
+	maxStreams = 256
+	// envdStreams of them are kept for streams to envd. Streams to the
+	// guest's ports come from whoever reaches those ports (kvbox serve
+	// forwards them without a credential unless the sandbox wants its
+	// traffic token), streams to envd from the sandbox's owner only: no
+	// number of the former may refuse the latter. It is more than one
+	// SDK client holds at once (a stream per call in flight: a running
+	// command's output, a transfer) and leaves the ports most of the cap.
+	envdStreams = 64
+)
 
 // halfCloser is a local end that can end its write side alone
 // (*net.TCPConn, *net.UnixConn, or a pair of pipes).
