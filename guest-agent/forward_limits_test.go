@@ -1,7 +1,9 @@
 package agent
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"io"
 	"net"
@@ -156,4 +158,136 @@ func TestForwardEnvdKeepsItsShare(t *testing.T) {
 		_, err := f.Connect(tctx(t), addr, theirs)
 		return err == nil
 	})
+}
+
+// holdOpen is a guest server that reads what it is sent until EOF and then
+// keeps its side open: it neither writes nor closes until the test ends.
+// Each connection it took is sent on the returned channel.
+func holdOpen(t *testing.T) (string, <-chan *net.TCPConn) {
+	t.Helper()
+	conns := make(chan *net.TCPConn, 64)
+	addr := listen(t, func(c *net.TCPConn) {
+		conns <- c
+		io.Copy(io.Discard, c)
+		<-t.Context().Done()
+		c.Close()
+	})
+	return addr, conns
+}
+
+// A stream whose local end is closed (not half-closed: what an HTTP
+// transport does when its request is done or its client went) ends both
+// ways, through the agent, although the guest keeps its side open: the
+// host's stream, the agent's slot and the guest's socket all go. They used
+// to stay half-open for as long as the guest kept its side, until the cap
+// refused every dial.
+func TestForwardClosedEndEndsStream(t *testing.T) {
+	const n = 5
+	setStreamCaps(t, n, 0)
+	addr, guest := holdOpen(t)
+	f := forwarder(t)
+	for i := range n {
+		mine, theirs, err := SocketPair()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Connect(tctx(t), addr, theirs); err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+		mine.Write([]byte("GET / HTTP/1.1\r\nHost: box\r\n\r\n"))
+		mine.Close()
+	}
+	waitUntil(t, "the host's streams end", func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.streams) == 0
+	})
+	// The agent gave every slot back: as many streams again fit the cap.
+	for i := range n {
+		_, theirs, err := SocketPair()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { theirs.Close() })
+		if _, err := f.Connect(tctx(t), addr, theirs); err != nil {
+			t.Fatalf("stream %d after the first ones ended: %v", i, err)
+		}
+	}
+	// The guest's sockets of the first streams are closed: what it writes
+	// is refused.
+	for range n {
+		c := <-guest
+		waitUntil(t, "the guest's socket of a closed stream is closed", func() bool {
+			_, err := c.Write([]byte("late"))
+			return err != nil
+		})
+	}
+}
+
+// A unix socket's half-close stays a half-close: the guest answers after
+// its EOF and the answer comes back.
+func TestForwardUnixHalfCloseStaysOpen(t *testing.T) {
+	addr := listen(t, func(c *net.TCPConn) {
+		b, _ := io.ReadAll(c)
+		c.Write(append([]byte("got "), b...))
+		c.Close()
+	})
+	f := forwarder(t)
+	mine, theirs, err := SocketPair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mine.Close()
+	if _, err := f.Connect(tctx(t), addr, theirs); err != nil {
+		t.Fatal(err)
+	}
+	mine.Write([]byte("question"))
+	mine.(interface{ CloseWrite() error }).CloseWrite()
+	mine.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if b, err := io.ReadAll(mine); err != nil || string(b) != "got question" {
+		t.Fatalf("answer after a half-close: %q, %v", b, err)
+	}
+}
+
+// What was written before a close reaches the guest whole, also when the
+// guest reads only after the close, so that the agent still holds bytes
+// for it when the stream ends.
+func TestForwardCloseDeliversWhatWasWritten(t *testing.T) {
+	got := make(chan []byte, 1)
+	start := make(chan struct{})
+	addr := listen(t, func(c *net.TCPConn) {
+		<-start
+		b, _ := io.ReadAll(c)
+		got <- b
+		c.Close()
+	})
+	f := forwarder(t)
+	mine, theirs, err := SocketPair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ended, err := f.Connect(tctx(t), addr, theirs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A window's worth: the host's stream takes it all without waiting for
+	// the guest, so the close comes before the guest reads.
+	data := make([]byte, streamWindow*chunkSize)
+	rand.Read(data)
+	mine.Write(data)
+	mine.Close()
+	close(start)
+	select {
+	case b := <-got:
+		if !bytes.Equal(b, data) {
+			t.Fatalf("the guest read %d bytes of %d, or other bytes", len(b), len(data))
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the guest did not read to the end")
+	}
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stream did not end")
+	}
 }
