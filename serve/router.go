@@ -180,9 +180,9 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 		s.notServed(w, r, id, Box{}, errGone)
 		return
 	}
-	target := envdHost
+	target, tr := envdHost, e.tr.envd
 	if port != envd.Port {
-		target = "127.0.0.1:" + strconv.Itoa(port)
+		target, tr = "127.0.0.1:"+strconv.Itoa(port), e.tr.ports
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -198,7 +198,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 				h.Del(hdrAccessToken)
 			}
 		},
-		Transport: e.tr,
+		Transport: tr,
 		// Every frame of a stream (a command's output) as it comes.
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {

@@ -72,11 +72,12 @@ type idLock struct {
 	n  int
 }
 
-// entry is a sandbox's box as last seen, and the HTTP transport of its
-// streams. A proxied request that fails makes serve read the box again.
+// entry is a sandbox's box as last seen, and the HTTP transports of its
+// streams (streams.go). A proxied request that fails makes serve read the
+// box again.
 type entry struct {
 	box Box
-	tr  *http.Transport
+	tr  *boxStreams
 }
 
 // New opens serve's folder and prunes the secrets of sandboxes whose box is
