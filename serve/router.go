@@ -182,6 +182,12 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 	}
 	target, tr := envdHost, e.tr.envd
 	if port != envd.Port {
+		release, ok := e.tr.take()
+		if !ok {
+			portsBusy(w, id, port, cap(e.tr.slots))
+			return
+		}
+		defer release()
 		target, tr = "127.0.0.1:"+strconv.Itoa(port), e.tr.ports
 	}
 	rp := &httputil.ReverseProxy{

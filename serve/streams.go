@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 )
 
@@ -18,9 +19,19 @@ import (
 //     transport keeps none idle (an idle one would hold an agent stream
 //     for whoever asked last), and one whose client went is closed, which
 //     ends it through the agent both ways (guest-agent/stream.go);
+//   - at most PortRequests requests to those ports are in flight per box
+//     at once; past them serve answers 503, so that they cannot take all
+//     of the agent's streams;
 //   - envd's transport keeps a few idle streams, bounded in all.
 
 const (
+	// defaultPortRequests is Config.PortRequests' default. It is below the
+	// agent's cap for streams to guest ports, so that serve's clear answer
+	// comes before the agent refuses a dial, with room left for streams
+	// that end a moment after their request (the agent's close waits for
+	// the guest to take the last bytes), and it is well above what the
+	// browsers of a few users of an app open at once.
+	defaultPortRequests = 128
 	// envdIdle bounds the idle streams kept to a box's envd (in all, not
 	// per host: MaxIdleConnsPerHost alone bounds one host:port, and a
 	// MaxIdleConns of zero is no bound). Each holds one of the agent's
@@ -32,10 +43,12 @@ const (
 )
 
 // boxStreams is what serve holds of one box instance's streams: a
-// transport to its envd and one to its other ports. A new box of the name
-// gets others, so no connection is ever reused across boxes.
+// transport to its envd, one to its other ports, and the slots of the
+// requests in flight to those. A new box of the name gets others, so no
+// connection is ever reused across boxes.
 type boxStreams struct {
 	envd, ports *http.Transport
+	slots       chan struct{}
 }
 
 // transport makes the streams of box id.
@@ -62,6 +75,7 @@ func (s *Server) transport(id string) *boxStreams {
 			// A stream is closed once its request is done.
 			DisableKeepAlives: true,
 		},
+		slots: make(chan struct{}, s.cfg.PortRequests),
 	}
 }
 
@@ -70,4 +84,24 @@ func (s *Server) transport(id string) *boxStreams {
 func (b *boxStreams) CloseIdleConnections() {
 	b.envd.CloseIdleConnections()
 	b.ports.CloseIdleConnections()
+}
+
+// take takes a slot for a request to a port other than envd's; release
+// gives it back. ok is false when every slot is taken.
+func (b *boxStreams) take() (release func(), ok bool) {
+	select {
+	case b.slots <- struct{}{}:
+		return func() { <-b.slots }, true
+	default:
+		return nil, false
+	}
+}
+
+// portsBusy answers a request to a port of a sandbox whose ports have
+// every slot taken, in E2B's proxy's JSON.
+func portsBusy(w http.ResponseWriter, id string, port, n int) {
+	w.Header().Set("Retry-After", "1")
+	writeJSON(w, http.StatusServiceUnavailable, map[string]any{"sandboxId": id, "code": http.StatusServiceUnavailable,
+		"message": "the sandbox's ports have " + strconv.Itoa(n) + " requests in flight, kvbox serve's bound: try again later",
+		"port":    strconv.Itoa(port)})
 }
