@@ -171,7 +171,9 @@ func unauthorized(w http.ResponseWriter, r *http.Request, why string) {
 
 // proxy passes the request on to port in the sandbox's box, through its
 // agent, with the routing headers and the API key taken off (the access
-// token goes to envd only, which checks it again).
+// token goes to envd only, which checks it again). A port but envd's takes
+// one of the box's slots for the request (streams.go), and its cookies are
+// kept to the sandbox's own host (cookies.go).
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port int) {
 	s.mu.Lock()
 	e := s.boxes[id]
@@ -181,6 +183,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 		return
 	}
 	target, tr := envdHost, e.tr.envd
+	var modify func(*http.Response) error
 	if port != envd.Port {
 		release, ok := e.tr.take()
 		if !ok {
@@ -189,6 +192,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 		}
 		defer release()
 		target, tr = "127.0.0.1:"+strconv.Itoa(port), e.tr.ports
+		modify = s.ownCookies(id, port)
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -204,7 +208,8 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 				h.Del(hdrAccessToken)
 			}
 		},
-		Transport: tr,
+		Transport:      tr,
+		ModifyResponse: modify,
 		// Every frame of a stream (a command's output) as it comes.
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
