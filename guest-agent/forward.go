@@ -21,6 +21,10 @@ func init() { registerOp(methodDial, authorizedOnly, (*session).dial) }
 // dialTimeout bounds the agent's own connect.
 const dialTimeout = 10 * time.Second
 
+// dialGuest is the agent's connect to a guest address (a variable so that
+// tests can hold a dial where it is).
+var dialGuest = func(addr string) (net.Conn, error) { return net.DialTimeout("tcp", addr, dialTimeout) }
+
 // guestAddress normalises a dial address: "8000" is 127.0.0.1:8000.
 func guestAddress(a string) (string, error) {
 	if a == "" {
@@ -35,10 +39,44 @@ func guestAddress(a string) (string, error) {
 	return a, nil
 }
 
-// forwards is the agent side's set of streams of one session.
+// forwards is the agent side's set of streams of one session, and the
+// slots of maxStreams they hold. A dial takes its slot as it starts, before
+// the guest is dialled, and gives it back when it fails or its stream ends:
+// dials under way count, so however many come at once, no more than the
+// cap pass. Streams to guest ports may hold all but envdStreams of them.
 type forwards struct {
 	mu      sync.Mutex
 	streams map[uint32]*stream
+	held    int // slots taken: streams and dials under way
+	ports   int // of them, those to guest ports (not envd)
+}
+
+// take takes a slot for a stream to envd or to a guest port, or says why
+// none is free; release gives it back (once, however often it is called).
+func (fw *forwards) take(envd bool) (release func(), err error) {
+	fw.mu.Lock()
+	defer fw.mu.Unlock()
+	switch {
+	case fw.held >= maxStreams:
+		return nil, fmt.Errorf("this connection already carries %d streams", fw.held)
+	case !envd && fw.ports >= maxStreams-envdStreams:
+		return nil, fmt.Errorf("this connection already carries %d streams to guest ports (its other streams are kept for envd)", fw.ports)
+	}
+	fw.held++
+	if !envd {
+		fw.ports++
+	}
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			fw.mu.Lock()
+			fw.held--
+			if !envd {
+				fw.ports--
+			}
+			fw.mu.Unlock()
+		})
+	}, nil
 }
 
 func (fw *forwards) get(id uint32) *stream {
@@ -60,8 +98,9 @@ func (fw *forwards) abortAll() {
 	}
 }
 
-// dial serves a "dial" request: connect, register the stream, answer, and
-// only then start moving bytes (so the answer precedes the first data).
+// dial serves a "dial" request: take a slot, connect, register the stream,
+// answer, and only then start moving bytes (so the answer precedes the
+// first data).
 func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 	var req DialRequest
 	if err := json.Unmarshal(params, &req); err != nil {
@@ -77,22 +116,21 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 		}
 	}
 	fw := &ss.fwd
+	release, err := fw.take(addr == EnvdDialAddress)
+	if err != nil {
+		ss.reply(gen, id, nil, err)
+		return
+	}
 	go func() {
-		fw.mu.Lock()
-		n := len(fw.streams)
-		fw.mu.Unlock()
-		if n >= maxStreams {
-			ss.reply(gen, id, nil, fmt.Errorf("this connection already carries %d streams", n))
-			return
-		}
 		var conn net.Conn
 		var err error
 		if addr == EnvdDialAddress {
 			conn, err = ss.srv.dialEnvd() // envd.go: in-process
 		} else {
-			conn, err = net.DialTimeout("tcp", addr, dialTimeout)
+			conn, err = dialGuest(addr)
 		}
 		if err != nil {
+			release()
 			ss.reply(gen, id, nil, err)
 			return
 		}
@@ -103,6 +141,7 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 				delete(fw.streams, s.id)
 			}
 			fw.mu.Unlock()
+			release()
 		})
 		fw.mu.Lock()
 		if fw.streams == nil {
@@ -111,6 +150,7 @@ func (ss *session) dial(gen uint64, id uint32, params json.RawMessage) {
 		if old := fw.streams[id]; old != nil {
 			fw.mu.Unlock()
 			conn.Close()
+			release()
 			ss.reply(gen, id, nil, fmt.Errorf("stream %d is already open", id))
 			return
 		}

@@ -238,17 +238,10 @@ func (f *Forwarder) connect(ctx context.Context, addr string, conn io.ReadWriteC
 		f.mu.Unlock()
 		return nil, f.Err()
 	}
-	f.pending[id] = ch
-	f.mu.Unlock()
-	b, _ := json.Marshal(request{Method: methodDial, Params: mustJSON(DialRequest{Address: addr})})
-	if err := f.c.send(ctx, frameRequest, id, b); err != nil {
-		f.forget(id)
-		if ctx.Err() != nil {
-			return nil, context.Cause(ctx)
-		}
-		return nil, err
-	}
-	// The stream exists before the answer: data may follow it at once.
+	// The stream exists before the request is sent: the agent's data may
+	// follow its answer at once, and dispatch drops the frames of a stream
+	// it does not know (a stream registered after the send lost them when
+	// this goroutine was slower than the agent, and stalled for good).
 	ended := make(chan struct{})
 	s := newStream(id, conn, func(t frameType, p []byte) error {
 		return f.c.send(context.Background(), t, id, p)
@@ -258,9 +251,17 @@ func (f *Forwarder) connect(ctx context.Context, addr string, conn io.ReadWriteC
 		f.mu.Unlock()
 		close(ended)
 	})
-	f.mu.Lock()
+	f.pending[id] = ch
 	f.streams[id] = s
 	f.mu.Unlock()
+	b, _ := json.Marshal(request{Method: methodDial, Params: mustJSON(DialRequest{Address: addr})})
+	if err := f.c.send(ctx, frameRequest, id, b); err != nil {
+		f.forget(id)
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		return nil, err
+	}
 	var resp response
 	var ok bool
 	select {

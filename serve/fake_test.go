@@ -28,6 +28,10 @@ type fakeHost struct {
 	disk      int64             // of the next clones (0: 8 GiB)
 	envd      map[string]string // each clone's envd configuration, as JSON
 	failNth   int               // the clone of this number fails
+	// open counts the streams Dial made that serve has not closed.
+	open int
+	// handlers answer a target's requests instead of the echo.
+	handlers map[string]http.HandlerFunc
 }
 
 type fakeBox struct {
@@ -240,8 +244,16 @@ func (h *fakeHost) Dial(ctx context.Context, name, target string) (net.Conn, err
 	c1, c2 := net.Pipe()
 	h.mu.Lock()
 	b.conns = append(b.conns, c2)
+	h.open++
 	h.mu.Unlock()
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.mu.Lock()
+		hf := h.handlers[target]
+		h.mu.Unlock()
+		if hf != nil {
+			hf(w, r)
+			return
+		}
 		if strings.EqualFold(r.Header.Get("Upgrade"), "websocket") {
 			// A server that switches protocols, then echoes what it
 			// is sent, prefixed with the box's name.
@@ -269,7 +281,60 @@ func (h *fakeHost) Dial(ctx context.Context, name, target string) (net.Conn, err
 		fmt.Fprintf(w, "%s %s %s", name, target, r.URL.Path)
 	}), ErrorLog: log.New(io.Discard, "", 0)}
 	go srv.Serve(&oneConn{c: c2})
-	return c1, nil
+	return &fakeStream{Conn: c1, h: h}, nil
+}
+
+// fakeStream is serve's end of a stream.
+type fakeStream struct {
+	net.Conn
+	h    *fakeHost
+	once sync.Once
+}
+
+func (c *fakeStream) Close() error {
+	c.once.Do(func() {
+		c.h.mu.Lock()
+		c.h.open--
+		c.h.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// openStreams is how many streams serve holds open.
+func (h *fakeHost) openStreams() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.open
+}
+
+// handle makes target's requests go to hf, in every box.
+func (h *fakeHost) handle(target string, hf http.HandlerFunc) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.handlers == nil {
+		h.handlers = map[string]http.HandlerFunc{}
+	}
+	h.handlers[target] = hf
+}
+
+// openPort opens target in box name.
+func (h *fakeHost) openPort(name, target string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.boxes[name].openPorts[target] = true
+}
+
+// eventually waits for cond, failing the test with what after a deadline
+// that only a stuck run reaches.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // oneConn is a listener of one connection.
@@ -336,13 +401,18 @@ func (h *fakeHost) seen(name string) []seenReq {
 const testKey = "e2b_0123456789abcdef0123456789abcdef01234567"
 const testDomain = "kvbox.localhost:3049"
 
-// newTestServer is a Server over a fake host, and its listener.
-func newTestServer(t *testing.T, h *fakeHost, dir string) (*Server, *httptest.Server) {
+// newTestServer is a Server over a fake host, and its listener; opts
+// change its configuration.
+func newTestServer(t *testing.T, h *fakeHost, dir string, opts ...func(*Config)) (*Server, *httptest.Server) {
 	t.Helper()
 	if dir == "" {
 		dir = t.TempDir()
 	}
-	s, err := New(context.Background(), Config{Host: h, APIKey: testKey, Domain: testDomain, SecretsDir: dir, Log: log.New(io.Discard, "", 0)})
+	cfg := Config{Host: h, APIKey: testKey, Domain: testDomain, SecretsDir: dir, Log: log.New(io.Discard, "", 0)}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	s, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

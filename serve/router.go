@@ -183,7 +183,9 @@ func unauthorized(w http.ResponseWriter, r *http.Request, why string) {
 // agent, with every credential taken off: the routing headers, the API
 // key, the access and traffic tokens and a /files URL's signature. Serve
 // checked them; envd trusts the agent channel's streams, and whatever
-// reaches a guest, its snapshots carry to every clone.
+// reaches a guest, its snapshots carry to every clone. A port but envd's
+// takes one of the box's slots for the request (streams.go), and its
+// cookies are kept to the sandbox's own host (cookies.go).
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port int) {
 	s.mu.Lock()
 	e := s.boxes[id]
@@ -192,9 +194,17 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 		s.notServed(w, r, id, Box{}, errGone)
 		return
 	}
-	target := envdHost
+	target, tr := envdHost, e.tr.envd
+	var modify func(*http.Response) error
 	if port != envd.Port {
-		target = "127.0.0.1:" + strconv.Itoa(port)
+		release, ok := e.tr.take()
+		if !ok {
+			portsBusy(w, id, port, cap(e.tr.slots))
+			return
+		}
+		defer release()
+		target, tr = "127.0.0.1:"+strconv.Itoa(port), e.tr.ports
+		modify = s.ownCookies(id, port)
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -214,7 +224,8 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, id string, port i
 				pr.Out.URL.RawQuery = q.Encode()
 			}
 		},
-		Transport: e.tr,
+		Transport:      tr,
+		ModifyResponse: modify,
 		// Every frame of a stream (a command's output) as it comes.
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {

@@ -3,8 +3,6 @@ package serve
 import (
 	"context"
 	"errors"
-	"net"
-	"net/http"
 	"strconv"
 	"strings"
 	"time"
@@ -189,26 +187,6 @@ func (s *Server) dropGone(context.Context) {
 	s.mu.Unlock()
 	for _, id := range gone {
 		s.drop(id)
-	}
-}
-
-// transport is the HTTP transport of a box's streams: each connection is a
-// stream through the box's agent, to its envd or to a port in it. Kept per
-// box instance (a new box of the name gets another), so no connection is
-// ever reused across boxes.
-func (s *Server) transport(id string) *http.Transport {
-	return &http.Transport{
-		DialContext: func(ctx context.Context, _, addr string) (net.Conn, error) {
-			target := addr
-			if h, _, err := net.SplitHostPort(addr); err == nil && h == envdHost {
-				target = envdHost
-			}
-			return s.host.Dial(ctx, id, target)
-		},
-		// Responses are passed on as they are.
-		DisableCompression:  true,
-		MaxIdleConnsPerHost: 32,
-		IdleConnTimeout:     90 * time.Second,
 	}
 }
 

@@ -48,6 +48,10 @@ type Config struct {
 	// MaxClones bounds the clones started at once (0: twice the cores, at
 	// least 2); further creates wait their turn.
 	MaxClones int
+	// PortRequests bounds the requests in flight to one sandbox's ports
+	// other than envd's (0: defaultPortRequests); past it serve answers
+	// 503 (streams.go).
+	PortRequests int
 	// Log gets a line per sandbox change and per failure; nil is
 	// log.Default().
 	Log *log.Logger
@@ -72,11 +76,12 @@ type idLock struct {
 	n  int
 }
 
-// entry is a sandbox's box as last seen, and the HTTP transport of its
-// streams. A proxied request that fails makes serve read the box again.
+// entry is a sandbox's box as last seen, and the HTTP transports of its
+// streams (streams.go). A proxied request that fails makes serve read the
+// box again.
 type entry struct {
 	box Box
-	tr  *http.Transport
+	tr  *boxStreams
 }
 
 // New opens serve's folder and prunes the secrets of sandboxes whose box is
@@ -87,6 +92,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.MaxClones <= 0 {
 		cfg.MaxClones = max(2, 2*runtime.NumCPU())
+	}
+	if cfg.PortRequests <= 0 {
+		cfg.PortRequests = defaultPortRequests
 	}
 	if cfg.Log == nil {
 		cfg.Log = log.Default()
