@@ -8,9 +8,11 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"os"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,6 +36,25 @@ type fakeLib struct {
 	exitCode int
 	removed  []string
 	n        int
+	// dial, when set, is what Dial connects a box's port to (a guest's
+	// server in the test); else every port is closed.
+	dial func(target string) (net.Conn, error)
+	// console, when set, is the file every box's console log is; consoleRead
+	// counts the bytes read of it.
+	console     string
+	consoleRead atomic.Int64
+}
+
+// countedFile is a console log whose reads are counted.
+type countedFile struct {
+	*os.File
+	n *atomic.Int64
+}
+
+func (f countedFile) Read(b []byte) (int, error) {
+	n, err := f.File.Read(b)
+	f.n.Add(int64(n))
+	return n, err
 }
 
 func newFakeLib() *fakeLib {
@@ -112,11 +133,21 @@ func (f *fakeLib) Exec(ctx context.Context, name string, r agent.ExecRequest, st
 	return f.exitCode, nil
 }
 func (f *fakeLib) Dial(ctx context.Context, name, target string) (net.Conn, error) {
+	if f.dial != nil {
+		return f.dial(target)
+	}
 	a, b := net.Pipe()
 	b.Close()
 	return a, nil
 }
 func (f *fakeLib) ConsoleLog(name string) (io.ReadCloser, error) {
+	if f.console != "" {
+		file, err := os.Open(f.console)
+		if err != nil {
+			return nil, err
+		}
+		return countedFile{file, &f.consoleRead}, nil
+	}
 	return io.NopCloser(strings.NewReader("console of " + name + "\n")), nil
 }
 func (f *fakeLib) Stats(ctx context.Context, name string) (BoxStats, error) {
