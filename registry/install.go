@@ -54,6 +54,9 @@ func install(ctx context.Context, c cache, st snapshot.Store, stateDir, name str
 	if err != nil {
 		return snapshot.Snapshot{}, false, err
 	}
+	if err := o.checkPartCaps(p); err != nil {
+		return snapshot.Snapshot{}, false, err
+	}
 	in, err := prepare(c, st, stateDir, name, p, o)
 	if err != nil {
 		return snapshot.Snapshot{}, false, err
@@ -87,6 +90,9 @@ func prepare(c cache, st snapshot.Store, stateDir, name string, p *plan, o Optio
 		return nil, err
 	}
 	if in.snap, err = checkSnapshotMeta(b, p, name, filepath.Join(st.Dir, name), in.dstImageDir); err != nil {
+		return nil, err
+	}
+	if err := o.checkSizeCaps(in.snap); err != nil {
 		return nil, err
 	}
 	if p.has("image-meta/image.json") {

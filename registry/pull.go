@@ -85,6 +85,9 @@ func Pull(ctx context.Context, conn *libvirt.Connect, stateDir, refStr, name str
 	if err != nil {
 		return res, err
 	}
+	if err := o.checkPartCaps(p); err != nil {
+		return res, fmt.Errorf("pull of %s refused: %w", refStr, err)
+	}
 	ref, _ := o.ref(refStr)
 	var cnt counter
 	f := fetcher{ctx: ctx, c: cache{statedir.Layout{Root: stateDir}.RegistryCache()}, ref: ref, ropts: o.remote(ctx, &cnt), o: o, res: &res}

@@ -470,3 +470,45 @@ func TestPullRebuildsDomainXML(t *testing.T) {
 		t.Errorf("the installed domain XML keeps what the artifact chose:\n%s", x)
 	}
 }
+
+// A host's caps on a pulled snapshot's size (Options.MaxCPUs,
+// MaxMemoryBytes, MaxDiskBytes) refuse a larger snapshot from its
+// snapshot.json, or from its parts' declared sizes, before its memory and
+// disk are fetched; within them it installs.
+func TestPullRefusesOverHostCaps(t *testing.T) {
+	install1 := func(a *artifact, o Options) error {
+		stateDir := t.TempDir()
+		c := cache{statedir.Layout{Root: stateDir}.RegistryCache()}
+		os.MkdirAll(c.dir, 0o700)
+		m := a.manifest(c)
+		st := snapshot.Store{Dir: filepath.Join(stateDir, "snapshots")}
+		o.Emulator = "/usr/bin/qemu-system-x86_64"
+		_, _, err := install(context.Background(), c, st, stateDir, "pulled", m, o)
+		return err
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(*artifact)
+		o    Options
+		want string
+	}{
+		{"vCPUs", func(a *artifact) { a.json("snapshot/snapshot.json", func(m map[string]any) { m["cpus"] = 4 }) }, Options{MaxCPUs: 2}, "4 vCPUs"},
+		{"RAM", nil, Options{MaxMemoryBytes: 128 << 20}, "256.0 MiB of RAM"},
+		{"disk", nil, Options{MaxDiskBytes: 512 << 20}, "disk of 1.00 GiB"},
+		{"a state part larger than the RAM cap allows", func(a *artifact) {
+			a.files["snapshot/state"].ann = map[string]string{AnnotApparent: strconv.FormatInt(4<<30, 10), AnnotDataBytes: "18"}
+		}, Options{MaxMemoryBytes: 1 << 30}, "snapshot/state says it is 4.00 GiB"},
+	} {
+		a := honest(t)
+		if tc.edit != nil {
+			tc.edit(a)
+		}
+		err := install1(a, tc.o)
+		if !errors.Is(err, base.ErrInvalid) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v; want a refusal saying %q", tc.name, err, tc.want)
+		}
+	}
+	if err := install1(honest(t), Options{MaxCPUs: 1, MaxMemoryBytes: 256 << 20, MaxDiskBytes: 1 << 30}); err != nil {
+		t.Errorf("a snapshot at the caps: %v", err)
+	}
+}

@@ -51,6 +51,21 @@ type Options struct {
 	Insecure bool   // plain HTTP
 	Username string // with Password, instead of docker's config.json
 	Password string
+	// Keychain gives the credentials of a repository when Username is
+	// empty (nil: docker's config.json and credential helpers, as the CLI
+	// uses them; a keychain that resolves to authn.Anonymous sends none).
+	Keychain authn.Keychain
+	// SecureOnly speaks HTTPS only unless Insecure is set: no request in
+	// plain HTTP at all, also for registries go-containerregistry would
+	// try in plain HTTP after HTTPS (localhost, loopback and private
+	// addresses) and for a token service a registry names by an http URL.
+	SecureOnly bool
+	// MaxCPUs, MaxMemoryBytes and MaxDiskBytes bound the snapshot a pull
+	// takes (0: kvbox's own limits): one that declares more is refused
+	// before its memory and disk parts are fetched.
+	MaxCPUs        int
+	MaxMemoryBytes int64
+	MaxDiskBytes   int64
 	// Progress gets one log line per part and, as each part's bytes go
 	// to or come from the registry, a stage named by the part's title
 	// (several may be in flight at once); nil: quiet. A pulled artifact
@@ -80,11 +95,31 @@ func (o Options) ref(s string) (name.Reference, error) {
 
 func (o Options) remote(ctx context.Context, counter *counter) []remote.Option {
 	auth := remote.WithAuthFromKeychain(authn.DefaultKeychain)
-	if o.Username != "" {
+	switch {
+	case o.Username != "":
 		auth = remote.WithAuth(&authn.Basic{Username: o.Username, Password: o.Password})
+	case o.Keychain != nil:
+		auth = remote.WithAuthFromKeychain(o.Keychain)
 	}
-	return []remote.Option{auth, remote.WithContext(ctx), remote.WithTransport(counter.wrap(remote.DefaultTransport)),
+	var rt http.RoundTripper = remote.DefaultTransport
+	if o.SecureOnly && !o.Insecure {
+		rt = httpsOnly{rt}
+	}
+	return []remote.Option{auth, remote.WithContext(ctx), remote.WithTransport(counter.wrap(rt)),
 		remote.WithJobs(2)}
+}
+
+// httpsOnly refuses every request that is not HTTPS (Options.SecureOnly).
+type httpsOnly struct{ rt http.RoundTripper }
+
+func (t httpsOnly) RoundTrip(r *http.Request) (*http.Response, error) {
+	if r.URL.Scheme != "https" {
+		if r.Body != nil {
+			r.Body.Close()
+		}
+		return nil, fmt.Errorf("%s: plain HTTP to %s refused: only a registry named insecure is spoken to without TLS", r.URL.Scheme, r.URL.Host)
+	}
+	return t.rt.RoundTrip(r)
 }
 
 func (o Options) logf(format string, a ...any) {

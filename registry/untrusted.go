@@ -274,6 +274,42 @@ func checkImageMeta(b []byte, p *plan, s snapshot.Snapshot, dstImageDir string) 
 	return out, nil
 }
 
+// checkPartCaps refuses, from the manifest alone (before any part is
+// fetched), an artifact whose memory or disk parts declare more than the
+// caps of o allow a snapshot of.
+func (o Options) checkPartCaps(p *plan) error {
+	limits := map[string]int64{}
+	if o.MaxMemoryBytes > 0 {
+		limits["snapshot/"+snapshot.StateFile] = o.MaxMemoryBytes + stateSlack
+	}
+	if o.MaxDiskBytes > 0 {
+		for _, t := range []string{"snapshot/" + snapshot.DiskFile, "image/disk.qcow2"} {
+			limits[t] = diskFileLimit(o.MaxDiskBytes)
+		}
+		limits["image/disk.raw"] = o.MaxDiskBytes
+	}
+	for _, t := range p.titles {
+		if max, ok := limits[t]; ok && p.parts[t].apparent > max {
+			return refused("artifact part %s says it is %s, more than this host takes of a snapshot (%s)", t, human(p.parts[t].apparent), human(max))
+		}
+	}
+	return nil
+}
+
+// checkSizeCaps refuses a snapshot (its snapshot.json, read before its
+// memory and disk parts are fetched) larger than the caps of o.
+func (o Options) checkSizeCaps(s snapshot.Snapshot) error {
+	switch {
+	case o.MaxCPUs > 0 && s.CPUs > o.MaxCPUs:
+		return refused("the snapshot has %d vCPUs, more than the %d this host takes", s.CPUs, o.MaxCPUs)
+	case o.MaxMemoryBytes > 0 && s.MemoryBytes > o.MaxMemoryBytes:
+		return refused("the snapshot has %s of RAM, more than the %s this host takes", human(s.MemoryBytes), human(o.MaxMemoryBytes))
+	case o.MaxDiskBytes > 0 && s.DiskBytes > o.MaxDiskBytes:
+		return refused("the snapshot has a disk of %s, more than the %s this host takes", human(s.DiskBytes), human(o.MaxDiskBytes))
+	}
+	return nil
+}
+
 // checkSizes checks each part's declared size against what its snapshot
 // says it may be.
 func checkSizes(p *plan, s snapshot.Snapshot) error {

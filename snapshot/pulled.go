@@ -1,9 +1,13 @@
 package snapshot
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"strconv"
@@ -14,6 +18,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/network"
+	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/templates"
 )
 
@@ -65,6 +70,7 @@ type PulledSpec struct {
 const (
 	maxPulledCPUs      = 256
 	minPulledMemory    = 64 << 20
+	maxPulledMemory    = 1 << 40
 	maxPulledCPUFeats  = 512
 	maxPulledDevices   = 64
 	maxPulledCmdline   = 4096
@@ -433,8 +439,8 @@ func pulledMemory(d *libvirtxml.Domain, want int64) (int64, *libvirtxml.DomainCu
 		return 0, nil, refusedf("has no plain <memory>")
 	}
 	n, ok := memBytes(d.Memory.Value, d.Memory.Unit)
-	if !ok || n != want || n < minPulledMemory || n%(2<<20) != 0 {
-		return 0, nil, refusedf("has a memory size that is not the %d bytes its snapshot.json records (at least 64 MB, a multiple of 2 MB)", want)
+	if !ok || n != want || n < minPulledMemory || n > maxPulledMemory || n%(2<<20) != 0 {
+		return 0, nil, refusedf("has a memory size that is not the %d bytes its snapshot.json records (64 MB to 1 TiB, a multiple of 2 MB)", want)
 	}
 	if d.CurrentMemory == nil {
 		return n, nil, nil
@@ -992,3 +998,60 @@ func printable(s string) string {
 }
 
 func oneLine(s string) string { return printable(strings.ReplaceAll(s, "\n", " ")) }
+
+// OwnerFile, in a snapshot's folder, marks a snapshot that a program
+// beside kvbox keeps for itself in the state dir: kvbox-node's snapshot
+// cache marks each snapshot it pulled (OwnerKvboxNode, and the artifact's
+// digest). No kvbox command or pull writes it (a pulled artifact's parts
+// are files kvbox knows, and this is none of them), and a push does not
+// carry it; a front that lets others make, clone or remove snapshots
+// (kvbox serve) leaves a marked snapshot alone.
+const OwnerFile = "owner.json"
+
+// OwnerKvboxNode is the owner kvbox-node's cache writes.
+const OwnerKvboxNode = "kvbox-node"
+
+// Owner is what an OwnerFile says.
+type Owner struct {
+	Owner  string `json:"owner"`            // the program, e.g. OwnerKvboxNode
+	Digest string `json:"digest,omitempty"` // the artifact a pull fetched it from
+}
+
+// maxOwnerBytes bounds what OwnerOf reads.
+const maxOwnerBytes = 4 << 10
+
+// SetOwner marks s as o.Owner's (root's file alone, written atomically).
+func SetOwner(s Snapshot, o Owner) error {
+	if o.Owner == "" {
+		return base.Errorf(base.Invalid, "a snapshot's owner mark needs an owner")
+	}
+	b, err := json.Marshal(o)
+	if err != nil {
+		return err
+	}
+	if err := overlay.WriteFileAtomic(filepath.Join(s.Dir, OwnerFile), append(b, '\n'), 0o600); err != nil {
+		return fmt.Errorf("mark snapshot %s as %s's: %w", s.Name, o.Owner, err)
+	}
+	return overlay.SyncDir(s.Dir)
+}
+
+// OwnerOf is s's owner mark; ok is false for a snapshot that has none
+// (kvbox's own, or anyone's who can make snapshots).
+func OwnerOf(s Snapshot) (o Owner, ok bool, err error) {
+	f, err := domain.OpenNoFollow(filepath.Join(s.Dir, OwnerFile), os.O_RDONLY)
+	if errors.Is(err, os.ErrNotExist) {
+		return Owner{}, false, nil
+	}
+	if err != nil {
+		return Owner{}, false, fmt.Errorf("snapshot %s's owner mark: %w", s.Name, err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxOwnerBytes+1))
+	if err != nil {
+		return Owner{}, false, fmt.Errorf("snapshot %s's owner mark: %w", s.Name, err)
+	}
+	if len(b) > maxOwnerBytes || json.Unmarshal(b, &o) != nil || o.Owner == "" {
+		return Owner{}, false, base.Errorf(base.Invalid, "snapshot %s has an owner mark (%s) kvbox cannot read", s.Name, OwnerFile)
+	}
+	return o, true, nil
+}

@@ -144,3 +144,58 @@ func FuzzPulledXML(f *testing.F) {
 		}
 	})
 }
+
+// A pushed snapshot's RAM is bounded from above too: a domain XML (and a
+// snapshot.json) that agree on 2 TiB are refused, whatever else matches.
+func TestPulledXMLBoundsMemory(t *testing.T) {
+	src, err := os.ReadFile("testdata/pushed-box.xml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const huge = 2 << 40
+	x := strings.Replace(string(src), "<memory unit='KiB'>262144</memory>", "<memory unit='KiB'>2147483648</memory>", 1)
+	x = strings.Replace(x, "<currentMemory unit='KiB'>262144</currentMemory>", "<currentMemory unit='KiB'>2147483648</currentMemory>", 1)
+	x = strings.Replace(x, "size=268435456", "size=2199023255552", 1)
+	if x == string(src) || !strings.Contains(x, "2199023255552") {
+		t.Fatal("the test XML did not change")
+	}
+	p := pushedSpec()
+	p.MemoryBytes = huge
+	if _, _, err := PulledXML(x, p); err == nil || !strings.Contains(err.Error(), "memory size") {
+		t.Errorf("a pushed snapshot of 2 TiB of RAM: %v; want it refused for its memory size", err)
+	}
+	// The same edit at 512 MiB passes: the bound is what refused it.
+	y := strings.NewReplacer("2147483648", "524288", "2199023255552", "536870912").Replace(x)
+	p.MemoryBytes = 512 << 20
+	if _, _, err := PulledXML(y, p); err != nil {
+		t.Errorf("the same edit at 512 MiB: %v", err)
+	}
+}
+
+// A snapshot's owner mark reads back as written; a snapshot without one
+// has none, and a mark that is no JSON is an error, not "no owner".
+func TestOwnerMark(t *testing.T) {
+	s := Snapshot{Name: "pod-sha256-ab", Dir: t.TempDir()}
+	if _, ok, err := OwnerOf(s); ok || err != nil {
+		t.Fatalf("an unmarked snapshot: ok %v, %v", ok, err)
+	}
+	want := Owner{Owner: OwnerKvboxNode, Digest: "sha256:" + strings.Repeat("ab", 32)}
+	if err := SetOwner(s, want); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok, err := OwnerOf(s); !ok || err != nil || got != want {
+		t.Errorf("OwnerOf = %+v, %v, %v; want %+v", got, ok, err, want)
+	}
+	if fi, err := os.Stat(s.Dir + "/" + OwnerFile); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("the mark's file: %v, %v; want root's alone (0600)", fi.Mode(), err)
+	}
+	if err := os.WriteFile(s.Dir+"/"+OwnerFile, []byte("not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, err := OwnerOf(s); ok || err == nil {
+		t.Errorf("a garbled mark: ok %v, err %v; want an error", ok, err)
+	}
+	if err := SetOwner(s, Owner{}); err == nil {
+		t.Error("a mark without an owner was written")
+	}
+}

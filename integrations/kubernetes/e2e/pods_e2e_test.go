@@ -30,6 +30,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -58,8 +59,11 @@ type fleetRun struct {
 
 func (f *fleetRun) sh(args ...string) (string, error) {
 	cmd := exec.Command("bash", append([]string{filepath.Join(f.repo, "testenv/fleet.sh")}, args...)...)
+	// Each pod requests its snapshot's vCPU, and TestFleetPods runs up
+	// to 3 pods a node at once: the nodes commit 8 vCPUs whatever this
+	// host's CPUs (KVBOX_NODE_CPUS, kvbox-node's --cpus).
 	cmd.Env = append(os.Environ(), "KVBOX_FLEET_STATE="+f.state, "KVBOX_FLEET_CACHE="+f.cache, "KVBOX_TESTENV_NS="+testNetns,
-		"KVBOX_FLEET_NODE_STATE="+f.nodeDir)
+		"KVBOX_FLEET_NODE_STATE="+f.nodeDir, "KVBOX_NODE_CPUS=8")
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
@@ -196,12 +200,18 @@ func pushSource(t *testing.T, f *fleetRun, id, page string) string {
 	return ref
 }
 
+// sourceRequests is the size of pushSource's snapshot (1 vCPU, 256 MiB),
+// which a pod of it requests: a kvbox node refuses a pod that asks for
+// less than its snapshot's box.
+var sourceRequests = corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("1"), corev1.ResourceMemory: resource.MustParse("256Mi")}
+
 func kvboxPodSpec(image string, command ...string) corev1.PodSpec {
 	rc := kvboxnode.DefaultRuntimeClass
 	return corev1.PodSpec{
 		RuntimeClassName: &rc,
 		Containers: []corev1.Container{{Name: "box", Image: image, Command: command,
-			Ports: []corev1.ContainerPort{{ContainerPort: 8080}}}},
+			Ports:     []corev1.ContainerPort{{ContainerPort: 8080}},
+			Resources: corev1.ResourceRequirements{Requests: sourceRequests}}},
 	}
 }
 

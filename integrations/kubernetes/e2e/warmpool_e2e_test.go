@@ -74,6 +74,7 @@ spec:
       - name: box
         image: %[4]s
         ports: [{containerPort: 8080}]
+        resources: {requests: {cpu: "1", memory: 256Mi}}
 ---
 apiVersion: extensions.agents.x-k8s.io/v1beta1
 kind: SandboxWarmPool

@@ -7,6 +7,8 @@ import (
 	"net"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
+
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
@@ -52,6 +54,9 @@ type Library interface {
 
 	// Snapshots lists this host's snapshots.
 	Snapshots(ctx context.Context) ([]Snapshot, error)
+	// Snapshot is one snapshot of this host; one that does not exist is
+	// ErrNotFound.
+	Snapshot(ctx context.Context, name string) (Snapshot, error)
 	// RemoveSnapshot deletes a snapshot; one a box is cloned from is
 	// ErrBusy and stays.
 	RemoveSnapshot(ctx context.Context, name string) error
@@ -61,6 +66,8 @@ type Library interface {
 	// Pull fetches the snapshot artifact at ref (a REPO@DIGEST reference
 	// from Resolve) as snapshot name, after checking this host can
 	// restore it: a snapshot it cannot is ErrIncompatible, in one line.
+	// The snapshot is kvbox-node's, marked with its digest (Snapshot.Owner
+	// and OwnerDigest); a name a snapshot has already is ErrExists.
 	Pull(ctx context.Context, ref, name string, o PullOptions) (Snapshot, error)
 
 	Close() error
@@ -122,12 +129,23 @@ type Snapshot struct {
 	CPUs      int
 	Memory    int64 // bytes of guest RAM
 	Disk      int64 // bytes of disk
+	// Owner and OwnerDigest are the snapshot's owner mark
+	// (snapshot.OwnerOf): "kvbox-node" and the artifact's digest for one
+	// kvbox-node pulled, "" for any other.
+	Owner, OwnerDigest string
 }
 
-// PullOptions say how to reach a registry.
+// PullOptions say how to reach a registry and what a pull may bring.
 type PullOptions struct {
-	Insecure           bool // plain HTTP
-	Username, Password string
+	Insecure bool // plain HTTP: the registry is one the operator named insecure
+	// Keychain is the credentials for the image's repository: the pod's
+	// imagePullSecrets', else the node's for the registries named for
+	// them (PullKeychain); nil sends none.
+	Keychain authn.Keychain
+	// MaxCPUs, MaxMemory and MaxDisk cap a pulled snapshot's vCPUs, RAM
+	// and disk (bytes); 0 is kvbox's own limit.
+	MaxCPUs            int
+	MaxMemory, MaxDisk int64
 }
 
 // BoxStats is one reading of a box's use.

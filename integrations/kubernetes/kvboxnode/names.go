@@ -1,6 +1,7 @@
 package kvboxnode
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"regexp"
@@ -63,15 +64,32 @@ func Hostname(p *corev1.Pod) string {
 	return h
 }
 
-// CacheName is the snapshot name of an artifact in kvbox-node's cache:
-// its digest's algorithm and the first 32 hex digits.
-func CacheName(digest string) string {
+// cacheNameStart begins the name of every snapshot of kvbox-node's cache.
+const cacheNameStart = "pod-"
+
+// CacheNamePrefix begins the snapshot names of an artifact in kvbox-node's
+// cache: its digest's algorithm and the first 24 hex digits. The name is
+// no proof of anything: a snapshot is the cache's by kvbox-node's mark
+// (Snapshot.Owner), which anyone who can make snapshots of a name cannot
+// give it.
+func CacheNamePrefix(digest string) string {
 	alg, hexPart, ok := strings.Cut(digest, ":")
 	if !ok {
 		alg, hexPart = "sha256", digest
 	}
-	if len(hexPart) > 32 {
-		hexPart = hexPart[:32]
+	if len(hexPart) > 24 {
+		hexPart = hexPart[:24]
 	}
-	return "pod-" + alg + "-" + hexPart
+	return cacheNameStart + alg + "-" + hexPart
+}
+
+// newCacheName is a name for a new snapshot of digest in the cache: its
+// prefix and a random part, so that no snapshot someone made beforehand
+// holds it.
+func newCacheName(digest string) (string, error) {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return CacheNamePrefix(digest) + "-" + hex.EncodeToString(b), nil
 }

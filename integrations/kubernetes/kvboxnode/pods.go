@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/virtual-kubelet/virtual-kubelet/errdefs"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -30,7 +31,8 @@ const (
 	ReasonUnsupported = "KvboxUnsupported"
 	// ReasonIncompatible: this host cannot restore the snapshot.
 	ReasonIncompatible = "KvboxIncompatible"
-	// ReasonTooSmall: the pod's limits are below the snapshot's size.
+	// ReasonTooSmall: the pod's requests or limits are below the
+	// snapshot's size (a pod without requests asks for nothing).
 	ReasonTooSmall = "KvboxLimitsTooSmall"
 	// ReasonBoxStopped: the pod's box stopped, and its restart policy
 	// keeps it stopped.
@@ -48,8 +50,13 @@ type ProviderConfig struct {
 	RuntimeClass string
 	// Dir is kvbox-node's folder: its pods' logs, its cache's files.
 	Dir string
-	// Allocatable is the node's, for resourceFieldRefs of unset limits.
+	// Allocatable is the node's: what its pods' boxes may take together
+	// (cpu, memory, pods), and resourceFieldRefs of unset limits.
 	Allocatable corev1.ResourceList
+	// NodeCredentials is the node's own credentials, for the registries
+	// the operator named for them (NodeKeychain), which every pod gets;
+	// nil: none, a pod pulls with its own imagePullSecrets or anonymously.
+	NodeCredentials authn.Keychain
 	// MaxClones bounds the clones made at once (0: twice the CPUs, at
 	// least 2).
 	MaxClones int
@@ -87,6 +94,9 @@ type Provider struct {
 
 	statsMu  sync.Mutex
 	lastStat map[string]BoxStats // by box, for rates
+
+	admitMu  sync.Mutex
+	admitted map[*podState]podSize // pods whose box runs or is being made
 }
 
 // NewProvider is the provider of lib's host. ctx bounds the goroutines it
@@ -105,7 +115,7 @@ func NewProvider(ctx context.Context, lib Library, cache *Cache, c ProviderConfi
 		c.RuntimeClass = DefaultRuntimeClass
 	}
 	return &Provider{cfg: c, lib: lib, cache: cache, now: time.Now, ctx: ctx, clones: make(chan struct{}, c.MaxClones),
-		pods: map[string]*podState{}, lastStat: map[string]BoxStats{}}
+		pods: map[string]*podState{}, lastStat: map[string]BoxStats{}, admitted: map[*podState]podSize{}}
 }
 
 // podState is one pod and where it is.
@@ -317,11 +327,13 @@ func (p *Provider) stop(ctx context.Context, ps *podState) error {
 	box := ps.box
 	ps.mu.Unlock()
 	if box == "" {
+		p.release(ps)
 		return nil
 	}
 	if err := p.lib.Remove(ctx, box); err != nil && !errors.Is(err, ErrNotFound) {
 		return fmt.Errorf("remove box %s of pod %s: %w", box, ps.key, err)
 	}
+	p.release(ps)
 	p.statsMu.Lock()
 	delete(p.lastStat, box)
 	p.statsMu.Unlock()
@@ -424,8 +436,9 @@ func (p *Provider) run(ps *podState) {
 		var perm *permanentError
 		if errors.As(err, &perm) {
 			p.cfg.Log.Info("pod failed", "pod", ps.key, "reason", perm.reason, "err", perm.err)
-			p.event(ps, corev1.EventTypeWarning, perm.reason, "%s", perm.err)
-			p.update(ps, func() { p.fail(ps, perm.reason, perm.err.Error(), 0) })
+			msg := publicMessage(perm.err)
+			p.event(ps, corev1.EventTypeWarning, perm.reason, "%s", msg)
+			p.update(ps, func() { p.fail(ps, perm.reason, msg, 0) })
 			return
 		}
 		wait := b.step()
@@ -445,11 +458,12 @@ type permanentError struct {
 
 func (e *permanentError) Error() string { return e.err.Error() }
 
-// pullOptions are the registry options of the pod's image: its
-// imagePullSecrets' credentials for the image's registry, if any.
+// pullOptions are the registry options of the pod's image: the
+// credentials its imagePullSecrets hold for the image's repository, else
+// the node's for the registries named for them, else none.
 func (p *Provider) pullOptions(ctx context.Context, pod *corev1.Pod) (PullOptions, error) {
 	ref := pod.Spec.Containers[0].Image
-	var creds *PullOptions
+	var secrets []corev1.Secret
 	for _, s := range pod.Spec.ImagePullSecrets {
 		sec, err := p.cfg.Objects.Secret(ctx, pod.Namespace, s.Name)
 		if apierrors.IsNotFound(err) {
@@ -458,15 +472,16 @@ func (p *Provider) pullOptions(ctx context.Context, pod *corev1.Pod) (PullOption
 		if err != nil {
 			return PullOptions{}, fmt.Errorf("imagePullSecret %q: %w", s.Name, err)
 		}
-		if c, ok := DockerCredentials(sec, ref); ok {
-			creds = &c
-			break
-		}
+		secrets = append(secrets, *sec)
 	}
-	return p.cache.Options(ref, creds), nil
+	kc, skipped := PullKeychain(ctx, secrets, p.cfg.NodeCredentials)
+	for _, err := range skipped {
+		p.cfg.Log.Info("pull secret skipped", "pod", podKey(pod.Namespace, pod.Name), "err", err)
+	}
+	return p.cache.Options(ref, kc), nil
 }
 
-// start makes the pod's box: resolve, pull once, check, clone.
+// start makes the pod's box: resolve, pull once, check, admit, clone.
 func (p *Provider) start(ctx context.Context, ps *podState) error {
 	ps.mu.Lock()
 	pod := ps.pod.DeepCopy()
@@ -479,6 +494,7 @@ func (p *Provider) start(ctx context.Context, ps *podState) error {
 		return err
 	}
 	digest, cached := p.cache.Cached(ref)
+	resolved := false
 	switch {
 	case c.ImagePullPolicy == corev1.PullNever && !cached:
 		err := fmt.Errorf("image %s is not in this node's cache and its pull policy is Never", ref)
@@ -488,26 +504,30 @@ func (p *Provider) start(ctx context.Context, ps *podState) error {
 		p.event(ps, corev1.EventTypeNormal, "Pulling", "Resolving image %q", ref)
 		if digest, err = p.lib.Resolve(ctx, ref, o); err != nil {
 			err = fmt.Errorf("resolve %s: %w", ref, err)
-			p.waitAs(ps, "ErrImagePull", err.Error())
-			p.event(ps, corev1.EventTypeWarning, "Failed", "%s", err)
+			p.waitAs(ps, "ErrImagePull", publicMessage(err))
+			p.event(ps, corev1.EventTypeWarning, "Failed", "%s", publicMessage(err))
 			return err
 		}
+		resolved = true
 	}
 	t0 := p.now()
-	snap, release, err := p.cache.Acquire(ctx, ref, digest, o)
+	snap, release, err := p.cache.Acquire(ctx, ref, digest, o, resolved)
 	if errors.Is(err, ErrIncompatible) {
 		return &permanentError{ReasonIncompatible, err}
 	}
 	if err != nil {
 		err = fmt.Errorf("pull %s: %w", ref, err)
-		p.waitAs(ps, "ErrImagePull", err.Error())
-		p.event(ps, corev1.EventTypeWarning, "Failed", "%s", err)
+		p.waitAs(ps, "ErrImagePull", publicMessage(err))
+		p.event(ps, corev1.EventTypeWarning, "Failed", "%s", publicMessage(err))
 		return err
 	}
 	defer release()
 	p.event(ps, corev1.EventTypeNormal, "Pulled", "Image %q (%s) is in this node's cache as snapshot %s (%.3fs)", ref, digest, snap.Name, p.now().Sub(t0).Seconds())
 	if err := CheckFits(pod, snap); err != nil {
 		return &permanentError{ReasonTooSmall, err}
+	}
+	if reason, err := p.admit(ps, pod, snap); err != nil {
+		return &permanentError{reason, err}
 	}
 	imageID, _ := DigestRef(ref, digest)
 	name := BoxName(pod.Namespace, pod.Name, string(pod.UID))
@@ -516,12 +536,14 @@ func (p *Provider) start(ctx context.Context, ps *podState) error {
 	select {
 	case p.clones <- struct{}{}:
 	case <-ctx.Done():
+		p.release(ps)
 		return ctx.Err()
 	}
 	t1 := p.now()
 	box, err := p.lib.Clone(ctx, CloneRequest{Snapshot: snap.Name, Name: name, Hostname: Hostname(pod), Labels: labels})
 	<-p.clones
 	if errors.Is(err, ErrIncompatible) {
+		p.release(ps)
 		return &permanentError{ReasonIncompatible, err}
 	}
 	if errors.Is(err, ErrExists) {
@@ -530,6 +552,7 @@ func (p *Provider) start(ctx context.Context, ps *podState) error {
 		box, err = p.findBox(ctx, name)
 	}
 	if err != nil {
+		p.release(ps)
 		err = fmt.Errorf("clone %s from %s: %w", name, snap.Name, err)
 		p.waitAs(ps, "CreateContainerError", err.Error())
 		p.event(ps, corev1.EventTypeWarning, "Failed", "%s", err)
@@ -773,7 +796,11 @@ func (p *Provider) end(ctx context.Context, ps *podState, change func()) {
 	if box != "" {
 		if err := p.lib.Remove(context.WithoutCancel(ctx), box); err != nil && !errors.Is(err, ErrNotFound) {
 			p.cfg.Log.Warn("the box of a finished pod stays", "pod", ps.key, "box", box, "err", err)
+		} else {
+			p.release(ps)
 		}
+	} else {
+		p.release(ps)
 	}
 	p.update(ps, change)
 }

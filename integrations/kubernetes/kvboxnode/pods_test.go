@@ -8,20 +8,24 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"os"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/virtual-kubelet/virtual-kubelet/node/api"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 
 	agent "kvbox.dev/kvbox/guest-agent"
+	"kvbox.dev/kvbox/snapshot"
 )
 
 // fakeLib is a host in memory: snapshots pulled, boxes cloned, commands
@@ -34,6 +38,31 @@ type fakeLib struct {
 	exitCode int
 	removed  []string
 	n        int
+	// dial, when set, is what Dial connects a box's port to (a guest's
+	// server in the test); else every port is closed.
+	dial func(target string) (net.Conn, error)
+	// console, when set, is the file every box's console log is; consoleRead
+	// counts the bytes read of it.
+	console     string
+	consoleRead atomic.Int64
+	// resolve, when set, answers Resolve (a registry that wants
+	// credentials, or answers an error); resolves counts the calls.
+	resolve  func(ref string, o PullOptions) (string, error)
+	resolves int
+	// size, when set, is the size of the snapshots Pull makes.
+	size *Snapshot
+}
+
+// countedFile is a console log whose reads are counted.
+type countedFile struct {
+	*os.File
+	n *atomic.Int64
+}
+
+func (f countedFile) Read(b []byte) (int, error) {
+	n, err := f.File.Read(b)
+	f.n.Add(int64(n))
+	return n, err
 }
 
 func newFakeLib() *fakeLib {
@@ -112,11 +141,21 @@ func (f *fakeLib) Exec(ctx context.Context, name string, r agent.ExecRequest, st
 	return f.exitCode, nil
 }
 func (f *fakeLib) Dial(ctx context.Context, name, target string) (net.Conn, error) {
+	if f.dial != nil {
+		return f.dial(target)
+	}
 	a, b := net.Pipe()
 	b.Close()
 	return a, nil
 }
 func (f *fakeLib) ConsoleLog(name string) (io.ReadCloser, error) {
+	if f.console != "" {
+		file, err := os.Open(f.console)
+		if err != nil {
+			return nil, err
+		}
+		return countedFile{file, &f.consoleRead}, nil
+	}
 	return io.NopCloser(strings.NewReader("console of " + name + "\n")), nil
 }
 func (f *fakeLib) Stats(ctx context.Context, name string) (BoxStats, error) {
@@ -127,20 +166,52 @@ func (f *fakeLib) Snapshots(context.Context) ([]Snapshot, error) {
 	defer f.mu.Unlock()
 	return slices.Collect(maps.Values(f.snaps)), nil
 }
+func (f *fakeLib) Snapshot(ctx context.Context, name string) (Snapshot, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, ok := f.snaps[name]
+	if !ok {
+		return Snapshot{}, fmt.Errorf("snapshot %s: %w", name, ErrNotFound)
+	}
+	return s, nil
+}
 func (f *fakeLib) RemoveSnapshot(ctx context.Context, name string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	delete(f.snaps, name)
 	return nil
 }
+
+// fakeDigest is the digest every reference resolves to in the fake.
+var fakeDigest = "sha256:" + strings.Repeat("ab", 32)
+
 func (f *fakeLib) Resolve(ctx context.Context, ref string, o PullOptions) (string, error) {
-	return "sha256:" + strings.Repeat("ab", 32), nil
+	f.mu.Lock()
+	f.resolves++
+	resolve := f.resolve
+	f.mu.Unlock()
+	if resolve != nil {
+		return resolve(ref, o)
+	}
+	return fakeDigest, nil
 }
+
+// Pull makes the snapshot as kvbox's pull and libadapter's mark do: a name
+// taken is ErrExists; the snapshot is marked kvbox-node's, with the
+// digest of the REPO@DIGEST reference.
 func (f *fakeLib) Pull(ctx context.Context, ref, name string, o PullOptions) (Snapshot, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if _, ok := f.snaps[name]; ok {
+		return Snapshot{}, fmt.Errorf("snapshot %s: %w", name, ErrExists)
+	}
 	f.pulls++
-	s := Snapshot{Name: name, SizeBytes: 1 << 20, CPUs: 1, Memory: 256 << 20, Disk: 1 << 30}
+	_, digest, _ := strings.Cut(ref, "@")
+	s := Snapshot{SizeBytes: 1 << 20, CPUs: 1, Memory: 256 << 20, Disk: 1 << 30}
+	if f.size != nil {
+		s = *f.size
+	}
+	s.Name, s.Owner, s.OwnerDigest = name, snapshot.OwnerKvboxNode, digest
 	f.snaps[name] = s
 	return s, nil
 }
@@ -182,10 +253,14 @@ func testProvider(t *testing.T, lib *fakeLib, pods *apiPods) (*Provider, context
 	return p, cancel
 }
 
+// testPod is a pod of the fake's snapshot (1 vCPU, 256 MiB), requesting
+// its size.
 func testPod(name, uid string, command ...string) *corev1.Pod {
 	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "team", Name: name, UID: types.UID(uid)},
 		Spec: corev1.PodSpec{NodeName: "kvbox-a", RestartPolicy: corev1.RestartPolicyNever,
-			Containers: []corev1.Container{{Name: "box", Image: "127.0.0.1:5000/team/web:v1", Command: command}}}}
+			Containers: []corev1.Container{{Name: "box", Image: "127.0.0.1:5000/team/web:v1", Command: command,
+				Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+					corev1.ResourceCPU: resource.MustParse("1"), corev1.ResourceMemory: resource.MustParse("256Mi")}}}}}}
 }
 
 // waitStatus polls the provider's view of a pod until ok (bounded by the

@@ -243,27 +243,41 @@ func RunAsUser(p *corev1.Pod) (uid int64, ok bool) {
 	return 0, false
 }
 
-// CheckFits refuses a pod whose container limits are smaller than the
+// CheckFits refuses a pod whose container asks for less than the
 // snapshot's box: a clone has the snapshot's vCPUs, RAM and disk, and
-// cannot honour less.
+// cannot honour less. Its requests of cpu and memory must be at least the
+// snapshot's vCPUs and RAM (a pod without requests asks for nothing, and
+// is refused: the scheduler would count it as nothing); a limit, and a
+// request of ephemeral-storage, given below the snapshot's size is
+// refused too. The line says what the snapshot needs.
 func CheckFits(p *corev1.Pod, s Snapshot) error {
-	lim := p.Spec.Containers[0].Resources.Limits
+	res := p.Spec.Containers[0].Resources
 	for _, x := range []struct {
-		name corev1.ResourceName
-		has  *resource.Quantity
-		what string
+		name     corev1.ResourceName
+		has      *resource.Quantity
+		what     string
+		required bool // as a request
 	}{
-		{corev1.ResourceCPU, resource.NewQuantity(int64(s.CPUs), resource.DecimalSI), "vCPUs"},
-		{corev1.ResourceMemory, resource.NewQuantity(s.Memory, resource.BinarySI), "RAM"},
-		{corev1.ResourceEphemeralStorage, resource.NewQuantity(s.Disk, resource.BinarySI), "disk"},
+		{corev1.ResourceCPU, resource.NewQuantity(int64(s.CPUs), resource.DecimalSI), "vCPUs", true},
+		{corev1.ResourceMemory, resource.NewQuantity(s.Memory, resource.BinarySI), "RAM", true},
+		{corev1.ResourceEphemeralStorage, resource.NewQuantity(s.Disk, resource.BinarySI), "disk", false},
 	} {
-		q, ok := lim[x.name]
-		if !ok || x.has.IsZero() {
+		if x.has.IsZero() {
 			continue
 		}
-		if q.Cmp(*x.has) < 0 {
-			return fmt.Errorf("pod %s/%s: limits.%s %s is less than the snapshot's %s (%s): a clone has its snapshot's size; raise the limit or leave it out",
-				p.Namespace, p.Name, x.name, q.String(), x.what, x.has.String())
+		for _, l := range []struct {
+			kind string
+			list corev1.ResourceList
+		}{{"requests", res.Requests}, {"limits", res.Limits}} {
+			q, ok := l.list[x.name]
+			switch {
+			case !ok && l.kind == "requests" && x.required:
+				return fmt.Errorf("pod %s/%s: no requests.%s: the pod asks for none, and its snapshot's box has %s %s (a clone has its snapshot's size); give %s",
+					p.Namespace, p.Name, x.name, x.has.String(), x.what, needs(s))
+			case ok && q.Cmp(*x.has) < 0:
+				return fmt.Errorf("pod %s/%s: %s.%s %s is less than the snapshot's %s (%s): a clone has its snapshot's size; give at least %s",
+					p.Namespace, p.Name, l.kind, x.name, q.String(), x.what, x.has.String(), needs(s))
+			}
 		}
 	}
 	return nil

@@ -1,70 +1,74 @@
 package kvboxnode
 
 import (
-	"encoding/base64"
-	"encoding/json"
-	"strings"
+	"context"
+	"fmt"
 
+	"github.com/google/go-containerregistry/pkg/authn"
+	k8schain "github.com/google/go-containerregistry/pkg/authn/kubernetes"
 	"github.com/google/go-containerregistry/pkg/name"
 	corev1 "k8s.io/api/core/v1"
 )
 
-// dockerAuth is one registry's entry of a docker config.
-type dockerAuth struct {
-	Username string `json:"username"`
-	Password string `json:"password"`
-	Auth     string `json:"auth"` // base64 of user:password
-}
-
-// DockerCredentials are the credentials an imagePullSecret (of type
-// kubernetes.io/dockerconfigjson or kubernetes.io/dockercfg) holds for
-// ref's registry; ok is false when it holds none.
-func DockerCredentials(s *corev1.Secret, ref string) (PullOptions, bool) {
-	r, err := name.ParseReference(ref, name.WeakValidation)
-	if err != nil {
-		return PullOptions{}, false
-	}
-	host := r.Context().RegistryStr()
-	var auths map[string]dockerAuth
-	switch s.Type {
-	case corev1.SecretTypeDockerConfigJson:
-		var cfg struct {
-			Auths map[string]dockerAuth `json:"auths"`
-		}
-		if json.Unmarshal(s.Data[corev1.DockerConfigJsonKey], &cfg) != nil {
-			return PullOptions{}, false
-		}
-		auths = cfg.Auths
-	case corev1.SecretTypeDockercfg:
-		if json.Unmarshal(s.Data[corev1.DockerConfigKey], &auths) != nil {
-			return PullOptions{}, false
-		}
-	default:
-		return PullOptions{}, false
-	}
-	for k, a := range auths {
-		if registryHost(k) != host {
+// PullKeychain is the keychain of one pod's pull: the credentials its
+// imagePullSecrets hold for the image's repository (matched as a kubelet
+// matches them: host with wildcards, port, path prefix; the first secret
+// that matches wins), else the node's (nil: none), else anonymous. A
+// secret that is no docker config is skipped, as a kubelet does, and
+// reported in skipped.
+func PullKeychain(ctx context.Context, secrets []corev1.Secret, node authn.Keychain) (kc authn.Keychain, skipped []error) {
+	var chain []authn.Keychain
+	for _, s := range secrets {
+		k, err := k8schain.NewFromPullSecrets(ctx, []corev1.Secret{s})
+		if err != nil {
+			skipped = append(skipped, fmt.Errorf("imagePullSecret %q: %w", s.Name, err))
 			continue
 		}
-		if a.Username == "" && a.Auth != "" {
-			if b, err := base64.StdEncoding.DecodeString(a.Auth); err == nil {
-				a.Username, a.Password, _ = strings.Cut(string(b), ":")
-			}
-		}
-		if a.Username != "" {
-			return PullOptions{Username: a.Username, Password: a.Password}, true
-		}
+		chain = append(chain, k)
 	}
-	return PullOptions{}, false
+	if node != nil {
+		chain = append(chain, node)
+	}
+	return authn.NewMultiKeychain(chain...), skipped
 }
 
-// registryHost is the registry of a docker config key, which may be a
-// URL ("https://index.docker.io/v1/") or a host.
-func registryHost(k string) string {
-	k = strings.TrimPrefix(strings.TrimPrefix(k, "https://"), "http://")
-	k, _, _ = strings.Cut(k, "/")
-	if k == "docker.io" {
-		return name.DefaultRegistry
+// NodeKeychain is the node's own credentials (docker's config and its
+// credential helpers, as root reads them: authn.DefaultKeychain) for the
+// registries --node-credentials-for names, and none for any other: every
+// pod that names an image of those registries gets them.
+type NodeKeychain struct {
+	Registries map[string]bool // HOST[:PORT], as a reference names it
+	Keychain   authn.Keychain  // nil: authn.DefaultKeychain
+}
+
+func (k NodeKeychain) Resolve(r authn.Resource) (authn.Authenticator, error) {
+	if !k.Registries[r.RegistryStr()] {
+		return authn.Anonymous, nil
 	}
-	return k
+	if k.Keychain == nil {
+		return authn.DefaultKeychain.Resolve(r)
+	}
+	return k.Keychain.Resolve(r)
+}
+
+// Credentialed says whether o sends credentials for ref's repository:
+// what it pulls is then not for every pod of the node (Cache.Acquire).
+// A keychain that cannot say counts as sending some.
+func Credentialed(o PullOptions, ref string) bool {
+	if o.Keychain == nil {
+		return false
+	}
+	r, err := name.ParseReference(ref, name.WeakValidation)
+	if err != nil {
+		return true
+	}
+	a, err := o.Keychain.Resolve(r.Context())
+	if err != nil {
+		return true
+	}
+	if a == authn.Anonymous {
+		return false
+	}
+	cfg, err := a.Authorization()
+	return err != nil || cfg == nil || *cfg != authn.AuthConfig{}
 }

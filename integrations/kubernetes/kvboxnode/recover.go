@@ -49,6 +49,9 @@ func (p *Provider) Recover(ctx context.Context) (found, removed []string, err er
 				errs = append(errs, err)
 			}
 		}
+		if !ps.terminal() {
+			p.hold(ps, pod, b)
+		}
 		p.resume(ps)
 		found = append(found, ps.key)
 	}

@@ -3,6 +3,7 @@ package kvboxnode
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -20,6 +21,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/sirupsen/logrus"
 	vklog "github.com/virtual-kubelet/virtual-kubelet/log"
 	vklogrus "github.com/virtual-kubelet/virtual-kubelet/log/logrus"
@@ -77,8 +79,19 @@ type Config struct {
 	// CacheBudget is the disk the snapshot cache may hold (0: no limit).
 	CacheBudget int64
 	// InsecureRegistries are registries (HOST[:PORT]) spoken to in plain
-	// HTTP.
+	// HTTP; every other is spoken to over HTTPS only.
 	InsecureRegistries []string
+	// NodeCredentialsFor are registries (HOST[:PORT]) for which every pod
+	// pulls with the node's own credentials (root's docker config and
+	// credential helpers); any other gets a pod's own imagePullSecrets'
+	// or none.
+	NodeCredentialsFor []string
+	// MaxSnapshotCPUs, MaxSnapshotMemory and MaxSnapshotDisk cap what a
+	// pulled snapshot may be (0: the node's CPUs, the node's memory, the
+	// size of the state dir's filesystem).
+	MaxSnapshotCPUs   int
+	MaxSnapshotMemory int64
+	MaxSnapshotDisk   int64
 	// RuntimeClass is the RuntimeClass a pod may name ("": kvbox).
 	RuntimeClass string
 	// Workers is how many pods virtual-kubelet syncs at once (0: twice
@@ -261,8 +274,25 @@ func startPods(ctx context.Context, client kubernetes.Interface, c Config, lib L
 	if err := cache.Load(ctx); err != nil {
 		return nil, nil, nil, fmt.Errorf("snapshot cache: %w", err)
 	}
+	maxDisk := c.MaxSnapshotDisk
+	if maxDisk == 0 {
+		var fs unix.Statfs_t
+		if err := unix.Statfs(c.StateDir, &fs); err != nil {
+			return nil, nil, nil, fmt.Errorf("the state dir's filesystem: %w", err)
+		}
+		maxDisk = int64(fs.Blocks) * fs.Bsize
+	}
+	cache.SetSnapshotCaps(cmp.Or(c.MaxSnapshotCPUs, capacity.CPUs), cmp.Or(c.MaxSnapshotMemory, capacity.Memory), maxDisk)
+	var nodeCreds authn.Keychain
+	if len(c.NodeCredentialsFor) > 0 {
+		regs := map[string]bool{}
+		for _, r := range c.NodeCredentialsFor {
+			regs[r] = true
+		}
+		nodeCreds = NodeKeychain{Registries: regs}
+	}
 	prov := NewProvider(ctx, lib, cache, ProviderConfig{NodeName: c.Name, NodeIP: c.Address.String(), RuntimeClass: c.RuntimeClass,
-		Dir: dir, Allocatable: capacity.ResourceList(), Objects: apiObjects{client}, Recorder: recorder, Log: c.Log,
+		Dir: dir, Allocatable: capacity.ResourceList(), NodeCredentials: nodeCreds, Objects: apiObjects{client}, Recorder: recorder, Log: c.Log,
 		GetPod: func(ctx context.Context, ns, name string) (*corev1.Pod, error) {
 			return client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
 		},

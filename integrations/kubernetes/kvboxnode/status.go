@@ -190,8 +190,19 @@ func probePort(pod *corev1.Pod, v intstr.IntOrString) (string, bool) {
 	return "", false
 }
 
+// What an httpGet probe reads of the guest's answer: its status line and
+// headers, and of its body (read and dropped, as a kubelet reads at most
+// this much of it).
+const (
+	maxProbeHeaderBytes = 64 << 10
+	maxProbeBodyBytes   = 10 << 10
+)
+
 // probeHTTP is an httpGet probe: one request through the box's agent
 // (over TLS unverified for HTTPS, as a kubelet), passed by a 2xx or 3xx.
+// The guest's answer is untrusted: at most maxProbeHeaderBytes of status
+// line and headers and maxProbeBodyBytes of body are read, and nothing
+// after ctx's deadline (the probe's timeoutSeconds).
 func (p *Provider) probeHTTP(ctx context.Context, box, ip string, pod *corev1.Pod, g *corev1.HTTPGetAction) bool {
 	pt, ok := probePort(pod, g.Port)
 	if !ok {
@@ -202,6 +213,10 @@ func (p *Provider) probeHTTP(ctx context.Context, box, ip string, pod *corev1.Po
 		return false
 	}
 	defer conn.Close()
+	// A read blocked past the deadline ends with the connection, whether
+	// or not the stream honours deadlines.
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
 	if d, ok := ctx.Deadline(); ok {
 		conn.SetDeadline(d)
 	}
@@ -224,10 +239,15 @@ func (p *Provider) probeHTTP(ctx context.Context, box, ip string, pod *corev1.Po
 	if err := req.Write(conn); err != nil {
 		return false
 	}
-	resp, err := http.ReadResponse(bufio.NewReader(conn), req)
+	// The status line and headers within their bound: past it the read
+	// ends, and a header cut short fails the probe.
+	lr := &io.LimitedReader{R: conn, N: maxProbeHeaderBytes}
+	resp, err := http.ReadResponse(bufio.NewReaderSize(lr, 4<<10), req)
 	if err != nil {
 		return false
 	}
+	lr.N += maxProbeBodyBytes
+	io.Copy(io.Discard, io.LimitReader(resp.Body, maxProbeBodyBytes))
 	resp.Body.Close()
 	return resp.StatusCode >= 200 && resp.StatusCode < 400
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -86,53 +87,69 @@ func (p *Provider) GetContainerLogs(ctx context.Context, namespace, name, contai
 }
 
 // consoleLogs is the box's console log; it has no times, so --since and
-// --timestamps do not apply to it.
+// --timestamps do not apply to it. Followed (-f), the log is read once
+// from its start and then on from where the last read ended: what the
+// console prints later is read once, never the whole file again.
 func (p *Provider) consoleLogs(ctx context.Context, box string, o api.ContainerLogOpts) (io.ReadCloser, error) {
 	r, err := p.lib.ConsoleLog(box)
 	if err != nil {
 		return nil, err
 	}
 	b, err := io.ReadAll(r)
-	r.Close()
 	if err != nil {
+		r.Close()
 		return nil, err
 	}
 	b = tailLines(b, o.Tail)
 	if !o.Follow {
+		r.Close()
 		return limited(io.NopCloser(bytes.NewReader(b)), o), nil
 	}
 	pr, pw := io.Pipe()
 	go func() {
+		defer r.Close()
 		if _, err := pw.Write(b); err != nil {
 			return
 		}
-		var seen int64
-		if r, err := p.lib.ConsoleLog(box); err == nil {
-			seen, _ = io.Copy(io.Discard, r)
-			r.Close()
-		}
-		for sleep(ctx, 500*time.Millisecond) {
-			r, err := p.lib.ConsoleLog(box)
-			if err != nil {
-				pw.CloseWithError(err)
-				return
-			}
-			all, err := io.ReadAll(r)
-			r.Close()
-			if err != nil {
-				pw.CloseWithError(err)
-				return
-			}
-			if int64(len(all)) > seen {
-				if _, err := pw.Write(all[seen:]); err != nil {
-					return
-				}
-				seen = int64(len(all))
-			}
-		}
-		pw.CloseWithError(ctx.Err())
+		pw.CloseWithError(followConsole(ctx, r, pw))
 	}()
 	return limited(pr, o), nil
+}
+
+// followConsole copies what is appended to the console log r (read to its
+// end already) to w until ctx ends, looking every half second. A log cut
+// shorter than what was read (the console started again) is read from its
+// start.
+func followConsole(ctx context.Context, r io.Reader, w io.Writer) error {
+	f, _ := r.(interface {
+		Stat() (os.FileInfo, error)
+		Seek(int64, int) (int64, error)
+	})
+	buf := make([]byte, 32<<10)
+	for sleep(ctx, 500*time.Millisecond) {
+		if f != nil {
+			if at, err := f.Seek(0, io.SeekCurrent); err == nil {
+				if fi, err := f.Stat(); err == nil && fi.Size() < at {
+					f.Seek(0, io.SeekStart)
+				}
+			}
+		}
+		for {
+			n, err := r.Read(buf)
+			if n > 0 {
+				if _, werr := w.Write(buf[:n]); werr != nil {
+					return werr
+				}
+			}
+			if err == io.EOF || n == 0 && err == nil {
+				break
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return ctx.Err()
 }
 
 // RunInContainer is kubectl exec: cmd runs in the pod's box through its

@@ -7,10 +7,13 @@ package libadapter
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"time"
+
+	"github.com/google/go-containerregistry/pkg/authn"
 
 	"kvbox.dev/kvbox/base"
 	agent "kvbox.dev/kvbox/guest-agent"
@@ -168,8 +171,18 @@ func (x *host) Stats(ctx context.Context, name string) (kvboxnode.BoxStats, erro
 	return kvboxnode.BoxStats{At: s.At, CPUTime: s.CPUTime, Private: s.Private, Shared: s.Shared}, kind(err)
 }
 
+// snap is s in kvboxnode's words, with its owner mark; a mark that cannot
+// be read is no mark of kvbox-node's (logged).
 func snap(s snapshot.Snapshot) kvboxnode.Snapshot {
-	return kvboxnode.Snapshot{Name: s.Name, SizeBytes: s.SizeBytes, CPUs: s.CPUs, Memory: s.MemoryBytes, Disk: s.DiskBytes}
+	out := kvboxnode.Snapshot{Name: s.Name, SizeBytes: s.SizeBytes, CPUs: s.CPUs, Memory: s.MemoryBytes, Disk: s.DiskBytes}
+	o, ok, err := snapshot.OwnerOf(s)
+	if err != nil {
+		slog.Warn("kvbox: a snapshot's owner mark", "snapshot", s.Name, "err", err)
+	}
+	if ok {
+		out.Owner, out.OwnerDigest = o.Owner, o.Digest
+	}
+	return out
 }
 
 func (x *host) Snapshots(ctx context.Context) ([]kvboxnode.Snapshot, error) {
@@ -184,12 +197,29 @@ func (x *host) Snapshots(ctx context.Context) ([]kvboxnode.Snapshot, error) {
 	return out, nil
 }
 
+func (x *host) Snapshot(ctx context.Context, name string) (kvboxnode.Snapshot, error) {
+	s, err := x.k.GetSnapshot(ctx, name)
+	if err != nil {
+		return kvboxnode.Snapshot{}, kind(err)
+	}
+	return snap(s), nil
+}
+
 func (x *host) RemoveSnapshot(ctx context.Context, name string) error {
 	return kind(x.k.RemoveSnapshot(ctx, name))
 }
 
+// options are the library's registry options of a pod's pull: HTTPS only
+// unless the registry is one the operator named insecure, the pod's
+// keychain and no other credentials (not root's docker config: without a
+// keychain none are sent), the node's caps on a snapshot's size.
 func options(o kvboxnode.PullOptions) kvbox.RegistryOptions {
-	return kvbox.RegistryOptions{Insecure: o.Insecure, Username: o.Username, Password: o.Password}
+	kc := o.Keychain
+	if kc == nil {
+		kc = authn.NewMultiKeychain() // resolves to anonymous
+	}
+	return kvbox.RegistryOptions{Insecure: o.Insecure, SecureOnly: true, Keychain: kc,
+		MaxCPUs: o.MaxCPUs, MaxMemoryBytes: o.MaxMemory, MaxDiskBytes: o.MaxDisk}
 }
 
 func (x *host) Resolve(ctx context.Context, ref string, o kvboxnode.PullOptions) (string, error) {
@@ -197,10 +227,19 @@ func (x *host) Resolve(ctx context.Context, ref string, o kvboxnode.PullOptions)
 	return d, kind(err)
 }
 
+// Pull pulls the artifact and marks the snapshot kvbox-node's, with the
+// artifact's digest (snapshot.SetOwner); a snapshot it could not mark is
+// removed again.
 func (x *host) Pull(ctx context.Context, ref, name string, o kvboxnode.PullOptions) (kvboxnode.Snapshot, error) {
 	res, err := x.k.Pull(ctx, ref, name, options(o))
 	if err != nil {
 		return kvboxnode.Snapshot{}, kind(err)
+	}
+	if err := snapshot.SetOwner(res.Snapshot, snapshot.Owner{Owner: snapshot.OwnerKvboxNode, Digest: res.Digest}); err != nil {
+		if rerr := x.k.RemoveSnapshot(context.WithoutCancel(ctx), name); rerr != nil {
+			err = fmt.Errorf("%w (and the unmarked snapshot stays: %v)", err, rerr)
+		}
+		return kvboxnode.Snapshot{}, err
 	}
 	return snap(res.Snapshot), nil
 }

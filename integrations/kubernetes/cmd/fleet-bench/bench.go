@@ -13,9 +13,11 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 
+	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
 	"kvbox.dev/kvbox/testenv/benchstat"
 )
@@ -83,7 +85,9 @@ func warmUp(ctx context.Context, f *fleet, tr *tracker, id, ref, digest string) 
 	if err != nil {
 		return "", err
 	}
-	snap = kvboxnode.CacheName(digest)
+	if snap, err = f.cachedSnapshot(digest); err != nil {
+		return "", err
+	}
 	say("first pod Running %.0f ms after its creation (its pull included); the node caches the snapshot as %s", ms(first.running), snap)
 	if _, err := f.kvbox("new", "--from", snap, "fleetbench-cli-first"); err != nil {
 		return "", err
@@ -241,9 +245,14 @@ func pushSource(ctx context.Context, o *options, cl *cleanups, id string) (ref, 
 	return ref, d.Digest.String(), nil
 }
 
-func podSpec(ref string) corev1.PodSpec {
+// podSpec is a pod of the bench's snapshot, requesting its size (1 vCPU,
+// the source box's RAM): a kvbox node refuses a pod that asks for less.
+func podSpec(o *options, ref string) corev1.PodSpec {
 	rc := kvboxnode.DefaultRuntimeClass
-	return corev1.PodSpec{RuntimeClassName: &rc, Containers: []corev1.Container{{Name: "box", Image: ref}}}
+	mem, _ := base.ParseSize(o.memory) // checked by main
+	req := corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("1"), corev1.ResourceMemory: *resource.NewQuantity(mem, resource.BinarySI)}
+	return corev1.PodSpec{RuntimeClassName: &rc, Containers: []corev1.Container{{Name: "box", Image: ref,
+		Resources: corev1.ResourceRequirements{Requests: req}}}}
 }
 
 type podTimes struct{ running, ready time.Duration }
@@ -253,7 +262,7 @@ type podTimes struct{ running, ready time.Duration }
 // (its box removed by the node), untimed.
 func timePod(ctx context.Context, f *fleet, tr *tracker, podName, ref string) (podTimes, error) {
 	pods := f.client.CoreV1().Pods(ns)
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: podName, Labels: map[string]string{benchLabel: "pod"}}, Spec: podSpec(ref)}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: podName, Labels: map[string]string{benchLabel: "pod"}}, Spec: podSpec(f.o, ref)}
 	t0 := time.Now()
 	made, err := pods.Create(ctx, pod, metav1.CreateOptions{})
 	if err != nil {
@@ -309,7 +318,7 @@ func timeScale(ctx context.Context, f *fleet, tr *tracker, depName, ref string, 
 	zero := int32(0)
 	dep := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Name: depName, Labels: map[string]string{benchLabel: "deployment"}},
 		Spec: appsv1.DeploymentSpec{Replicas: &zero, Selector: &metav1.LabelSelector{MatchLabels: labels},
-			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: podSpec(ref)}}}
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: podSpec(f.o, ref)}}}
 	if _, err := deps.Create(ctx, dep, metav1.CreateOptions{}); err != nil {
 		return scaleTimes{}, err
 	}

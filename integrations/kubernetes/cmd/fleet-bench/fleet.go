@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -20,6 +21,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"kvbox.dev/kvbox/integrations/kubernetes/kvboxnode"
 )
 
 const (
@@ -150,7 +153,10 @@ func (f *fleet) startNode(nodeBin, creds string, cl *cleanups) (exited chan erro
 	f.node = detached(exec.Command(nodeBin, "--name", nodeName, "--node-address", nodeAddr,
 		"--kubeconfig", filepath.Join(creds, "kubeconfig"), "--tls-cert-file", filepath.Join(creds, "kubelet.crt"),
 		"--tls-private-key-file", filepath.Join(creds, "kubelet.key"), "--client-ca-file", filepath.Join(creds, "ca.crt"),
-		"--state-dir", f.o.nodeDir, "--bridge", f.o.bridge, "--insecure-registry", f.o.registry, "--status-interval", "2s"))
+		"--state-dir", f.o.nodeDir, "--bridge", f.o.bridge, "--insecure-registry", f.o.registry, "--status-interval", "2s",
+		// Each pod requests its snapshot's vCPU: room for the Deployment
+		// and the pods timed one at a time, whatever this host's CPUs.
+		"--cpus", strconv.Itoa(f.o.replicas+2)))
 	f.node.Stdout, f.node.Stderr = logf, logf
 	if err := f.node.Start(); err != nil {
 		logf.Close()
@@ -299,4 +305,21 @@ func readEnv(path string) (map[string]string, error) {
 func lastLine(s string) string {
 	lines := strings.Split(strings.TrimSpace(s), "\n")
 	return lines[len(lines)-1]
+}
+
+// cachedSnapshot is the snapshot of digest in the node's cache: its name
+// begins with kvboxnode.CacheNamePrefix (the rest is drawn at its pull).
+func (f *fleet) cachedSnapshot(digest string) (string, error) {
+	var snaps []struct {
+		Name string `json:"name"`
+	}
+	if err := kvboxJSON(f.o.kvbox, &snaps, "--state-dir", f.o.nodeDir, "snapshots", "ls", "--json"); err != nil {
+		return "", err
+	}
+	for _, s := range snaps {
+		if strings.HasPrefix(s.Name, kvboxnode.CacheNamePrefix(digest)+"-") {
+			return s.Name, nil
+		}
+	}
+	return "", fmt.Errorf("no snapshot of %s in the node's state dir %s", digest, f.o.nodeDir)
 }

@@ -34,6 +34,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"kvbox.dev/kvbox/base"
 )
 
 const testNetns = "kvbox-test"
@@ -75,6 +77,9 @@ func main() {
 	}
 	if o.n < 1 || o.replicas < 1 {
 		fatal(fmt.Errorf("-n %d, -replicas %d: give at least 1 each", o.n, o.replicas))
+	}
+	if _, err := base.ParseSize(o.memory); err != nil {
+		fatal(fmt.Errorf("-memory %q: %w", o.memory, err))
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 	defer stop()

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -44,7 +45,7 @@ type options struct {
 	lib                                          libadapter.Config
 	address, subnet, domType                     string
 	memory, reserved, minFreeDisk, minFreeMemory string
-	cacheSize                                    string
+	cacheSize, maxSnapMemory, maxSnapDisk        string
 }
 
 func newCmd() *cobra.Command {
@@ -122,12 +123,21 @@ func (o *options) parse() error {
 		to      *int64
 	}{{"--memory", o.memory, &o.c.Capacity.Memory}, {"--reserved-memory", o.reserved, &o.c.Capacity.ReservedMemory},
 		{"--min-free-disk", o.minFreeDisk, &o.c.Thresholds.MinFreeDisk}, {"--min-free-memory", o.minFreeMemory, &o.c.Thresholds.MinFreeMemory},
-		{"--snapshot-cache-size", o.cacheSize, &o.c.CacheBudget}} {
+		{"--snapshot-cache-size", o.cacheSize, &o.c.CacheBudget},
+		{"--max-snapshot-memory", o.maxSnapMemory, &o.c.MaxSnapshotMemory}, {"--max-snapshot-disk", o.maxSnapDisk, &o.c.MaxSnapshotDisk}} {
 		v, err := resource.ParseQuantity(q.v)
 		if err != nil {
 			return fmt.Errorf("%s %q is not a quantity like 8Gi", q.flag, q.v)
 		}
 		*q.to = v.Value()
+	}
+	if o.c.MaxSnapshotCPUs < 0 || o.c.MaxSnapshotMemory < 0 || o.c.MaxSnapshotDisk < 0 {
+		return fmt.Errorf("--max-snapshot-cpus, --max-snapshot-memory and --max-snapshot-disk cannot be negative")
+	}
+	for _, r := range o.c.NodeCredentialsFor {
+		if r == "" || strings.ContainsAny(r, "/ ") {
+			return fmt.Errorf("--node-credentials-for %q: give registries as HOST[:PORT], as an image reference names them", r)
+		}
 	}
 	if o.c.Interval <= 0 {
 		return fmt.Errorf("--status-interval %s: give a positive duration", o.c.Interval)
@@ -152,7 +162,8 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&c.Bridge, "bridge", envOr("KVBOX_BRIDGE", network.Default.Bridge), "bridge this node's boxes are put on (KVBOX_BRIDGE)")
 	f.StringVar(&o.subnet, "subnet", "podcidr", "subnet of this node's boxes: podcidr for the node's podCIDR (the cluster's node IPAM), so that pod addresses are unique in the cluster, or a subnet")
 	f.StringVar(&o.domType, "domain-type", envOr("KVBOX_DOMAIN_TYPE", "auto"), "libvirt domain type: auto (kvm where the host offers it), kvm or qemu (KVBOX_DOMAIN_TYPE)")
-	f.IntVar(&c.Capacity.CPUs, "cpus", 0, "vCPUs kvbox may commit on this node; 0: the host's CPUs")
+	cpus, _ := strconv.Atoi(os.Getenv("KVBOX_NODE_CPUS"))
+	f.IntVar(&c.Capacity.CPUs, "cpus", cpus, "vCPUs kvbox may commit on this node (each pod requests its snapshot's vCPUs); 0: the host's CPUs (KVBOX_NODE_CPUS)")
 	f.StringVar(&o.memory, "memory", "0", "RAM kvbox may commit on this node, e.g. 16Gi; 0: the host's less --reserved-memory")
 	f.StringVar(&o.reserved, "reserved-memory", "1Gi", "RAM kept for the host when --memory is derived")
 	f.IntVar(&c.Capacity.MaxBoxes, "max-boxes", 0, fmt.Sprintf("boxes this node runs at most; 0: %d, or fewer if the subnet has fewer addresses", kvboxnode.DefaultMaxBoxes))
@@ -160,7 +171,11 @@ func (o *options) addFlags(cmd *cobra.Command) {
 	f.StringVar(&o.minFreeMemory, "min-free-memory", "256Mi", "the node reports MemoryPressure with less host memory available")
 	f.DurationVar(&c.Interval, "status-interval", 10*time.Second, "how often the host's health is looked at")
 	f.StringVar(&o.cacheSize, "snapshot-cache-size", "20Gi", "disk the node's snapshot cache may hold; past it the least recently used snapshot no box is cloned from goes (0: no limit)")
-	f.StringArrayVar(&c.InsecureRegistries, "insecure-registry", nil, "a registry (HOST[:PORT]) spoken to in plain HTTP (repeatable)")
+	f.StringArrayVar(&c.InsecureRegistries, "insecure-registry", nil, "a registry (HOST[:PORT]) spoken to in plain HTTP (repeatable); every other is spoken to over HTTPS only, loopback and private hosts too")
+	f.StringSliceVar(&c.NodeCredentialsFor, "node-credentials-for", nil, "registries (HOST[:PORT],...) for which every pod of this node pulls with the node's own credentials (root's docker config and credential helpers); a pod pulls from any other with its own imagePullSecrets, or anonymously")
+	f.IntVar(&c.MaxSnapshotCPUs, "max-snapshot-cpus", 0, "the most vCPUs a pulled snapshot may have; 0: the node's CPUs")
+	f.StringVar(&o.maxSnapMemory, "max-snapshot-memory", "0", "the most RAM a pulled snapshot may have, e.g. 8Gi; 0: the node's memory")
+	f.StringVar(&o.maxSnapDisk, "max-snapshot-disk", "0", "the largest disk a pulled snapshot may have, e.g. 100Gi; 0: the size of the state dir's filesystem")
 	f.StringVar(&c.RuntimeClass, "runtime-class", kvboxnode.DefaultRuntimeClass, "the RuntimeClass a pod may name")
 	f.IntVar(&c.Workers, "workers", 0, "pods synced at once (0: twice the CPUs)")
 }
