@@ -100,3 +100,20 @@ func (h *Host) Snapshots(ctx context.Context) ([]SnapshotInfo, error) {
 func (h *Host) GetSnapshot(ctx context.Context, name string) (snapshot.Snapshot, error) {
 	return h.snaps.Get(name)
 }
+
+// SnapshotOwner is the program that keeps snapshot name for itself (its
+// owner mark, snapshot.OwnerFile: kvbox-node's cache), "" for one no
+// program marked. A front that lets others make, clone or remove
+// snapshots leaves a marked one alone; a mark that cannot be read is
+// reported as an error, which such a front takes as a mark.
+func (h *Host) SnapshotOwner(ctx context.Context, name string) (string, error) {
+	s, err := h.snaps.Get(name)
+	if err != nil {
+		return "", err
+	}
+	o, ok, err := snapshot.OwnerOf(s)
+	if err != nil || !ok {
+		return "", err
+	}
+	return o.Owner, nil
+}

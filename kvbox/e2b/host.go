@@ -6,7 +6,9 @@ package e2b
 
 import (
 	"context"
+	"errors"
 	"net"
+	"slices"
 	"time"
 
 	"kvbox.dev/kvbox/base"
@@ -52,7 +54,25 @@ func serveBox(b kvbox.Box) serve.Box {
 		SuspendAtExpiry: b.SuspendsAtExpiry()}
 }
 
+// othersOwn says snapshot name is kept by another program for itself
+// (kvbox-node's cache marks its own): serve neither lists, clones nor
+// removes it, whatever its API key's holder asks. A mark that cannot be
+// read counts as one.
+func (sh serveHost) othersOwn(ctx context.Context, name string) bool {
+	owner, err := sh.k.SnapshotOwner(ctx, name)
+	return owner != "" || err != nil && !errors.Is(err, base.ErrNotFound)
+}
+
+// notServes is the answer for a snapshot othersOwn: to serve's clients it
+// is not there.
+func notServes(name string) error {
+	return kindError{base.Errorf(base.NotFound, "snapshot %q does not exist for kvbox serve (another program keeps it for itself)", name), serve.ErrNotFound}
+}
+
 func (sh serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.Box, error) {
+	if sh.othersOwn(ctx, req.Snapshot) {
+		return serve.Box{}, notServes(req.Snapshot)
+	}
 	b, _, err := sh.k.Clone(ctx, kvbox.CloneRequest{Snapshot: req.Snapshot, Name: req.Name, Expires: req.Expires,
 		SuspendAtExpiry: req.SuspendAtExpiry, Labels: req.Labels, NoInternet: req.NoInternet, Envd: req.Envd})
 	return serveBox(b), serveErr(err)
@@ -104,12 +124,18 @@ func (sh serveHost) Snapshot(ctx context.Context, box, name string, expires *tim
 
 func (sh serveHost) Snapshots(ctx context.Context) ([]serve.Snapshot, error) {
 	snaps, err := sh.k.Snapshots(ctx)
+	if err == nil {
+		snaps = slices.DeleteFunc(snaps, func(s kvbox.SnapshotInfo) bool { return sh.othersOwn(ctx, s.Name) })
+	}
 	return each(snaps, err, func(s kvbox.SnapshotInfo) serve.Snapshot {
 		return serve.Snapshot{Name: s.Name, Box: s.Box, Created: s.Created, Expires: s.Expires}
 	})
 }
 
 func (sh serveHost) RemoveSnapshot(ctx context.Context, name string) error {
+	if sh.othersOwn(ctx, name) {
+		return notServes(name)
+	}
 	return serveErr(sh.k.RemoveSnapshot(ctx, name))
 }
 
