@@ -15,6 +15,7 @@ import (
 	"strings"
 	"testing"
 
+	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/guest-agent/envd/envdtest"
 )
 
@@ -156,8 +157,8 @@ func secretsStep(t *testing.T, p *serveProc, template, page string) {
 	if st.Fork != nil {
 		clientTokens = append(clientTokens, st.Fork.Token)
 	}
-	noSecrets := func(what, dir string) {
-		sc := scanBlobs(t, dir, []string{st.Source.Token, sig}, false)
+	noSecrets := func(what, dir string) blobScan {
+		sc := scanBlobs(t, dir, []string{st.Source.Token, sig}, true)
 		t.Logf("%s: %d bytes read", what, sc.bytes)
 		if sc.bytes == 0 {
 			t.Errorf("%s: nothing to scan in %s", what, dir)
@@ -165,9 +166,27 @@ func secretsStep(t *testing.T, p *serveProc, template, page string) {
 		for nd, files := range sc.found {
 			t.Errorf("%s holds the source sandbox's %s: %v", what, map[bool]string{true: "access token", false: "signed URL's signature"}[nd == st.Source.Token], files)
 		}
+		return sc
 	}
 	snaps := filepath.Join(stateDir, "snapshots")
-	noSecrets("the snapshot "+st.Snapshot, filepath.Join(snaps, st.Snapshot))
+	inSnapshot := noSecrets("the snapshot "+st.Snapshot, filepath.Join(snaps, st.Snapshot)).candidates
+
+	// The guest's own envd token, minted again on the source after the
+	// copy and in every clone at its identity: neither is in the
+	// snapshot. A clone made without kvbox serve (as kvbox-node's and the
+	// CLI's are, with no envd-init) too.
+	localToken := func(box string) string {
+		return strings.TrimSpace(mustKvbox(t, "exec", box, "--", "cat", "/var/lib/kvbox-agent/"+agent.EnvdTokenFile))
+	}
+	plain := name(t, "plainclone")
+	mustKvbox(t, "new", "--from", st.Snapshot, plain)
+	t.Cleanup(func() { kvbox(t, "rm", "--force", plain) })
+	for _, box := range []string{st.Source.ID, st.Clone.ID, plain} {
+		if tok := localToken(box); len(tok) != 64 || inSnapshot[tok] {
+			t.Errorf("box %s's local envd token %q is the snapshot's (or none): it was not minted again", box, tok)
+		}
+	}
+	kvbox(t, "rm", "--force", plain)
 	if st.Fork != nil {
 		fb := getBox(t, st.Fork.ID)
 		noSecrets("the fork's snapshot "+fb.Snapshot, filepath.Join(snaps, fb.Snapshot))
