@@ -159,7 +159,10 @@ func secretsStep(t *testing.T, p *serveProc, template, page string) {
 	}
 	noSecrets := func(what, dir string) blobScan {
 		sc := scanBlobs(t, dir, []string{st.Source.Token, sig}, true)
-		t.Logf("%s: %d bytes read", what, sc.bytes)
+		t.Logf("%s: %d bytes read, %d token-shaped strings", what, sc.bytes, len(sc.candidates))
+		if len(sc.candidates) >= maxCandidates {
+			t.Errorf("%s: more token-shaped strings than the scan keeps (%d): what it did not keep goes unchecked", what, maxCandidates)
+		}
 		if sc.bytes == 0 {
 			t.Errorf("%s: nothing to scan in %s", what, dir)
 		}
@@ -212,6 +215,9 @@ func secretsStep(t *testing.T, p *serveProc, template, page string) {
 		t.Errorf("the clone's memory or disk holds the source's %q: %v", nd[:8], files)
 	}
 	t.Logf("the clone's memory and disk: %d bytes, %d token-shaped strings", sc.bytes, len(sc.candidates))
+	if len(sc.candidates) >= maxCandidates {
+		t.Errorf("more token-shaped strings in the clone than the scan keeps (%d): what it did not keep goes untried", maxCandidates)
+	}
 	if len(sc.candidates) == 0 {
 		t.Errorf("no token-shaped string at all in the clone's memory and disk: the scan found nothing to try (the agent's own local token is one)")
 	}
