@@ -28,6 +28,9 @@ type fakeHost struct {
 	disk      int64             // of the next clones (0: 8 GiB)
 	envd      map[string]string // each clone's envd configuration, as JSON
 	failNth   int               // the clone of this number fails
+	// cloneTakes is how long a clone takes: a clone whose deadline comes
+	// sooner is stopped by its reaper while it boots, and fails.
+	cloneTakes time.Duration
 }
 
 type fakeBox struct {
@@ -78,6 +81,9 @@ func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
 	h.clones++
 	if h.clones == h.failNth {
 		return Box{}, fmt.Errorf("clone %s: the agent did not answer", req.Name)
+	}
+	if req.Expires != nil && req.Expires.Before(time.Now().Add(h.cloneTakes)) {
+		return Box{}, fmt.Errorf("box %s stopped while booting: its deadline passed", req.Name)
 	}
 	if req.Expires != nil {
 		t := req.Expires.UTC().Truncate(time.Second)

@@ -300,7 +300,7 @@ func signatureOK(r *http.Request, op, token string) string {
 			return "signature_expiration is not a Unix time"
 		}
 		if time.Now().Unix() > exp {
-			return "the signature has expired"
+			return "signature is already expired" // envd's words, which E2B's SDK tests read
 		}
 	}
 	want := envd.Signature(q.Get("path"), op, q.Get("username"), token, exp)
