@@ -77,10 +77,19 @@ func TestExpiredSignatureMessage(t *testing.T) {
 	exp := time.Now().Add(-time.Minute).Unix()
 	q := url.Values{"path": {"/tmp/x"}, "signature": {envd.Signature("/tmp/x", "read", "", a.Token, exp)},
 		"signature_expiration": {strconv.FormatInt(exp, 10)}}
-	s, body, _ := call(t, ts, "GET", "/files?"+q.Encode(), "", "X-API-Key: ", "E2b-Sandbox-Id: "+a.ID)
-	var e errorJSON
-	if json.Unmarshal([]byte(body), &e); s != 401 || e.Code != 401 || e.Message != "signature is already expired" {
-		t.Errorf("an expired signature: %d %s, want 401 {code: 401, message: \"signature is already expired\"}", s, body)
+	// With the routing headers, and as the SDKs' downloadUrl has it:
+	// without, the signature telling the sandbox.
+	for what, hdr := range map[string]string{"routed by its headers": "E2b-Sandbox-Id: " + a.ID, "routed by its signature": "X-Other: x"} {
+		s, body, _ := call(t, ts, "GET", "/files?"+q.Encode(), "", "X-API-Key: ", hdr)
+		var e errorJSON
+		if json.Unmarshal([]byte(body), &e); s != 401 || e.Code != 401 || e.Message != "signature is already expired" {
+			t.Errorf("an expired signature, %s: %d %s, want 401 {code: 401, message: \"signature is already expired\"}", what, s, body)
+		}
+	}
+	// A signature no sandbox made says only that.
+	q.Set("signature", envd.Signature("/tmp/x", "read", "", "f00d", exp))
+	if s, body, _ := call(t, ts, "GET", "/files?"+q.Encode(), "", "X-API-Key: "); s != 401 || strings.Contains(body, "expired") {
+		t.Errorf("an expired signature of no sandbox's token: %d %s", s, body)
 	}
 }
 
