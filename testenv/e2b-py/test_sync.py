@@ -269,6 +269,24 @@ def test_snapshot_and_a_sandbox_from_it(sbx):
     assert Sandbox.delete_snapshot(snap.snapshot_id, request_timeout=REQUEST_TIMEOUT) is False
 
 
+def test_fork(sbx):
+    sbx.files.write("/home/user/before-fork", "forked")
+    forks = sbx.fork(count=2, timeout=300, request_timeout=REQUEST_TIMEOUT)
+    try:
+        assert len(forks) == 2
+        for f in forks:
+            assert isinstance(f, Sandbox), f
+        ids = {sbx.sandbox_id} | {f.sandbox_id for f in forks}
+        assert len(ids) == 3
+        for f in forks:
+            assert f.commands.run("cat /home/user/before-fork; echo; hostname").stdout == f"forked\n{f.sandbox_id}\n"
+        assert sbx.is_running() is True, "the source runs on"
+    finally:
+        for f in forks:
+            if isinstance(f, Sandbox):
+                f.kill()
+
+
 def test_refused_as_the_sdk_expects(sbx, other):
     # The SDK's create parser knows no 404: a generic error naming it.
     with pytest.raises(SandboxException, match="404.*not found"):
