@@ -156,7 +156,7 @@ func TestDebianDefaults(t *testing.T) {
 	if o.Name != "debian" || o.Suite != "bookworm" || o.DiskSize != 8<<30 || !strings.HasPrefix(o.Mirror, "http://deb.debian.org/") {
 		t.Errorf("defaults %+v", o)
 	}
-	for _, p := range []string{"linux-image-amd64", "systemd", "apt", "iproute2", "ca-certificates", "curl", "git", "python3"} {
+	for _, p := range []string{"linux-image-amd64", "systemd", "apt", "iproute2", "ca-certificates", "curl", "git", "python3", "python-is-python3"} {
 		found := false
 		for _, q := range DebianPackages {
 			found = found || p == q

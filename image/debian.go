@@ -28,9 +28,11 @@ const DefaultImage = "debian"
 
 // DebianPackages are installed on top of debootstrap's minbase variant.
 // linux-image-amd64 is the plain flavour: -cloud-amd64 lacks VMGENID.
+// python-is-python3 gives the image a `python` command, as E2B's base
+// template has one (code written for E2B runs `python script.py`).
 var DebianPackages = []string{
 	"linux-image-amd64", "systemd", "systemd-sysv", "udev", "dbus", "zstd",
-	"apt", "iproute2", "iputils-ping", "ca-certificates", "curl", "git", "python3",
+	"apt", "iproute2", "iputils-ping", "ca-certificates", "curl", "git", "python3", "python-is-python3",
 	"procps", "kmod", "less", "sudo",
 }
 

@@ -285,19 +285,36 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 		return Box{}, ctx.Err()
 	}
 	defer func() { <-s.clones }()
-	at := time.Now().Add(timeout)
+	// The timeout counts from when the sandbox is ready, as E2B's does:
+	// the clone's reaper waits out the clone itself too (a timeout shorter
+	// than a clone on a busy host would stop the box while it boots), and
+	// the deadline is set once the sandbox serves.
+	at := time.Now().Add(timeout + cloneGrace)
 	// No token: the client's stays on the host (serve checks it), since
 	// whatever the guest holds, every snapshot and fork of it carries.
 	cfg := &envd.Config{EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
-	b, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
-		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout})
-	if err != nil {
+	if _, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
+		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout}); err != nil {
 		s.secrets.del(rec.ID)
 		return Box{}, err
 	}
-	s.keep(b)
-	return b, nil
+	ready := time.Now().Add(timeout)
+	nb, err := s.host.SetExpires(ctx, rec.ID, &ready)
+	if err != nil {
+		if rerr := s.host.Remove(context.WithoutCancel(ctx), rec.ID); rerr != nil {
+			s.logf("sandbox %s: its deadline could not be set, nor the box removed: %v", rec.ID, rerr)
+		}
+		s.secrets.del(rec.ID)
+		return Box{}, fmt.Errorf("sandbox %s: set its timeout: %w", rec.ID, err)
+	}
+	s.keep(nb)
+	return nb, nil
 }
+
+// cloneGrace is how much longer than its timeout a sandbox's box may live
+// while it is cloned: a clone's bound, and a box a serve killed in the
+// middle of a create outlives the create by no more.
+const cloneGrace = 10 * time.Minute
 
 // defaultUser runs what a call names no user for: E2B's templates have the
 // user "user" (uid 1000, /home/user), and code written for them assumes it.
@@ -352,7 +369,9 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, v2 bool) {
 		}
 		l := listedOf(b)
 		switch {
-		case !states[l.State], !after.IsZero() && !l.StartedAt.After(after),
+		// startedAfter is inclusive (E2B's >=): a sandbox started at that
+		// very time is listed.
+		case !states[l.State], !after.IsZero() && l.StartedAt.Before(after),
 			template != "" && template != l.TemplateID && template != l.Alias:
 			continue
 		}

@@ -32,6 +32,9 @@ type fakeHost struct {
 	open int
 	// handlers answer a target's requests instead of the echo.
 	handlers map[string]http.HandlerFunc
+	// cloneTakes is how long a clone takes: a clone whose deadline comes
+	// sooner is stopped by its reaper while it boots, and fails.
+	cloneTakes time.Duration
 }
 
 type fakeBox struct {
@@ -82,6 +85,9 @@ func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
 	h.clones++
 	if h.clones == h.failNth {
 		return Box{}, fmt.Errorf("clone %s: the agent did not answer", req.Name)
+	}
+	if req.Expires != nil && req.Expires.Before(time.Now().Add(h.cloneTakes)) {
+		return Box{}, fmt.Errorf("box %s stopped while booting: its deadline passed", req.Name)
 	}
 	if req.Expires != nil {
 		t := req.Expires.UTC().Truncate(time.Second)

@@ -88,8 +88,17 @@ func (s *Server) notServed(w http.ResponseWriter, r *http.Request, id string, b 
 // paused answers a request for a paused sandbox: 409 and E2B proxy's JSON,
 // or, for an RPC, a Connect error that says so (an SDK shows its message;
 // of a bare 409 on a stream it would show only "HTTP 409").
+//
+// envd's GET /health is a 502 instead: the SDKs' isRunning reads 502, and
+// nothing else, as "not running" (any other error status it raises), and a
+// paused sandbox runs nothing.
 func paused(w http.ResponseWriter, r *http.Request, id string, canAutoResume bool) {
 	const msg = "The sandbox is paused: Sandbox.connect resumes it"
+	if r.URL.Path == "/health" && r.Method == http.MethodGet {
+		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "code": http.StatusBadGateway,
+			"message": msg, "canAutoResume": canAutoResume})
+		return
+	}
 	if connectPath(r.URL.Path) {
 		connectError(w, r, http.StatusConflict, "failed_precondition", msg)
 		return

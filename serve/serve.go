@@ -231,6 +231,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// before JS 2.14.1 sent no routing headers on /files: the
 		// signature or the access token tells the sandbox.
 		if id, ok, tried := s.filesOwner(r); tried {
+			if !ok && s.expiredSignature(r) {
+				writeError(w, http.StatusUnauthorized, "%s", expiredMsg)
+				return
+			}
 			if !ok {
 				writeError(w, http.StatusUnauthorized, "the signature or access token of this /files request is no sandbox's")
 				return
@@ -308,7 +312,7 @@ func signatureOK(r *http.Request, op, token string) string {
 			return "signature_expiration is not a Unix time"
 		}
 		if time.Now().Unix() > exp {
-			return "the signature has expired"
+			return expiredMsg
 		}
 	}
 	want := envd.Signature(q.Get("path"), op, q.Get("username"), token, exp)

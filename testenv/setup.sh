@@ -20,7 +20,7 @@ require_root
 # "installed" is not enough for them.
 # kvbox's port filter is nftables over netlink, no package (libvirt's nwfilter is not used).
 BPO_PKGS="qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libvirt-dev"
-BASE_PKGS="tini nftables busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap protobuf-compiler libprotobuf-dev xxd"
+BASE_PKGS="tini nftables busybox-static e2fsprogs cpio xz-utils binutils iptables iproute2 iputils-ping curl kmod tcpdump openssh-client zstd gcc libc6-dev make pkg-config gzip ca-certificates dnsmasq-base debootstrap protobuf-compiler libprotobuf-dev xxd python3 python3-venv"
 declare -A MIN_VERSION=(
 	[qemu-system-x86]=1:10.0 [qemu-utils]=1:10.0
 	[libvirt-daemon]=11.0 [libvirt-daemon-driver-qemu]=11.0 [libvirt-clients]=11.0 [libvirt-dev]=11.0
@@ -299,6 +299,61 @@ stage_e2b_sdk() {
 	done
 }
 
+# The E2B Python SDK, pinned with hashes (testenv/e2b-py/VERSION/requirements.txt: e2b, its
+# dependencies and pytest), for TestServePython. Each version gets a virtualenv of its own under
+# the test env's cache, made from Debian's python3 (python3-venv; KVBOX_TESTENV_PYTHON names
+# another), never the system Python's packages. pip runs here, in the root namespace (it
+# downloads from PyPI), with no configuration file and its cache in the test env's; the tests
+# run the venv's pytest in the namespace. A venv that already has exactly the pinned versions
+# is left alone.
+E2B_PY_VENVS=$KVBOX_TESTENV_CACHE/e2b-py
+# e2b_py_exact PYTHON REQ: the venv of PYTHON has exactly the packages and versions REQ pins
+# (pip, setuptools and wheel aside).
+e2b_py_exact() {
+	"$1" -I - "$2" 2>/dev/null <<-'PY'
+	import re, sys, importlib.metadata as md
+	norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+	want = {}
+	for line in open(sys.argv[1]):
+	    m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+	    if m:
+	        want[norm(m[1])] = m[2]
+	have = {norm(d.metadata["Name"]): d.version for d in md.distributions()}
+	for k in ("pip", "setuptools", "wheel"):
+	    have.pop(k, None)
+	sys.exit(have != want)
+	PY
+}
+
+stage_e2b_py() {
+	local py req dir v venv
+	py=${KVBOX_TESTENV_PYTHON:-}
+	if [ -z "$py" ]; then
+		if [ -x /usr/bin/python3 ]; then py=/usr/bin/python3; else py=$(command -v python3) || {
+			warn "python3 not found (Debian: apt-get install python3 python3-venv)"; return 1; }; fi
+	fi
+	"$py" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
+		warn "$py is older than 3.10 or has no venv/ensurepip (Debian: python3-venv), which the E2B SDK needs"; return 1; }
+	# pip as configured nowhere else: no pip.conf, no find-links, its cache here.
+	local pipenv=(env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_REQUIRE_VIRTUALENV
+		PIP_CONFIG_FILE=/dev/null PIP_CACHE_DIR="$KVBOX_TESTENV_CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1
+		PIP_NO_INPUT=1 PYTHONNOUSERSITE=1)
+	for req in "$TESTENV_DIR"/e2b-py/*/requirements.txt; do
+		[ -f "$req" ] || continue
+		dir=${req%/requirements.txt}; v=${dir##*/}; venv=$E2B_PY_VENVS/$v
+		if [ -x "$venv/bin/python" ] && e2b_py_exact "$venv/bin/python" "$req"; then
+			log "e2b $v: installed in $venv"
+			continue
+		fi
+		log "e2b $v: installing into $venv (pip install --require-hashes --no-deps)"
+		rm -rf "$venv" && mkdir -p "$E2B_PY_VENVS" || return 1
+		"$py" -m venv "$venv" || return 1
+		"${pipenv[@]}" "$venv/bin/python" -m pip install -q --require-hashes --no-deps --only-binary :all: -r "$req" || {
+			warn "e2b $v: pip install failed"; rm -rf "$venv"; return 1; }
+		"$venv/bin/python" -c 'import e2b, pytest' || { rm -rf "$venv"; return 1; }
+	done
+}
+
 # What the guests can use here. kvbox's --domain-type auto picks kvm whenever libvirt offers it,
 # but a kvm_pvm /dev/kvm (nested PVM, no vmx/svm) only runs PVM-enabled guest kernels: the tiny
 # image's stock Debian kernel triple-faults in firmware there and never prints a line.
@@ -390,6 +445,7 @@ if [ "$profile" = demo ]; then
 fi
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
+stage "E2B Python SDK (testenv/e2b-py, venvs in $E2B_PY_VENVS)" stage_e2b_py
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else

@@ -160,9 +160,8 @@ func (fsv *filesystemService) Remove(ctx context.Context, req *connect.Request[f
 	if err != nil {
 		return nil, err
 	}
-	if _, err := os.Lstat(p); err != nil {
-		return nil, fsError(err)
-	}
+	// A path that is not there is removed already: envd's Remove is a
+	// no-op then, and code written for E2B removes without looking first.
 	if err := os.RemoveAll(p); err != nil {
 		return nil, fsError(err)
 	}
