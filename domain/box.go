@@ -207,6 +207,12 @@ func (h *Host) Lookup(name string) (Box, *libvirt.Domain, error) {
 		return Box{}, nil, fmt.Errorf("look up %q: %s", name, LibvirtMessage(err))
 	}
 	b, ok, err := boxOf(d)
+	if isNoDomain(err) {
+		// Undefined between the look-up and the read (its reaper, a
+		// kvbox rm beside): gone, as AllBoxes takes it.
+		d.Free()
+		return Box{}, nil, NoBoxError{name}
+	}
 	if err != nil {
 		d.Free()
 		return Box{}, nil, err
