@@ -292,7 +292,7 @@ test('refused as the SDK expects: a wrong key, a wrong token, another sandbox\'s
 })
 
 test('a sandbox that expires', async () => {
-  // The timeout counts from the create request.
+  // The timeout counts from when the sandbox is ready.
   const s = await create({ timeoutMs: 30_000 })
   assert.equal((await s.commands.run('echo up')).stdout, 'up\n')
   await until('the sandbox gone at its timeout', async () => !(await s.isRunning()), 240, 500)
