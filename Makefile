@@ -52,7 +52,7 @@ fuzz:
 # setup.sh images builds it, or waits for make test's background build.
 e2e:
 	bash testenv/setup.sh images
-	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 50m -v ./testenv)
+	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 80m -v ./testenv)
 
 # kvbox-node, its own Go module (the kvbox CLI does not carry the Kubernetes
 # libraries): vet, unit tests, then its end-to-end test against the local
