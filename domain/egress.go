@@ -74,6 +74,9 @@ func (h *Host) forgetEgress(b Box) error {
 		if ferr := egress.RemoveBox(stateDirOf(b), b.Addr(), b.Name); err == nil {
 			err = ferr
 		}
+		if h.Owns(b) {
+			egress.ForgetRefused(stateDirOf(b), b.Name)
+		}
 	}
 	return err
 }
