@@ -29,6 +29,19 @@ type Policy struct {
 	Allow []string `xml:"allow" json:"allow,omitempty"`
 	// Deny holds CIDRs.
 	Deny []string `xml:"deny" json:"deny,omitempty"`
+	// Headers are set on the HTTPS requests to an allowed name by the
+	// proxy, which terminates TLS for that name alone; a value names
+	// secrets (${secret:NAME}), never holds one kvbox put there.
+	Headers []Header `xml:"header" json:"headers,omitempty"`
+}
+
+// Header is one header transform: Name set to Value (its ${secret:NAME}
+// references resolved by the proxy) on every request to Host, a name
+// rule of the policy's (exact, or *.x).
+type Header struct {
+	Host  string `xml:"host,attr" json:"host"`
+	Name  string `xml:"name,attr" json:"name"`
+	Value string `xml:",chardata" json:"value"`
 }
 
 // The modes of Spec.Mode.
@@ -52,10 +65,14 @@ type Spec struct {
 	Mode  string
 	Allow []string
 	Deny  []string
+	// Headers are HOST:NAME=VALUE, HOST an allowed name rule.
+	Headers []string
 }
 
 // Empty says the spec names no policy at all.
-func (s Spec) Empty() bool { return s.Mode == "" && len(s.Allow) == 0 && len(s.Deny) == 0 }
+func (s Spec) Empty() bool {
+	return s.Mode == "" && len(s.Allow) == 0 && len(s.Deny) == 0 && len(s.Headers) == 0
+}
 
 // Policy checks s and returns its canonical policy, or one line saying
 // what is wrong with the first rule that is.
@@ -82,6 +99,13 @@ func (s Spec) Policy() (Policy, error) {
 		}
 		p.Deny = appendNew(p.Deny, r)
 	}
+	for _, h := range s.Headers {
+		hd, err := parseHeader(h)
+		if err != nil {
+			return Policy{}, err
+		}
+		p.Headers = append(p.Headers, hd)
+	}
 	if err := p.Validate(); err != nil {
 		return Policy{}, err
 	}
@@ -96,13 +120,13 @@ func appendNew(l []string, s string) []string {
 }
 
 // IsZero says the policy allows everything (no rule at all).
-func (p Policy) IsZero() bool { return len(p.Allow) == 0 && len(p.Deny) == 0 }
+func (p Policy) IsZero() bool { return len(p.Allow) == 0 && len(p.Deny) == 0 && len(p.Headers) == 0 }
 
 // Validate checks a policy read back from a definition (a pulled
 // snapshot's is untrusted input): every rule canonical, and the rules
 // meaning something together.
 func (p Policy) Validate() error {
-	if n := len(p.Allow) + len(p.Deny); n > MaxRules {
+	if n := len(p.Allow) + len(p.Deny) + len(p.Headers); n > MaxRules {
 		return base.Errorf(base.Invalid, "egress policy: %d rules, at most %d", n, MaxRules)
 	}
 	c, err := p.Compile()
@@ -112,7 +136,27 @@ func (p Policy) Validate() error {
 	if len(c.Names) > 0 && len(c.DenyNets) == 0 {
 		return base.Errorf(base.Invalid, "--allow %s: a host name rule means something only where addresses are denied (--egress deny-all, or --deny CIDR): nothing is denied", c.Names[0])
 	}
+	for _, h := range p.Headers {
+		if err := checkHeader(h); err != nil {
+			return err
+		}
+		if !slices.Contains(p.Allow, h.Host) {
+			return base.Errorf(base.Invalid, "--header %s:%s: %s is not an allowed name of the policy (--allow %s): a header is set only on requests the proxy lets through by name", h.Host, h.Name, h.Host, h.Host)
+		}
+	}
 	return nil
+}
+
+// HeadersFor are the header transforms for requests to host.
+func (p Policy) HeadersFor(host string) []Header {
+	var out []Header
+	for _, h := range p.Headers {
+		host0, wild := strings.CutPrefix(h.Host, "*.")
+		if (Name{Host: host0, Wildcard: wild}).Matches(host) {
+			out = append(out, h)
+		}
+	}
+	return out
 }
 
 // Compiled is a policy's rules parsed.
@@ -352,6 +396,9 @@ func (p Policy) String() string {
 	}
 	for _, a := range p.Allow {
 		parts = append(parts, "--allow "+a)
+	}
+	for _, h := range p.Headers {
+		parts = append(parts, fmt.Sprintf("--header '%s:%s=%s'", h.Host, h.Name, h.Value))
 	}
 	return strings.Join(parts, " ")
 }

@@ -3,6 +3,8 @@ package egress
 import (
 	"encoding/xml"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -165,5 +167,75 @@ func TestPolicyXMLAndString(t *testing.T) {
 	}
 	if s := (Policy{}).String(); s != "--egress allow-all" {
 		t.Errorf("zero String %q", s)
+	}
+}
+
+func TestHeaderRules(t *testing.T) {
+	base := Spec{Mode: DenyAll, Allow: []string{"api.openai.com", "*.example.com"}}
+	for h, want := range map[string]string{
+		"api.openai.com:Authorization=Bearer ${secret:openai}": "",
+		"API.openai.com.:x-api-key=${secret:k}":                "",
+		"*.example.com:X-Team=blue":                            "",
+		"other.com:Authorization=x":                            "not an allowed name",
+		"api.openai.com":                                       "HOST:NAME=VALUE",
+		"api.openai.com:Authorization":                         "HOST:NAME=VALUE",
+		"203.0.113.1:Authorization=x":                          "not an address",
+		"api.openai.com:Host=evil":                             "keeps Host",
+		"api.openai.com:Content-Length=0":                      "keeps Content-Length",
+		"api.openai.com:Bad Name=x":                            "not a header name",
+		"api.openai.com:A=${secret:Bad/Name}":                  "secret name",
+		"api.openai.com:A=${env:HOME}":                         "${secret:NAME}",
+	} {
+		s := base
+		s.Headers = []string{h}
+		p, err := s.Policy()
+		if want == "" {
+			if err != nil || len(p.Headers) != 1 {
+				t.Errorf("%q: %v", h, err)
+			}
+			continue
+		}
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: %v, want %q", h, err, want)
+		}
+	}
+	p, _ := Spec{Mode: DenyAll, Allow: []string{"api.openai.com"}, Headers: []string{"api.openai.com:authorization=Bearer ${secret:openai}"}}.Policy()
+	if h := p.Headers[0]; h.Name != "Authorization" || h.Value != "Bearer ${secret:openai}" {
+		t.Errorf("header %+v", h)
+	}
+	if len(p.HeadersFor("api.openai.com")) != 1 || len(p.HeadersFor("x.api.openai.com")) != 0 {
+		t.Error("HeadersFor")
+	}
+	// A policy whose header's host is no longer allowed is refused.
+	p.Allow = nil
+	if err := p.Validate(); err == nil {
+		t.Error("a header for a name not allowed passed")
+	}
+}
+
+func TestSecretsStore(t *testing.T) {
+	root := t.TempDir()
+	for _, bad := range []struct{ name, value string }{{"Bad", "x"}, {"a/b", "x"}, {"ok", ""}, {"ok", "\n"}, {"ok", "a\nb"}, {"ok", "a\x00"}} {
+		if err := SetSecret(root, bad.name, []byte(bad.value)); err == nil {
+			t.Errorf("SetSecret(%q, %q) passed", bad.name, bad.value)
+		}
+	}
+	if err := SetSecret(root, "openai", []byte("sk-1\n")); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := Secret(root, "openai"); err != nil || v != "sk-1" {
+		t.Fatalf("Secret: %q %v", v, err)
+	}
+	fi, _ := os.Stat(filepath.Join(root, "egress", "secrets", "openai"))
+	di, _ := os.Stat(filepath.Join(root, "egress", "secrets"))
+	if fi.Mode().Perm() != 0o600 || di.Mode().Perm() != 0o700 {
+		t.Errorf("modes %v %v", fi.Mode(), di.Mode())
+	}
+	h := Header{Value: "Bearer ${secret:openai} ${secret:openai}"}
+	if v, err := h.Resolve(root); err != nil || v != "Bearer sk-1 sk-1" {
+		t.Errorf("Resolve: %q %v", v, err)
+	}
+	if _, err := (Header{Value: "${secret:none}"}).Resolve(root); err == nil {
+		t.Error("a missing secret resolved")
 	}
 }

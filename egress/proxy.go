@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -51,11 +52,17 @@ type Proxy struct {
 	// Reachable says whether the proxy may dial a (nil: not in Blocked,
 	// IPv4, not one of the host's own addresses).
 	Reachable func(a netip.Addr) bool
+	// UpstreamCAFile, UpstreamRoots: where a header transform's
+	// connection to the name trusts more than the host's roots (a test's
+	// CA); UpstreamRoots replaces them.
+	UpstreamCAFile string
+	UpstreamRoots  *x509.CertPool
 	// Log gets one line per refusal and failure (nil: stderr).
 	Log *log.Logger
 
 	mu    sync.Mutex
 	addrs Addrs
+	ic    *interceptState
 }
 
 // Addrs are the addresses a Proxy listens on.
@@ -181,6 +188,10 @@ func (p *Proxy) serveTLS(ctx context.Context, c net.Conn) {
 	c.SetReadDeadline(time.Time{})
 	if err != nil || name == "" {
 		p.refuse(b, "tls", "%s: no TLS server name (SNI): only names the policy allows pass", localTarget(c))
+		return
+	}
+	if pol.AllowsName(name) && len(b.Policy.HeadersFor(name)) > 0 {
+		p.intercept(c, b, name, hello)
 		return
 	}
 	p.relay(ctx, c, b, pol, "tls", name, p.upstreamPort(p.UpstreamTLS, 443), hello)

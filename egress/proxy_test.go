@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -45,7 +46,12 @@ func fakeDNS(t *testing.T, names map[string]string) string {
 // servers on addr:port that answer with body, over TLS and plain HTTP.
 func servers(t *testing.T, addr string, tlsPort, httpPort int, body string) (*httptest.Server, *httptest.Server) {
 	t.Helper()
-	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, body) })
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, body)
+		if a := r.Header.Get("Authorization"); a != "" {
+			fmt.Fprint(w, " auth="+a)
+		}
+	})
 	mk := func(port int, tlsOn bool) *httptest.Server {
 		l, err := net.Listen("tcp4", net.JoinHostPort(addr, strconv.Itoa(port)))
 		if err != nil {
@@ -85,7 +91,7 @@ func startProxy(t *testing.T) proxyBench {
 	tp, hp := freePort(t), freePort(t)
 	allowedTLS, _ := servers(t, "127.0.0.2", tp, hp, "allowed")
 	servers(t, "127.0.0.3", tp, hp, "other")
-	up := fakeDNS(t, map[string]string{"allowed.test": "127.0.0.2", "api.wild.test": "127.0.0.2", "other.test": "127.0.0.3", "wild.test": "127.0.0.3"})
+	up := fakeDNS(t, map[string]string{"example.com": "127.0.0.2", "allowed.test": "127.0.0.2", "api.wild.test": "127.0.0.2", "other.test": "127.0.0.3", "wild.test": "127.0.0.3"})
 	root := t.TempDir()
 	p := &Proxy{StateDir: root, Listen: "127.0.0.1", Upstream: up, UpstreamTLS: uint16(tp), UpstreamHTTP: uint16(hp),
 		Reachable: func(netip.Addr) bool { return true }}
@@ -101,6 +107,7 @@ func startProxy(t *testing.T) proxyBench {
 	}
 	pool := x509.NewCertPool()
 	pool.AddCert(allowedTLS.Certificate())
+	p.UpstreamRoots = pool
 	return proxyBench{p: p, root: root, pool: pool}
 }
 
@@ -293,5 +300,73 @@ func TestPeek(t *testing.T) {
 	}
 	if _, _, err := PeekHost(strings.NewReader("\x16\x03\x01garbage")); err == nil {
 		t.Error("PeekHost took garbage")
+	}
+}
+
+// A name with a header transform: the proxy terminates TLS with the
+// host's CA for that name, sets the header from the secret store on every
+// request (over what the box sent), and goes on over TLS to the name.
+func TestProxyHeaderTransform(t *testing.T) {
+	b := startProxy(t)
+	if _, err := EnsureCA(b.root); err != nil {
+		t.Fatal(err)
+	}
+	caPEM, _ := os.ReadFile(CACertFile(b.root))
+	hostCA := x509.NewCertPool()
+	hostCA.AppendCertsFromPEM(caPEM)
+	if fi, err := os.Stat(caKeyFile(b.root)); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("the CA key: %v %v", fi, err)
+	}
+	b.setPolicy(t, Spec{Mode: DenyAll, Allow: []string{"example.com", "allowed.test"}, Headers: []string{"example.com:authorization=Bearer ${secret:k1}"}})
+	fetch := func(sni string, roots *x509.CertPool, extra string) (string, error) {
+		c, err := net.DialTimeout("tcp4", b.p.Addrs().TLS.String(), 5*time.Second)
+		if err != nil {
+			return "", err
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		tc := tls.Client(c, &tls.Config{ServerName: sni, RootCAs: roots, InsecureSkipVerify: roots == nil})
+		if err := tc.Handshake(); err != nil {
+			return "", err
+		}
+		fmt.Fprintf(tc, "GET / HTTP/1.1\r\nHost: %s\r\n%sConnection: close\r\n\r\n", sni, extra)
+		resp, err := http.ReadResponse(bufio.NewReader(tc), nil)
+		if err != nil {
+			return "", err
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return fmt.Sprintf("%d %s", resp.StatusCode, body), nil
+	}
+	// No secret yet: the request fails, and says which header.
+	if got, err := fetch("example.com", hostCA, ""); err != nil || !strings.HasPrefix(got, "502 ") {
+		t.Errorf("without the secret: %q %v", got, err)
+	}
+	if err := SetSecret(b.root, "k1", []byte("s3cret\n")); err != nil {
+		t.Fatal(err)
+	}
+	for _, extra := range []string{"", "Authorization: Bearer the-box-own\r\n"} {
+		if got, err := fetch("example.com", hostCA, extra); err != nil || got != "200 allowed auth=Bearer s3cret" {
+			t.Errorf("with the secret (%q): %q %v", extra, got, err)
+		}
+	}
+	// Only that name is terminated: another allowed one keeps its own
+	// server's certificate.
+	if _, err := fetch("allowed.test", hostCA, ""); err == nil {
+		t.Error("allowed.test was terminated with the host's CA")
+	}
+	if got, err := fetch("allowed.test", nil, ""); err != nil || got != "200 allowed" {
+		t.Errorf("allowed.test through: %q %v", got, err)
+	}
+	// The secret is in no policy file.
+	data, _ := os.ReadFile(BoxFile(b.root, netip.MustParseAddr("127.0.0.1")))
+	if strings.Contains(string(data), "s3cret") {
+		t.Error("the secret is in the box's policy file")
+	}
+	if names, _ := Secrets(b.root); len(names) != 1 || names[0] != "k1" {
+		t.Errorf("Secrets: %v", names)
+	}
+	if err := RemoveSecret(b.root, "k1"); err != nil {
+		t.Fatal(err)
 	}
 }

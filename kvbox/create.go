@@ -172,6 +172,12 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 // finish gives a box just made what the request asked for besides the box
 // itself; a box that cannot have it all is removed.
 func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, ports []Port, ls []*net.TCPListener) (Box, error) {
+	if hasHeaders(b.Egress) {
+		// Its header transforms' names are served with the host's CA.
+		if err := h.trustEgressCA(ctx, b.Name); err != nil {
+			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("%w: box %s removed", err, b.Name))
+		}
+	}
 	switch {
 	case b.Expires != nil:
 		// A clone's deadline is in its definition: its reaper starts

@@ -16,6 +16,7 @@ import (
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
 	"kvbox.dev/kvbox/egress"
+	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/snapshot"
 )
@@ -76,11 +77,12 @@ func (h *Host) egressStatus(b domain.Box) EgressStatus {
 // while it runs: new connections meet the new one at once; the box is
 // neither paused nor restarted. It is in the box's definition from then on.
 func (h *Host) SetEgress(ctx context.Context, name string, p egress.Policy) (EgressStatus, error) {
-	if err := p.Validate(); err != nil {
+	if err := h.ensureEgressFor(&p); err != nil {
 		return EgressStatus{}, err
 	}
-	if !p.IsZero() {
-		if err := h.EnsureEgressProxy(); err != nil {
+	if hasHeaders(&p) {
+		// Trusted before the proxy serves the box's names with it.
+		if err := h.trustEgressCA(ctx, name); err != nil {
 			return EgressStatus{}, err
 		}
 	}
@@ -177,7 +179,9 @@ func (h *Host) EnsureEgressProxy() error {
 // proxy's lock (one runs: another that finds it taken says ok and ends),
 // writes "ok" or "error: ..." on ready once it serves, and serves until
 // ctx ends. upstream is the DNS server it asks ("": the host's).
-func RunEgressProxy(ctx context.Context, root, upstream string, ready io.WriteCloser, logw io.Writer) error {
+// upstreamCA names a file of more CAs its header transforms' connections
+// trust ("": the host's roots only).
+func RunEgressProxy(ctx context.Context, root, upstream, upstreamCA string, ready io.WriteCloser, logw io.Writer) error {
 	defer ready.Close()
 	say := func(s string) { fmt.Fprintln(ready, s); ready.Close() }
 	if err := os.MkdirAll(egress.Dir(root), 0o700); err != nil {
@@ -197,7 +201,7 @@ func RunEgressProxy(ctx context.Context, root, upstream string, ready io.WriteCl
 	l.Note(fmt.Sprint(os.Getpid()))
 	ports := network.DefaultEgressPorts
 	p := &egress.Proxy{StateDir: root, HTTPPort: ports.HTTP, TLSPort: ports.TLS, DNSPort: ports.DNS, Upstream: upstream,
-		Log: newLogger(logw)}
+		UpstreamCAFile: upstreamCA, Log: newLogger(logw)}
 	started := false
 	err = p.Serve(ctx, func() { started = true; say("ok") })
 	if err != nil && !started {
@@ -216,6 +220,14 @@ func (h *Host) ensureEgressFor(p *egress.Policy) error {
 	}
 	if p == nil || p.IsZero() {
 		return nil
+	}
+	if err := h.checkSecrets(p); err != nil {
+		return err
+	}
+	if hasHeaders(p) {
+		if _, err := egress.EnsureCA(h.cfg.StateDir); err != nil {
+			return fmt.Errorf("egress CA: %w", err)
+		}
 	}
 	return h.EnsureEgressProxy()
 }
@@ -236,3 +248,65 @@ func (h *Host) cloneEgress(snap snapshot.Snapshot, asked *egress.Policy) *egress
 	}
 	return m.Egress
 }
+
+// SetSecret keeps value as secret name on the host, root's only: header
+// transforms name it (${secret:NAME}); it never enters a box.
+func (h *Host) SetSecret(name string, value []byte) error {
+	return egress.SetSecret(h.cfg.StateDir, name, value)
+}
+
+// Secrets lists the secrets' names (never their values).
+func (h *Host) Secrets() ([]string, error) { return egress.Secrets(h.cfg.StateDir) }
+
+// RemoveSecret removes secret name; a header that names it fails its
+// requests from then on.
+func (h *Host) RemoveSecret(name string) error { return egress.RemoveSecret(h.cfg.StateDir, name) }
+
+// checkSecrets refuses a policy whose headers name secrets the host does
+// not have.
+func (h *Host) checkSecrets(p *egress.Policy) error {
+	if p == nil {
+		return nil
+	}
+	for _, hd := range p.Headers {
+		if _, err := hd.Resolve(h.cfg.StateDir); err != nil {
+			return fmt.Errorf("--header %s:%s: %w", hd.Host, hd.Name, err)
+		}
+	}
+	return nil
+}
+
+// caInstall puts the host's egress CA in the guest's trust store (stdin):
+// Debian's update-ca-certificates where there is one, the bundle's end
+// otherwise.
+const caInstall = `set -e
+mkdir -p /usr/local/share/ca-certificates
+cat > /usr/local/share/ca-certificates/kvbox-egress.crt
+if command -v update-ca-certificates >/dev/null 2>&1; then
+	update-ca-certificates >/dev/null 2>&1
+else
+	mkdir -p /etc/ssl/certs
+	grep -qF "$(sed -n 2p /usr/local/share/ca-certificates/kvbox-egress.crt)" /etc/ssl/certs/ca-certificates.crt 2>/dev/null ||
+		cat /usr/local/share/ca-certificates/kvbox-egress.crt >> /etc/ssl/certs/ca-certificates.crt
+fi`
+
+// trustEgressCA makes box name trust the host's egress CA, which its
+// header transforms' names are served with.
+func (h *Host) trustEgressCA(ctx context.Context, name string) error {
+	ca, err := egress.EnsureCA(h.cfg.StateDir)
+	if err != nil {
+		return fmt.Errorf("egress CA: %w", err)
+	}
+	var out strings.Builder
+	code, err := h.Exec(ctx, name, agent.ExecRequest{Argv: []string{"/bin/sh", "-c", caInstall}, Timeout: 2 * time.Minute},
+		strings.NewReader(string(ca)), &out, &out, nil)
+	if err == nil && code != 0 {
+		err = fmt.Errorf("exit %d: %s", code, strings.TrimSpace(out.String()))
+	}
+	if err != nil {
+		return fmt.Errorf("box %q: put the host's egress CA in its trust store: %w", name, err)
+	}
+	return nil
+}
+
+func hasHeaders(p *egress.Policy) bool { return p != nil && len(p.Headers) > 0 }

@@ -44,6 +44,9 @@ const (
 	egDNS     = "198.51.100.53"
 	egRogue   = "198.51.100.54" // answers every name with egNowhere
 	egNowhere = "198.51.100.99"
+	// egSecret is the secret a header transform sets: the fake server
+	// says whether it got it, and it must be nowhere in the box.
+	egSecret = "sk-egress-test-Zq8vN2xK"
 )
 
 var egNames = map[string]string{"allowed.test": egAllowed, "other.test": egOther, "wild.test": egOther,
@@ -141,7 +144,20 @@ func setupEgressNet(t *testing.T) []byte {
 		}
 	})
 	serve := func(l net.Listener, name string, tlsOn bool) {
-		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprintf(w, "%s host=%s\n", name, r.Host) })
+		h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			fmt.Fprintf(w, "%s host=%s", name, r.Host)
+			if r.URL.Path == "/auth" {
+				switch a := r.Header.Get("Authorization"); a {
+				case "Bearer " + egSecret:
+					fmt.Fprint(w, " auth=ok")
+				case "":
+					fmt.Fprint(w, " auth=none")
+				default:
+					fmt.Fprint(w, " auth=other")
+				}
+			}
+			fmt.Fprintln(w)
+		})
 		s := &http.Server{Handler: h}
 		if tlsOn {
 			l = tls.NewListener(l, &tls.Config{Certificates: []tls.Certificate{cert}})
@@ -201,6 +217,13 @@ func setupEgressNet(t *testing.T) []byte {
 	})
 
 	t.Setenv("KVBOX_EGRESS_UPSTREAM", egDNS+":53")
+	// The proxy's own connections for header transforms trust the test
+	// CA (the fake internet's servers have its certificates).
+	caFile := filepath.Join(t.TempDir(), "upstream-ca.pem")
+	if err := os.WriteFile(caFile, caPEM, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("KVBOX_EGRESS_UPSTREAM_CA", caFile)
 	// A proxy left by an earlier run has another upstream: this run's
 	// kvbox starts its own.
 	killEgressProxy(t)
@@ -285,7 +308,7 @@ print("rcode=%d a=%s" % (rcode, ",".join(addrs)))
 
 const fetchPy = `import ssl, sys, urllib.request
 try:
-    ctx = ssl.create_default_context(cafile="/root/egress-ca.pem")
+    ctx = ssl.create_default_context(cafile=None if len(sys.argv) > 2 else "/root/egress-ca.pem")
     print(urllib.request.urlopen(sys.argv[1], timeout=30, context=ctx).read().decode().strip())
 except Exception as e:
     print("FAIL", type(e).__name__)
@@ -606,6 +629,65 @@ func TestEgress(t *testing.T) {
 		}
 		if got := (egBox{t, c3}).curl("http://" + egOther + "/"); !reaches(got, "other") {
 			t.Errorf("a clone on a policy box's old address is held back by its rules: %q", got)
+		}
+	})
+
+	t.Run("header transform with a secret", func(t *testing.T) {
+		if r := kvboxIn(t, egSecret+"\n", "secrets", "set", "egkey"); r.code != 0 || strings.Contains(r.stdout+r.stderr, egSecret) {
+			t.Fatalf("secrets set: %s", r)
+		}
+		t.Cleanup(func() { kvbox(t, "secrets", "rm", "egkey") })
+		if out := mustKvbox(t, "secrets", "ls"); !strings.Contains(out, "egkey") || strings.Contains(out, egSecret) {
+			t.Errorf("secrets ls: %q", out)
+		}
+		// A header naming a secret the host does not have is refused.
+		if r := kvbox(t, "egress", "set", src, "--egress", "deny-all", "--allow", "allowed.test", "--header", "allowed.test:Authorization=Bearer ${secret:nokey}"); r.code == 0 {
+			t.Errorf("a header with a missing secret: %s", r)
+		}
+		mustKvbox(t, append(append([]string{"egress", "set", src}, egDomainPolicy...), "--header", "allowed.test:Authorization=Bearer ${secret:egkey}")...)
+		// The box trusts the host's CA (its own trust store, no --cacert).
+		if got := b.sh("curl -s -m 30 https://allowed.test/auth || echo FAIL"); got != "allowed host=allowed.test auth=ok" {
+			t.Errorf("curl through the transform: %q", got)
+		}
+		if got := b.sh("curl -s -m 30 -H 'Authorization: Bearer mine' https://allowed.test/auth || echo FAIL"); got != "allowed host=allowed.test auth=ok" {
+			t.Errorf("curl with its own Authorization: %q", got)
+		}
+		if got := b.sh("python3 /root/fetch.py https://allowed.test/auth default"); got != "allowed host=allowed.test auth=ok" {
+			t.Errorf("urllib through the transform: %q", got)
+		}
+		// Another allowed name passes untouched, with its server's own
+		// certificate (the test CA's), and gets no header.
+		if got := b.curl("https://api.wild.test/auth"); got != "wild host=api.wild.test auth=none" {
+			t.Errorf("a name without a transform: %q", got)
+		}
+		// The secret is nowhere a box or a snapshot keeps: not in the
+		// definition, not in what egress show prints, not in a snapshot's
+		// memory or disk.
+		x, _ := virsh("dumpxml", src)
+		if strings.Contains(x, egSecret) || !strings.Contains(x, "${secret:egkey}") {
+			t.Errorf("dumpxml: the secret in it, or not its name")
+		}
+		if out := mustKvbox(t, "egress", "show", "--json", src); strings.Contains(out, egSecret) {
+			t.Error("egress show prints the secret")
+		}
+		// The guest is searched from the host, in a snapshot of its memory
+		// (every process's environment, the page cache) and disk: a search
+		// run in the guest would put the secret there itself.
+		snap := name(t, "egsecsnap")
+		t.Cleanup(func() { kvbox(t, "snapshots", "rm", snap) })
+		mustKvbox(t, "snapshots", "new", src, snap)
+		files, _ := filepath.Glob(filepath.Join(stateDir, "snapshots", snap, "*"))
+		if len(files) == 0 {
+			t.Fatal("the snapshot has no files")
+		}
+		for _, f := range files {
+			if out, _ := exec.Command("grep", "-c", "-a", "-F", egSecret, f).Output(); strings.TrimSpace(string(out)) != "0" {
+				t.Errorf("the secret in snapshot file %s (%s)", f, strings.TrimSpace(string(out)))
+			}
+		}
+		// The proxy's log does not hold it either.
+		if data, _ := os.ReadFile(filepath.Join(stateDir, "logs", "egress-proxy.log")); strings.Contains(string(data), egSecret) {
+			t.Error("the secret in the proxy's log")
 		}
 	})
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"strconv"
@@ -17,19 +18,20 @@ import (
 
 // egressFlags are --egress, --allow and --deny, on new and egress set.
 type egressFlags struct {
-	mode        string
-	allow, deny []string
+	mode                 string
+	allow, deny, headers []string
 }
 
 func (e *egressFlags) add(f *pflag.FlagSet) {
 	f.StringVar(&e.mode, "egress", "", "egress policy: deny-all (only --allow passes) or allow-all (only --deny is refused); with --from, the snapshot's policy unless given")
 	f.StringArrayVar(&e.allow, "allow", nil, "let the box reach this IPv4 address, CIDR or host name (*.x: every name under x; names where addresses are denied, by TLS SNI on 443 and HTTP Host on 80); repeatable")
 	f.StringArrayVar(&e.deny, "deny", nil, "keep the box from this IPv4 address or CIDR (an allow rule beats it); repeatable")
+	f.StringArrayVar(&e.headers, "header", nil, "HOST:NAME=VALUE: set this header on the box's HTTPS requests to HOST, an --allow name (the proxy terminates TLS for it with the host's CA, which the box trusts); ${secret:NAME} in VALUE is a secret of kvbox secrets, never seen by the box; repeatable")
 }
 
 // changed says whether any of the flags was given.
 func (e *egressFlags) changed(c *cobra.Command) bool {
-	for _, n := range []string{"egress", "allow", "deny"} {
+	for _, n := range []string{"egress", "allow", "deny", "header"} {
 		if c.Flags().Changed(n) {
 			return true
 		}
@@ -42,7 +44,7 @@ func (e *egressFlags) policy(c *cobra.Command) (*egress.Policy, error) {
 	if !e.changed(c) {
 		return nil, nil
 	}
-	p, err := egress.Spec{Mode: e.mode, Allow: e.allow, Deny: e.deny}.Policy()
+	p, err := egress.Spec{Mode: e.mode, Allow: e.allow, Deny: e.deny, Headers: e.headers}.Policy()
 	if err != nil {
 		return nil, err
 	}
@@ -184,9 +186,72 @@ func (a *app) newCmdEgressProxy() *cobra.Command {
 			if ready == nil {
 				return usage("--ready-fd %d is not open", readyFD)
 			}
-			return kvbox.RunEgressProxy(c.Context(), a.stateDir, os.Getenv("KVBOX_EGRESS_UPSTREAM"), ready, a.io.Err)
+			return kvbox.RunEgressProxy(c.Context(), a.stateDir, os.Getenv("KVBOX_EGRESS_UPSTREAM"), os.Getenv("KVBOX_EGRESS_UPSTREAM_CA"), ready, a.io.Err)
 		},
 	}
 	c.Flags().IntVar(&readyFD, "ready-fd", 3, "the fd to write ok (or error: ...) on once it serves")
+	return c
+}
+
+func (a *app) newCmdSecrets() *cobra.Command {
+	c := &cobra.Command{
+		Use:   "secrets",
+		Short: "Keep secrets on the host for egress header transforms (never seen by a box)",
+		Long: `A secret is a value kept on the host, root's only, under the state dir. A
+box's egress policy names it in a header transform (--header
+'api.openai.com:Authorization=Bearer ${secret:openai}'); kvbox's egress proxy
+sets the header on the box's requests to that name. The value never enters a
+box, its definition, a snapshot or a log.`,
+	}
+	set := &cobra.Command{
+		Use:     "set NAME",
+		Short:   "Keep the value on stdin as secret NAME (replacing it)",
+		Example: "  kvbox secrets set openai < key.txt",
+		Args:    exactArgs(1, "a secret name"),
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
+			v, err := io.ReadAll(io.LimitReader(a.io.In, 64<<10+1))
+			if err != nil {
+				return err
+			}
+			if len(v) > 64<<10 {
+				return usage("a secret has at most 64 KiB")
+			}
+			if err := k.SetSecret(args[0], v); err != nil {
+				return err
+			}
+			fmt.Fprintf(a.io.Out, "✓ secret %s kept (root's only, on this host)\n", args[0])
+			return nil
+		}),
+	}
+	ls := &cobra.Command{
+		Use:     "ls",
+		Short:   "List the secrets' names (never their values)",
+		Example: "  kvbox secrets ls",
+		Args:    exactArgs(0, "no arguments"),
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
+			names, err := k.Secrets()
+			if err != nil {
+				return err
+			}
+			for _, n := range names {
+				fmt.Fprintln(a.io.Out, n)
+			}
+			return nil
+		}),
+	}
+	rm := &cobra.Command{
+		Use:     "rm NAME",
+		Short:   "Remove a secret (a header naming it fails its requests from then on)",
+		Example: "  kvbox secrets rm openai",
+		Args:    exactArgs(1, "a secret name"),
+		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
+			if err := k.RemoveSecret(args[0]); err != nil {
+				return err
+			}
+			fmt.Fprintf(a.io.Out, "✓ secret %s removed\n", args[0])
+			return nil
+		}),
+	}
+	c.AddCommand(set, ls, rm)
 	return c
 }

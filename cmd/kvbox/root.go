@@ -111,7 +111,7 @@ and disk) while it runs on, and cloned warm from it.`,
 	root.AddCommand(a.newCmdCp())
 	root.AddCommand(a.newCmdTTL(), a.newCmdReap(), a.newCmdSuspend(), a.newCmdResume())
 	root.AddCommand(a.newCmdServe())
-	root.AddCommand(a.newCmdEgress(), a.newCmdEgressProxy())
+	root.AddCommand(a.newCmdEgress(), a.newCmdEgressProxy(), a.newCmdSecrets())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would
