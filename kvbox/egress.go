@@ -8,6 +8,7 @@ import (
 	"io"
 	"log"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -175,15 +176,22 @@ func (h *Host) EnsureEgressProxy() error {
 	}
 }
 
-// RunEgressProxy is the egress proxy of state dir root: it takes the
-// proxy's lock (one runs: another that finds it taken says ok and ends),
-// writes "ok" or "error: ..." on ready once it serves, and serves until
-// ctx ends. upstream is the DNS server it asks ("": the host's).
-// upstreamCA names a file of more CAs its header transforms' connections
-// trust ("": the host's roots only).
-func RunEgressProxy(ctx context.Context, root, upstream, upstreamCA string, ready io.WriteCloser, logw io.Writer) error {
+// RunEgressProxy is the egress proxy of state dir root, a supervisor: it
+// takes the proxy's lock (one runs: another that finds it taken says ok
+// and ends), starts worker (the command that runs ServeEgressProxy,
+// writing "ok" or "error: ..." on fd readyFD once it serves) and starts it
+// again whenever it ends, until ctx ends. It writes "ok" or "error: ..."
+// on ready once the first worker serves.
+func RunEgressProxy(ctx context.Context, root string, worker func(readyFD int) *exec.Cmd, ready io.WriteCloser, logw io.Writer) error {
 	defer ready.Close()
-	say := func(s string) { fmt.Fprintln(ready, s); ready.Close() }
+	said := false
+	say := func(s string) {
+		if !said {
+			fmt.Fprintln(ready, s)
+			ready.Close()
+			said = true
+		}
+	}
 	if err := os.MkdirAll(egress.Dir(root), 0o700); err != nil {
 		say("error: " + err.Error())
 		return err
@@ -199,13 +207,91 @@ func RunEgressProxy(ctx context.Context, root, upstream, upstreamCA string, read
 	}
 	defer l.Unlock()
 	l.Note(fmt.Sprint(os.Getpid()))
+	lg := newLogger(logw)
+	backoff := 100 * time.Millisecond
+	for tries := 1; ; tries++ {
+		t0 := time.Now()
+		line, err := runWorker(ctx, worker, func(line string) {
+			if line == "ok" {
+				say("ok")
+			}
+		})
+		if !said && tries >= 10 {
+			// Tried for seconds (a killed proxy's worker may hold the
+			// ports a moment longer): give up.
+			say("error: " + strings.TrimPrefix(line, "error: "))
+			return fmt.Errorf("egress proxy: %s", line)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if said {
+			lg.Printf("worker ended (%v): starting another", err)
+		}
+		if time.Since(t0) > time.Minute {
+			backoff = 100 * time.Millisecond
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// runWorker runs one worker until it ends (killed when ctx ends or when
+// this process dies), telling ready the line it writes on its ready fd as
+// soon as it does, and returns that line.
+func runWorker(ctx context.Context, worker func(readyFD int) *exec.Cmd, ready func(string)) (string, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return "error: " + err.Error(), err
+	}
+	defer r.Close()
+	cmd := worker(3)
+	cmd.ExtraFiles = []*os.File{w}
+	// It dies with its supervisor, whose lock says a proxy runs.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		return "error: " + err.Error(), err
+	}
+	done := make(chan struct{})
+	go func() {
+		select {
+		case <-ctx.Done():
+			cmd.Process.Kill()
+		case <-done:
+		}
+	}()
+	s, _ := bufio.NewReader(r).ReadString('\n')
+	line := strings.TrimSpace(s)
+	ready(line)
+	err = cmd.Wait()
+	close(done)
+	if line == "" {
+		line = fmt.Sprintf("error: it ended at once (%v)", err)
+	}
+	return line, err
+}
+
+// ServeEgressProxy is one worker of the egress proxy of state dir root
+// (RunEgressProxy starts it): it writes "ok" or "error: ..." on ready
+// once it serves, and serves until ctx ends or a listener fails. upstream
+// is the DNS server it asks ("": the host's); upstreamCA names a file of
+// more CAs its header transforms' connections trust ("": the host's
+// roots only).
+func ServeEgressProxy(ctx context.Context, root, upstream, upstreamCA string, ready io.WriteCloser, logw io.Writer) error {
+	defer ready.Close()
 	ports := network.DefaultEgressPorts
 	p := &egress.Proxy{StateDir: root, HTTPPort: ports.HTTP, TLSPort: ports.TLS, DNSPort: ports.DNS, Upstream: upstream,
 		UpstreamCAFile: upstreamCA, Log: newLogger(logw)}
 	started := false
-	err = p.Serve(ctx, func() { started = true; say("ok") })
+	err := p.Serve(ctx, func() { started = true; fmt.Fprintln(ready, "ok"); ready.Close() })
 	if err != nil && !started {
-		say("error: " + err.Error())
+		fmt.Fprintln(ready, "error: "+err.Error())
 	}
 	return err
 }

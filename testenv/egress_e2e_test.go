@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -249,6 +250,21 @@ func egressProxyPid(t *testing.T) int {
 	return pid
 }
 
+// egressWorkerPid is the pid of this state dir's egress proxy's worker
+// (0: none).
+func egressWorkerPid(t *testing.T) int {
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		cmd, _ := os.ReadFile(p)
+		args := strings.Split(string(cmd), "\x00")
+		if slices.Contains(args, "__egress-proxy") && slices.Contains(args, "--worker") && slices.Contains(args, stateDir) {
+			pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+			return pid
+		}
+	}
+	return 0
+}
+
 func killEgressProxy(t *testing.T) {
 	if pid := egressProxyPid(t); pid > 0 {
 		syscall.Kill(pid, syscall.SIGKILL)
@@ -259,6 +275,13 @@ func killEgressProxy(t *testing.T) {
 			return nil
 		})
 	}
+	// Its worker dies with it.
+	eventually(t, 10*time.Second, func() error {
+		if w := egressWorkerPid(t); w != 0 {
+			return fmt.Errorf("egress proxy worker %d still runs", w)
+		}
+		return nil
+	})
 }
 
 // The guest's helpers: a DNS query over UDP or TCP to a given server, and
@@ -569,6 +592,22 @@ func TestEgress(t *testing.T) {
 	})
 
 	t.Run("the proxy restarted", func(t *testing.T) {
+		// Its worker killed: the supervisor starts another, no kvbox
+		// command needed.
+		w := egressWorkerPid(t)
+		if w == 0 {
+			t.Fatal("no egress proxy worker runs")
+		}
+		syscall.Kill(w, syscall.SIGKILL)
+		eventually(t, 30*time.Second, func() error {
+			if n := egressWorkerPid(t); n == 0 || n == w {
+				return fmt.Errorf("no new worker yet")
+			}
+			return nil
+		})
+		checkDomainPolicy(t, b, false)
+		// The supervisor killed (its worker goes with it): the next kvbox
+		// command starts them again.
 		killEgressProxy(t)
 		// Any kvbox command starts it again.
 		if st := egressShow(t, src); !st.ProxyRunning {

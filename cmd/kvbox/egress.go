@@ -153,26 +153,39 @@ func (a *app) printEgress(st kvbox.EgressStatus, asJSON bool) error {
 	return nil
 }
 
-// proxyCommand re-runs this kvbox as the state dir's egress proxy.
-func (a *app) proxyCommand(readyFD int) *exec.Cmd {
+// proxyCommand re-runs this kvbox as the state dir's egress proxy (the
+// supervisor), or with worker as one of its workers.
+func (a *app) proxyCommand(readyFD int) *exec.Cmd { return a.egressCommand(readyFD, false) }
+
+func (a *app) egressCommand(readyFD int, worker bool) *exec.Cmd {
 	exe, err := os.Executable()
 	if err != nil {
 		exe = os.Args[0]
 	}
-	cmd := exec.Command(exe, "--state-dir", absOr(a.stateDir), kvbox.EgressProxyArg, "--ready-fd", strconv.Itoa(readyFD))
+	args := []string{"--state-dir", absOr(a.stateDir), kvbox.EgressProxyArg, "--ready-fd", strconv.Itoa(readyFD)}
+	if worker {
+		args = append(args, "--worker")
+	}
+	cmd := exec.Command(exe, args...)
 	cmd.Dir = "/"
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "KVBOX_TEST_") {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
+	if worker {
+		// The worker logs where its supervisor does.
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	}
 	return cmd
 }
 
-// newCmdEgressProxy is the hidden egress proxy (kvbox.RunEgressProxy),
-// started detached by kvbox (Config.ProxyCommand).
+// newCmdEgressProxy is the hidden egress proxy: the supervisor
+// (kvbox.RunEgressProxy), started detached by kvbox (Config.ProxyCommand),
+// or with --worker one of its workers (kvbox.ServeEgressProxy).
 func (a *app) newCmdEgressProxy() *cobra.Command {
 	var readyFD int
+	var worker bool
 	c := &cobra.Command{
 		Use:     kvbox.EgressProxyArg,
 		Hidden:  true,
@@ -186,10 +199,14 @@ func (a *app) newCmdEgressProxy() *cobra.Command {
 			if ready == nil {
 				return usage("--ready-fd %d is not open", readyFD)
 			}
-			return kvbox.RunEgressProxy(c.Context(), a.stateDir, os.Getenv("KVBOX_EGRESS_UPSTREAM"), os.Getenv("KVBOX_EGRESS_UPSTREAM_CA"), ready, a.io.Err)
+			if worker {
+				return kvbox.ServeEgressProxy(c.Context(), a.stateDir, os.Getenv("KVBOX_EGRESS_UPSTREAM"), os.Getenv("KVBOX_EGRESS_UPSTREAM_CA"), ready, a.io.Err)
+			}
+			return kvbox.RunEgressProxy(c.Context(), a.stateDir, func(fd int) *exec.Cmd { return a.egressCommand(fd, true) }, ready, a.io.Err)
 		},
 	}
 	c.Flags().IntVar(&readyFD, "ready-fd", 3, "the fd to write ok (or error: ...) on once it serves")
+	c.Flags().BoolVar(&worker, "worker", false, "serve as one worker of the supervisor")
 	return c
 }
 
