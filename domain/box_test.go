@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/egress"
 )
 
 // testHosts are two hosts with state dirs of their own on one libvirt
@@ -88,5 +91,27 @@ func TestStateDirsApart(t *testing.T) {
 	// A name is the libvirt host's: another state dir's box has it.
 	if err := a.NameFree("apart-b"); !errors.Is(err, base.ErrExists) {
 		t.Errorf("a name another state dir's box has is free: %v", err)
+	}
+}
+
+func TestMetaEgressRoundTrip(t *testing.T) {
+	p, err := egress.Spec{Mode: egress.DenyAll, Allow: []string{"api.example.com", "*.github.com"}}.Policy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	md, err := MarshalMeta(Meta{IP: "172.30.0.2", Egress: &p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(md, "<egress>") || !strings.Contains(md, "<allow>*.github.com</allow>") || !strings.Contains(md, "<deny>0.0.0.0/0</deny>") {
+		t.Fatalf("metadata without the policy:\n%s", md)
+	}
+	m, ok, err := MetaOfXML("<domain><metadata>" + md + "</metadata></domain>")
+	if err != nil || !ok || m.Egress == nil || !slices.Equal(m.Egress.Allow, p.Allow) || !slices.Equal(m.Egress.Deny, p.Deny) {
+		t.Fatalf("read back %+v %v %v", m.Egress, ok, err)
+	}
+	none, _ := MarshalMeta(Meta{IP: "172.30.0.2"})
+	if strings.Contains(none, "egress") {
+		t.Errorf("a box without a policy has <egress>:\n%s", none)
 	}
 }

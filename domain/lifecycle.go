@@ -15,6 +15,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/network"
 	"kvbox.dev/kvbox/overlay"
 	"kvbox.dev/kvbox/revert"
@@ -51,6 +52,9 @@ type Spec struct {
 	Group string
 	// Labels go in the box's metadata from its definition on (Meta.Labels).
 	Labels []Label
+	// Egress is the box's egress policy (Meta.Egress), in force from its
+	// first packet; nil: none.
+	Egress *egress.Policy
 }
 
 // Validate checks a spec before anything is created.
@@ -183,9 +187,12 @@ func (h *Host) define(ctx context.Context, c *Creation, s Spec, r *revert.Revert
 	meta := Meta{
 		Image: s.Boot.Image, IP: c.Res.IP.String(), Prefix: nc.Subnet.Bits(), Gateway: nc.Gateway().String(),
 		MAC: network.NewMAC(), Bridge: nc.Bridge, Group: s.Group, Dir: dir, DiskBytes: max(s.DiskBytes, s.Boot.VirtualSize),
-		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second), Labels: s.Labels,
+		Transport: Transport(), Created: time.Now().UTC().Truncate(time.Second), Labels: s.Labels, Egress: s.Egress,
 	}
 	if s.NoNetwork {
+		if s.Egress != nil {
+			return base.Errorf(base.Invalid, "--egress with --network none: a box without network sends nothing a policy could judge")
+		}
 		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge = "", 0, "", "", ""
 	}
 	xml, err := h.render(typ, s.Name, meta, s.CPUs, s.MemoryBytes, disk, s.Boot, RAMArgs(s.MemoryBytes))

@@ -13,6 +13,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/statedir"
 )
 
@@ -51,6 +52,11 @@ type Meta struct {
 	// drops what it sends the host to route); boxes of its group still
 	// reach it.
 	NoInternet bool `xml:"no-internet,omitempty" json:"no_internet,omitempty"`
+	// Egress is the box's egress policy (kvbox new --egress/--allow/--deny,
+	// kvbox egress set): nil or empty allows what the network does. It is
+	// part of the box: kept across stops, suspends and host restarts, given
+	// to its snapshots' clones. Rules only, never a secret.
+	Egress *egress.Policy `xml:"egress,omitempty" json:"egress,omitempty"`
 	// Labels are facts a front keeps with the box (kvbox serve: the
 	// sandbox's template and metadata). They are in the domain XML, which
 	// libvirt shows to whoever may read domains (on many hosts every local

@@ -25,7 +25,11 @@ func (h *Host) EnsurePortFilter() error {
 	if err != nil {
 		return err
 	}
-	if created {
+	egressCreated, err := network.EnsureEgress()
+	if err != nil {
+		return err
+	}
+	if created || egressCreated {
 		// Every state dir's boxes: the filter is the namespace's, and a
 		// box of another state dir must not lose its port.
 		boxes, err := h.AllBoxes()
@@ -63,7 +67,10 @@ func (h *Host) AllowPort(b Box) error {
 		}
 		err = network.AllowPort(tap, b.MAC, b.Addr(), b.NoInternet)
 	}
-	return err
+	if err != nil {
+		return err
+	}
+	return h.applyEgress(b)
 }
 
 // ForgetPort takes a removed box's port out of the filter.
@@ -71,7 +78,11 @@ func (h *Host) ForgetPort(b Box) error {
 	if !portFiltered(b) {
 		return nil
 	}
-	return network.ForgetPort(network.TapName(b.MAC), b.MAC, b.Addr())
+	err := network.ForgetPort(network.TapName(b.MAC), b.MAC, b.Addr())
+	if eerr := h.forgetEgress(b); err == nil {
+		err = eerr
+	}
+	return err
 }
 
 // filterInterfaces makes every interface of a rendered box an isolated

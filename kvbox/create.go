@@ -8,6 +8,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/guest-agent/envd"
 	"kvbox.dev/kvbox/progress"
 	"kvbox.dev/kvbox/snapshot"
@@ -35,6 +36,9 @@ type CreateRequest struct {
 	// Labels are kept with the box (Box.Labels), in its definition:
 	// never a secret.
 	Labels map[string]string
+	// Egress is the box's egress policy (nil: none), in force from its
+	// first packet and kept in its definition.
+	Egress *egress.Policy
 	// AgentTimeout bounds the wait for the box's agent (90s when 0).
 	AgentTimeout time.Duration
 	Progress     progress.Reporter
@@ -56,6 +60,9 @@ type CloneRequest struct {
 	// NoInternet gives the clone no route out of the host (boxes of its
 	// group still reach it).
 	NoInternet bool
+	// Egress is the clone's egress policy: nil gives it its snapshot's,
+	// the zero Policy none.
+	Egress *egress.Policy
 	// Envd, when set, configures the envd of the clone's agent (a
 	// sandbox's token, variables, ids) in its identify round trip: the
 	// clone is up only once its envd serves.
@@ -76,6 +83,9 @@ func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings
 	if err != nil {
 		return Box{}, nil, err
 	}
+	if err := h.ensureEgressFor(req.Egress); err != nil {
+		return Box{}, nil, err
+	}
 	return h.made(ctx, req.Publish, req.Expires, req.Progress, fmt.Sprintf("booting %s from image %s, waiting for its agent", req.Name, spec.Boot.Image),
 		func() (domain.Box, step.Timings, error) { return h.d.CreateTimed(ctx, spec) })
 }
@@ -86,6 +96,9 @@ func (h *Host) Create(ctx context.Context, req CreateRequest) (Box, step.Timings
 func (h *Host) Clone(ctx context.Context, req CloneRequest) (Box, step.Timings, error) {
 	snap, err := h.cloneable(req)
 	if err != nil {
+		return Box{}, nil, err
+	}
+	if err := h.ensureEgressFor(h.cloneEgress(snap, req.Egress)); err != nil {
 		return Box{}, nil, err
 	}
 	return h.made(ctx, req.Publish, req.Expires, req.Progress, fmt.Sprintf("cloning %s from snapshot %s", req.Name, snap.Name),
@@ -149,7 +162,7 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 		return domain.Box{}, nil, err
 	}
 	o := snapshot.CloneOptions{AgentTimeout: timeout, HooksDeadline: req.HooksTimeout,
-		Expires: req.Expires, Labels: ls, Hostname: req.Hostname, NoInternet: req.NoInternet, Envd: req.Envd}
+		Expires: req.Expires, Labels: ls, Hostname: req.Hostname, NoInternet: req.NoInternet, Egress: req.Egress, Envd: req.Envd}
 	if req.SuspendAtExpiry {
 		o.OnExpiry = domain.ExpirySuspend
 	}
@@ -159,6 +172,12 @@ func (h *Host) clone(ctx context.Context, snap snapshot.Snapshot, req CloneReque
 // finish gives a box just made what the request asked for besides the box
 // itself; a box that cannot have it all is removed.
 func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, ports []Port, ls []*net.TCPListener) (Box, error) {
+	if hasHeaders(b.Egress) {
+		// Its header transforms' names are served with the host's CA.
+		if err := h.trustEgressCA(ctx, b.Name); err != nil {
+			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("%w: box %s removed", err, b.Name))
+		}
+	}
 	switch {
 	case b.Expires != nil:
 		// A clone's deadline is in its definition: its reaper starts

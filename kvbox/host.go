@@ -50,6 +50,11 @@ type Config struct {
 	// listeners as fds 3.. and writing "ok" or "error: ..." on fd readyFD
 	// once it forwards; nil refuses to publish.
 	HolderCommand func(box string, ports []Port, readyFD int) *exec.Cmd
+	// ProxyCommand is the command that runs RunEgressProxy detached for
+	// this state dir (the CLI's `kvbox __egress-proxy`), writing "ok" or
+	// "error: ..." on fd readyFD once it serves; nil starts none, and a box
+	// with an egress policy is then refused.
+	ProxyCommand func(readyFD int) *exec.Cmd
 	// NoSweep opens without removing what expired (a reaper's Host).
 	NoSweep bool
 }
@@ -93,6 +98,13 @@ func Open(ctx context.Context, cfg Config) (*Host, error) {
 	h.recover(ctx)
 	if !cfg.NoSweep {
 		h.Sweep(ctx)
+	}
+	// The egress proxy runs while a box has a policy: a kvbox command
+	// starts it again should it have ended.
+	if cfg.ProxyCommand != nil && h.needsEgressProxy() {
+		if err := h.EnsureEgressProxy(); err != nil {
+			h.notify(true, "%v", err)
+		}
 	}
 	return h, nil
 }

@@ -47,6 +47,9 @@ func (h *Host) CreateMany(ctx context.Context, req CreateRequest, names []string
 	return h.startMany(ctx, names, req.Publish, req.Progress, req.Expires, func() (string, startFunc, error) {
 		req.Name = names[0]
 		spec, err := h.spec(req)
+		if err == nil {
+			err = h.ensureEgressFor(req.Egress)
+		}
 		return "image " + spec.Boot.Image, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
 			s := spec
 			s.Name = name
@@ -61,6 +64,9 @@ func (h *Host) CloneMany(ctx context.Context, req CloneRequest, names []string) 
 	return h.startMany(ctx, names, req.Publish, req.Progress, req.Expires, func() (string, startFunc, error) {
 		req.Name = names[0]
 		snap, err := h.cloneable(req)
+		if err == nil {
+			err = h.ensureEgressFor(h.cloneEgress(snap, req.Egress))
+		}
 		return "snapshot " + snap.Name, func(ctx context.Context, name string) (domain.Box, step.Timings, error) {
 			r := req
 			r.Name = name

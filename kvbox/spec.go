@@ -7,6 +7,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/image"
 )
 
@@ -23,6 +24,12 @@ func (h *Host) spec(req CreateRequest) (domain.Spec, error) {
 	if err := base.ValidName(req.Name); err != nil {
 		return domain.Spec{}, err
 	}
+	if err := checkEgress(req.Egress); err != nil {
+		return domain.Spec{}, err
+	}
+	if noNet && nonZero(req.Egress) != nil {
+		return domain.Spec{}, base.Errorf(base.Invalid, "--egress with --network none: a box without network sends nothing a policy could judge")
+	}
 	im, err := h.image(req.Image)
 	if err != nil {
 		return domain.Spec{}, err
@@ -32,7 +39,7 @@ func (h *Host) spec(req CreateRequest) (domain.Spec, error) {
 		timeout = 90 * time.Second
 	}
 	return domain.Spec{Name: req.Name, CPUs: req.CPUs, MemoryBytes: req.MemoryBytes, DiskBytes: req.DiskBytes,
-		AgentTimeout: timeout, NoNetwork: noNet, Group: group, Labels: ls,
+		AgentTimeout: timeout, NoNetwork: noNet, Group: group, Labels: ls, Egress: nonZero(req.Egress),
 		Boot: domain.Boot{Image: im.Name, Disk: im.Disk, DiskFormat: im.Format, VirtualSize: im.VirtualSize,
 			Kernel: im.Kernel, Initrd: im.Initrd, Cmdline: im.Cmdline}}, nil
 }
@@ -68,4 +75,12 @@ func parseNetwork(n string) (group string, none bool, err error) {
 		return group, false, nil
 	}
 	return "", false, base.Errorf(base.Invalid, "--network %q: give isolated (the default), group:NAME or none", n)
+}
+
+// nonZero is p, or nil when p allows everything.
+func nonZero(p *egress.Policy) *egress.Policy {
+	if p == nil || p.IsZero() {
+		return nil
+	}
+	return p
 }

@@ -57,7 +57,18 @@ func (c Config) inRules(resolvers []netip.Addr) [][]string {
 	r := [][]string{{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}}
 	// A resolver may be one of the host's own addresses (a local dnsmasq).
 	r = append(r, dnsRules(c.Bridge, c.Subnet.String(), resolvers)...)
+	r = append(r, egressInRules(DefaultEgressPorts)...)
 	return append(r, []string{"-j", "DROP"})
+}
+
+// egressInRules let a box reach kvbox's egress proxy and resolver on the
+// host only through its egress chains' redirect (egress.go): a box without
+// a policy, or one that dials those ports itself, is dropped.
+func egressInRules(p EgressPorts) [][]string {
+	rule := func(proto string, port uint16) []string {
+		return []string{"-p", proto, "-m", "conntrack", "--ctstate", "DNAT", "-m", proto, "--dport", fmt.Sprint(port), "-j", "ACCEPT"}
+	}
+	return [][]string{rule("tcp", p.HTTP), rule("tcp", p.TLS), rule("tcp", p.DNS), rule("udp", p.DNS)}
 }
 
 func dnsRules(br, sub string, resolvers []netip.Addr) [][]string {

@@ -542,6 +542,9 @@ func removePortFilter() error {
 			del = true
 		}
 	}
+	if removeEgress(conn) {
+		del = true
+	}
 	if !del {
 		return nil
 	}

@@ -11,6 +11,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/egress"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/guest-agent/envd"
 	"kvbox.dev/kvbox/network"
@@ -60,6 +61,9 @@ type CloneOptions struct {
 	// NoInternet gives the clone no route out of the host
 	// (domain.Meta.NoInternet), from its first frame.
 	NoInternet bool
+	// Egress, when set, is the clone's egress policy (an empty one: none);
+	// nil gives it its snapshot's (domain.Meta.Egress).
+	Egress *egress.Policy
 	// Envd, when set, configures the envd of the clone's agent (a
 	// sandbox's access token, variables, ids) in the clone's identify
 	// round trip: the clone is up only once its envd serves that sandbox.
@@ -187,7 +191,18 @@ func (cl *cloning) define(ctx context.Context, c *domain.Creation, r *revert.Rev
 		t := at.UTC().Truncate(time.Second)
 		meta.Expires = &t
 	}
-	if !hasInterface(cl.srcXML) { // a clone of a box without network has none either
+	// A clone has its snapshot's egress policy unless it was given one.
+	switch p := cl.opts.Egress; {
+	case p != nil && !p.IsZero():
+		meta.Egress = p
+	case p == nil && src.Egress != nil && !src.Egress.IsZero():
+		if err := src.Egress.Validate(); err != nil {
+			return fmt.Errorf("snapshot %q: %w", snap.Name, err)
+		}
+		meta.Egress = src.Egress
+	}
+	if !hasInterface(cl.srcXML) {
+		meta.Egress = nil // a clone of a box without network has none either
 		meta.IP, meta.Prefix, meta.Gateway, meta.MAC, meta.Bridge, meta.Group, meta.NoInternet = "", 0, "", "", "", "", false
 	}
 	cl.spec = vmstate.RestoreSpec{

@@ -10,6 +10,7 @@ import (
 
 	"kvbox.dev/kvbox/base"
 	"kvbox.dev/kvbox/domain"
+	"kvbox.dev/kvbox/egress"
 	agent "kvbox.dev/kvbox/guest-agent"
 	"kvbox.dev/kvbox/image"
 	"kvbox.dev/kvbox/kvbox"
@@ -31,7 +32,10 @@ type newOptions struct {
 	publish      []string
 
 	network string
-	ttl     string
+	egress  egressFlags
+	// policy is what the egress flags give (nil: none given).
+	policy *egress.Policy
+	ttl    string
 	// expires is the deadline --ttl gives, from the command's start.
 	expires *time.Time
 }
@@ -71,6 +75,7 @@ non-zero if any failed; the boxes that started keep running.`,
 	f.BoolVar(&o.asJSON, "json", false, "print a JSON array with one element per box (name, ip, mac, or error)")
 	f.StringArrayVarP(&o.publish, "publish", "p", nil, "forward [ADDR:]HOSTPORT:GUESTPORT to the box while it lives (127.0.0.1 unless ADDR is given; repeatable)")
 	f.StringVar(&o.network, "network", "isolated", "isolated: on kvbox's bridge, the internet through NAT and nothing else; group:NAME: the same, and the boxes of group NAME reach each other; none: no network interface at all (exec still works)")
+	o.egress.add(f)
 	f.StringVar(&o.ttl, "ttl", "", "remove the box(es) this long after the start (20s, 30m, 2h, 3d), whatever happens meanwhile (kvbox ttl changes it)")
 	return c
 }
@@ -96,6 +101,9 @@ func (a *app) runNew(c *cobra.Command, o *newOptions) error {
 		return err
 	}
 	if err := o.checkNetwork(c); err != nil {
+		return err
+	}
+	if o.policy, err = o.egress.policy(c); err != nil {
 		return err
 	}
 	ports, err := kvbox.ParsePorts(o.publish)
@@ -134,7 +142,7 @@ func (a *app) runNewImage(c *cobra.Command, o *newOptions, ports []kvbox.Port) e
 	}
 	start := time.Now()
 	b, tm, err := k.Create(c.Context(), kvbox.CreateRequest{Name: o.name, Image: o.image, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk,
-		Network: o.network, Expires: o.expires, Publish: ports, AgentTimeout: o.timeout, Progress: a.reporter()})
+		Network: o.network, Expires: o.expires, Publish: ports, Egress: o.policy, AgentTimeout: o.timeout, Progress: a.reporter()})
 	if err != nil {
 		return err
 	}
@@ -176,7 +184,7 @@ func (a *app) runNewFrom(c *cobra.Command, o *newOptions, ports []kvbox.Port) er
 	if err != nil {
 		return err
 	}
-	b, tm, err := k.Clone(c.Context(), kvbox.CloneRequest{Snapshot: o.from, Name: o.name, Expires: o.expires, Publish: ports,
+	b, tm, err := k.Clone(c.Context(), kvbox.CloneRequest{Snapshot: o.from, Name: o.name, Expires: o.expires, Publish: ports, Egress: o.policy,
 		AgentTimeout: o.timeout, HooksTimeout: o.hooksTimeout})
 	if err != nil {
 		return err

@@ -41,7 +41,7 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions, names []string) error 
 	}
 	var outcomes []kvbox.Outcome
 	if o.from != "" {
-		outcomes, err = k.CloneMany(c.Context(), kvbox.CloneRequest{Snapshot: o.from, Expires: o.expires,
+		outcomes, err = k.CloneMany(c.Context(), kvbox.CloneRequest{Snapshot: o.from, Expires: o.expires, Egress: o.policy,
 			AgentTimeout: o.timeout, HooksTimeout: o.hooksTimeout, Progress: a.reporter()}, names)
 	} else {
 		mem, disk, serr := o.sizes()
@@ -52,7 +52,7 @@ func (a *app) runNewMany(c *cobra.Command, o *newOptions, names []string) error 
 			return err
 		}
 		outcomes, err = k.CreateMany(c.Context(), kvbox.CreateRequest{Image: o.image, CPUs: o.cpus, MemoryBytes: mem, DiskBytes: disk,
-			Network: o.network, Expires: o.expires, AgentTimeout: o.timeout, Progress: a.reporter()}, names)
+			Network: o.network, Expires: o.expires, Egress: o.policy, AgentTimeout: o.timeout, Progress: a.reporter()}, names)
 	}
 	if err != nil {
 		return err

@@ -111,6 +111,7 @@ and disk) while it runs on, and cloned warm from it.`,
 	root.AddCommand(a.newCmdCp())
 	root.AddCommand(a.newCmdTTL(), a.newCmdReap(), a.newCmdSuspend(), a.newCmdResume())
 	root.AddCommand(a.newCmdServe())
+	root.AddCommand(a.newCmdEgress(), a.newCmdEgressProxy(), a.newCmdSecrets())
 	pf.DurationVar(&a.dialTimeout, "dial-timeout", 15*time.Second, "how long exec and connect wait to reach a box's agent")
 	a.addCompletions(root)
 	// cobra adds `completion` only inside Execute, after rejectUnknown would
@@ -162,7 +163,7 @@ func (a *app) lib() (*kvbox.Host, error) {
 	}
 	a.host, err = kvbox.Open(a.context(), kvbox.Config{URI: a.uri, StateDir: a.stateDir, Template: a.template, DomainType: a.domType,
 		Network: nc, DialTimeout: a.dialTimeout, Notify: a.notify, ReaperCommand: a.reaperCommand, HolderCommand: a.holderCommand,
-		NoSweep: a.reaper})
+		ProxyCommand: a.proxyCommand, NoSweep: a.reaper})
 	return a.host, err
 }
 
