@@ -11,12 +11,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -55,6 +57,9 @@ type fleetRun struct {
 	nodeDir string // KVBOX_FLEET_NODE_STATE: node X's state dir is this followed by X
 	env     map[string]string
 	client  kubernetes.Interface
+	// snapshotTokens are the token-shaped strings of pushSource's
+	// snapshot.
+	snapshotTokens map[string]bool
 }
 
 func (f *fleetRun) sh(args ...string) (string, error) {
@@ -197,7 +202,44 @@ func pushSource(t *testing.T, f *fleetRun, id, page string) string {
 	run("snapshots", "new", src, src)
 	ref := testRegistry + "/fleet/web-" + id + ":v1"
 	run("snapshots", "push", "--insecure", src, ref)
+	// Every token-shaped string the snapshot holds (its memory and disk):
+	// a pod's own local envd token must be none of them.
+	stateDir := os.Getenv("KVBOX_STATE_DIR")
+	if stateDir == "" {
+		stateDir = "/var/lib/kvbox"
+	}
+	f.snapshotTokens = tokensIn(t, filepath.Join(stateDir, "snapshots", src))
+	if len(f.snapshotTokens) == 0 {
+		t.Fatalf("no token-shaped string in snapshot %s (its agent mints a local envd token before the copy): the scan read nothing", src)
+	}
 	return ref
+}
+
+// tokensIn is every run of exactly 64 hex digits (a local envd token's
+// shape) in the files under dir.
+func tokensIn(t *testing.T, dir string) map[string]bool {
+	t.Helper()
+	re := regexp.MustCompile(`[0-9a-f]{64,}`)
+	out := map[string]bool{}
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range re.FindAll(b, -1) {
+			if len(m) == 64 {
+				out[string(m)] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
 // sourceRequests is the size of pushSource's snapshot (1 vCPU, 256 MiB),
@@ -311,6 +353,12 @@ func checkServing(ctx context.Context, t *testing.T, f *fleetRun, p *corev1.Pod,
 	out, code := f.kubectl("exec", "-n", p.Namespace, p.Name, "--", "hostname")
 	if code != 0 || strings.TrimSpace(out) != p.Name {
 		t.Errorf("kubectl exec %s -- hostname: %q (exit %d), want the pod's name", p.Name, out, code)
+	}
+	// The guest's local envd token is the pod's own, minted at its
+	// clone's identify: none that its pushed snapshot holds.
+	out, code = f.kubectl("exec", "-n", p.Namespace, p.Name, "--", "cat", "/var/lib/kvbox-agent/envd-token")
+	if tok := strings.TrimSpace(out); code != 0 || len(tok) != 64 || f.snapshotTokens[tok] {
+		t.Errorf("pod %s's local envd token %q (exit %d): want one of its own, not its snapshot's", p.Name, tok, code)
 	}
 	body, err := get(ctx, "http://"+p.Status.PodIP+":8080/")
 	if err != nil || strings.TrimSpace(body) != page {
