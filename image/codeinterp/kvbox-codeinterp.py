@@ -40,6 +40,7 @@ ENVD_URL = os.environ.get("KVBOX_CODEINTERP_ENVD", "http://127.0.0.1:49983/envs"
 ENVD_TOKEN_FILE = os.environ.get("KVBOX_CODEINTERP_ENVD_TOKEN", "/var/lib/kvbox-agent/envd-token")
 KEEPALIVE = 5.0  # seconds without a line before a keepalive line
 POLL = 0.2  # seconds between looks at the client and the kernel
+REINTERRUPT = 2.0  # seconds between interrupts of a cell whose client went
 
 # What each kernel runs when it starts: the template's warm state. The
 # inline backend is matplotlib's Agg with a PNG per figure on plt.show().
@@ -520,14 +521,21 @@ class Interpreter:
         k = ctx.kernel
         msg_id = k.execute(code)
         interrupted = None
+        last = 0.0
         while True:
+            now = time.monotonic()
             if interrupted is None and out.gone():
                 log("client gone: interrupting context", ctx.id)
-                k.interrupt()
-                interrupted = time.monotonic()
-            if interrupted is not None and time.monotonic() - interrupted > 30:
-                log("context", ctx.id, "did not stop after an interrupt")
-                return
+                interrupted = now
+            if interrupted is not None:
+                # Again until the cell is over: a kernel that had not begun
+                # the cell when the first came ignored it.
+                if now - last >= REINTERRUPT:
+                    k.interrupt()
+                    last = now
+                if now - interrupted > 60:
+                    log("context", ctx.id, "did not stop after an interrupt")
+                    return
             msg = k.iopub(POLL)
             if msg is None:
                 if not k.alive():

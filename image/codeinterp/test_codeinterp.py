@@ -292,7 +292,7 @@ class TestHTTP(Base):
         k = FakeKernel.instances[0]
         wait_for(lambda: any(c.startswith("sleep") for c, _ in k.codes))
         s.close()
-        wait_for(lambda: k.interrupts == 1)
+        wait_for(lambda: k.interrupts >= 1)
         # The context is usable again once the interrupted cell is over.
         out = self.run_code("print after")
         self.assertIn("after\n", [l.get("text") for l in out])
