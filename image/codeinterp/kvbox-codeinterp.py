@@ -176,6 +176,9 @@ def shell_quote(v):
     return "'" + str(v).replace("'", "'\\''") + "'"
 
 
+_envd_warned = []
+
+
 def read_global_envs():
     """The sandbox's env vars from envd's loopback door, {} when it has none."""
     try:
@@ -188,8 +191,11 @@ def read_global_envs():
         with urllib.request.urlopen(req, timeout=5) as r:
             envs = json.load(r)
     except Exception as e:  # envd not up, or no agent: no sandbox-wide envs
-        log("envd /envs:", e)
+        if not _envd_warned:
+            _envd_warned.append(True)
+            log("envd /envs (no sandbox-wide env vars until it answers):", e)
         return {}
+    _envd_warned.clear()
     return {str(k): str(v) for k, v in (envs or {}).items()}
 
 
@@ -437,7 +443,8 @@ class Interpreter:
                 raise HTTPError(500, "could not restart context %s: %s" % (cid, e))
             ctx.dead = None
             ctx.envs = {}
-        self._prelude(ctx)
+            # Under the lock: a cell beside it would share its messages.
+            self._prelude(ctx)
 
     def run_silent(self, ctx, code, timeout=60):
         """Runs code in ctx's kernel, output discarded; the caller holds
@@ -491,6 +498,10 @@ class Interpreter:
         ctx = self.get(context_id) if context_id else self.default(language)
         env_vars = {str(k): str(v) for k, v in (env_vars or {}).items()}
         with ctx.lock:
+            if out.gone():
+                # Its client went while it waited for the cell before it.
+                log("client gone before its cell ran: not running it in context", ctx.id)
+                return
             if ctx.dead or not ctx.kernel.alive():
                 ctx.dead = ctx.dead or self._dead_reason(ctx)
                 out.send(error_line("DeadKernelError", ctx.dead, ctx.dead))
@@ -677,6 +688,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address):
+        # A client that went (a reset from the agent's forward) is no error.
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
 
 
 def serve(interp, addr=ADDR, port=PORT, warm=True):

@@ -35,6 +35,7 @@ class FakeKernel:
         self.started = 0
         self.codes = []
         self.interrupts = 0
+        self.release = threading.Event()
         FakeKernel.instances.append(self)
 
     def start(self):
@@ -106,6 +107,8 @@ class FakeKernel:
                     status = "error"
                     break
                 self._put(self._msg(pid, "stream", {"name": "stdout", "text": "slept\n"}))
+            elif op == "block":
+                self.release.wait()
             elif op == "die":
                 self.running = False
                 return
@@ -297,6 +300,22 @@ class TestHTTP(Base):
         out = self.run_code("print after")
         self.assertIn("after\n", [l.get("text") for l in out])
         self.assertNotIn("never\n", [l.get("text") for l in out])
+
+    def test_client_gone_while_waiting_runs_nothing(self):
+        done = []
+        t = threading.Thread(target=lambda: done.append(self.run_code("block")))
+        t.start()
+        k = FakeKernel.instances[0]
+        wait_for(lambda: ("block", False) in k.codes)
+        s = socket.create_connection(("127.0.0.1", self.port))
+        body = json.dumps({"code": "print waited"}).encode()
+        s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.close()
+        k.release.set()
+        t.join()
+        out = self.run_code("print next")
+        self.assertEqual([l["text"] for l in out if l["type"] == "stdout"], ["next\n"])
+        self.assertNotIn("print waited", [c for c, _ in k.codes])
 
     def test_dead_kernel_then_restart(self):
         out = self.run_code("die")
