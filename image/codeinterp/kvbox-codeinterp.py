@@ -265,8 +265,6 @@ class Kernel:
             kw["env"].update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name, SHELL=pw.pw_shell)
         kw["env"].pop("INVOCATION_ID", None)
         kw["env"].pop("JOURNAL_STREAM", None)
-        # ipykernel's debugger warns on every start without it.
-        kw["env"].setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         if emulated_cpu():
             # On QEMU's generic CPU (emulation, no KVM) OpenBLAS's own pick
             # of kernels runs an instruction the emulator lacks (matplotlib

@@ -134,6 +134,9 @@ test('bash: a language of its own, state kept', async () => {
   assert.equal(c.error?.value, 'exit status 1')
   const list = await sbx.listCodeContexts()
   assert.ok(list.some((c) => c.language === 'bash'), JSON.stringify(list))
+  // A timeout interrupts the command the shell runs; the shell lives on.
+  await assert.rejects(run(sbx, 'sleep 300; touch /tmp/bash-late', { language: 'bash', timeoutMs: 5_000 }), TimeoutError)
+  assert.equal(stdout(await run(sbx, 'test -e /tmp/bash-late && echo late || echo "not late $N"', { language: 'bash' })), 'not late 5\n')
   const bashCtx = await sbx.createCodeContext({ language: 'bash' })
   assert.equal(stdout(await run(sbx, 'echo "[$N]"', { context: bashCtx })), '[]\n')
 })
