@@ -66,15 +66,18 @@ const DebianCmdline = "console=ttyS0 root=/dev/vda rw quiet net.ifnames=0 init_o
 
 // DebianOptions says how to build the Debian image.
 type DebianOptions struct {
-	Name     string            // image name; DefaultImage when empty
-	Agent    string            // kvbox-agent binary; FindAgent("") when empty
-	Force    bool              // rebuild even if the image exists
-	Suite    string            // Debian suite, "bookworm" when empty
-	Mirror   string            // "http://deb.debian.org/debian" when empty
-	CacheDir string            // downloaded .debs kept for the next build; "/var/cache/kvbox/debootstrap" when empty, "-" for none
-	DiskSize int64             // virtual size of the disk, 8 GiB when 0
-	SSH      bool              // include openssh-server, with no host keys (debian_ssh.go)
-	Progress progress.Reporter // told the build's stages and lines; nil for no one
+	Name     string // image name; DefaultImage when empty
+	Agent    string // kvbox-agent binary; FindAgent("") when empty
+	Force    bool   // rebuild even if the image exists
+	Suite    string // Debian suite, "bookworm" when empty
+	Mirror   string // "http://deb.debian.org/debian" when empty
+	CacheDir string // downloaded .debs kept for the next build; "/var/cache/kvbox/debootstrap" when empty, "-" for none
+	DiskSize int64  // virtual size of the disk, 8 GiB when 0
+	SSH      bool   // include openssh-server, with no host keys (debian_ssh.go)
+	// CodeInterpreter adds Jupyter's Python kernel, the data stack and
+	// kvbox's code-interpreter server (debian_codeinterp.go).
+	CodeInterpreter bool
+	Progress        progress.Reporter // told the build's stages and lines; nil for no one
 }
 
 func (o *DebianOptions) defaults() {
@@ -236,10 +239,7 @@ func checkBuild(s Store, o DebianOptions) (agent string, im Image, have bool, er
 // debootstrap mounts in the target (proc, sys, devpts) goes away with it,
 // even if it is killed.
 func debootstrap(ctx context.Context, p progress.Reporter, root string, o DebianOptions) error {
-	var extra []string
-	if o.SSH {
-		extra = SSHPackages
-	}
+	extra := extraPackages(o)
 	tree := baseTreePath(o)
 	if tree != "" {
 		if _, err := os.Stat(tree); err == nil {
@@ -611,6 +611,13 @@ chroot "$1" update-initramfs -u -k "$2"`, "sh", root, kver); err != nil {
 		return "", fmt.Errorf("user %s: %w", DebianUser, err)
 	}
 
+	if o.CodeInterpreter {
+		st.Status("code-interpreter server and kernels")
+		if err := configureCodeInterp(root); err != nil {
+			return "", fmt.Errorf("code interpreter: %w", err)
+		}
+	}
+
 	if o.SSH {
 		st.Status("openssh-server without host keys")
 		if err := configureSSH(root); err != nil {
@@ -650,10 +657,7 @@ func addDebianUser(ctx context.Context, st *stage, root string) error {
 func DebianRecipe(o DebianOptions) string {
 	o.defaults()
 	h := sha256.New()
-	pkgs := DebianPackages
-	if o.SSH {
-		pkgs = append(pkgs[:len(pkgs):len(pkgs)], SSHPackages...)
-	}
+	pkgs := append(DebianPackages[:len(DebianPackages):len(DebianPackages)], extraPackages(o)...)
 	fmt.Fprintf(h, "v%d\n%s\n%s %s %d\n", debianRecipeVersion, strings.Join(pkgs, ","), o.Suite, o.Mirror, o.DiskSize)
 	for _, part := range []string{DebianCmdline, agentUnit, agentModules, strings.Join(maskedUnits, ","), dpkgSlim, debianUserSudoers, DebianUser} {
 		fmt.Fprintf(h, "%d:%s", len(part), part)
@@ -661,7 +665,24 @@ func DebianRecipe(o DebianOptions) string {
 	if o.SSH {
 		fmt.Fprintf(h, "%d:%s%d:%s", len(sshdConfig), sshdConfig, len(sshUnitDropIn), sshUnitDropIn)
 	}
+	if o.CodeInterpreter {
+		for _, part := range codeInterpRecipe() {
+			fmt.Fprintf(h, "ci%d:%s", len(part), part)
+		}
+	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+// extraPackages are the packages o's image has on top of the base tree.
+func extraPackages(o DebianOptions) []string {
+	var extra []string
+	if o.SSH {
+		extra = append(extra, SSHPackages...)
+	}
+	if o.CodeInterpreter {
+		extra = append(extra, CodeInterpreterPackages...)
+	}
+	return extra
 }
 
 // kernelVersion is the version of the one kernel in root's /boot.

@@ -258,6 +258,11 @@ stage_debian() {
 	if "$kvbox" images build --help 2>&1 | grep -q -- '--ssh'; then
 		"$kvbox" images build debian --ssh --name debian-ssh --agent "$REPO_DIR/bin/kvbox-agent"
 	fi
+	# The code interpreter's, for TestCodeInterpreter: the same base tree plus Jupyter and the
+	# data stack with apt (a no-op while it exists).
+	if "$kvbox" images build --help 2>&1 | grep -q 'code-interpreter'; then
+		"$kvbox" images build code-interpreter --agent "$REPO_DIR/bin/kvbox-agent"
+	fi
 }
 
 # stage_debian_background: stage_debian detached, so that make test's checks, unit tests and

@@ -13,8 +13,8 @@ import (
 func (a *app) newCmdImagesBuild() *cobra.Command {
 	o := image.DebianOptions{}
 	c := &cobra.Command{
-		Use:   "build debian",
-		Short: "Build the default base image from Debian's packages (debootstrap; cached)",
+		Use:   "build debian|code-interpreter",
+		Short: "Build the default base image, or the code interpreter's, from Debian's packages (debootstrap; cached)",
 		Long: `Build the default base image, "debian": Debian 12 (bookworm) from deb.debian.org
 with debootstrap, the plain linux-image-amd64 kernel, systemd, apt, iproute2,
 ca-certificates, curl, git and python3, and kvbox-agent as an early systemd
@@ -23,6 +23,14 @@ service that owns the network. The disk is an 8 GiB sparse qcow2 (ext4).
 The image has a user "user" (uid 1000, /home/user, /bin/bash, passwordless
 sudo), as E2B's sandboxes have.
 
+"code-interpreter" is that image plus Debian's python3-ipykernel,
+python3-jupyter-client, python3-zmq, python3-numpy, python3-pandas and
+python3-matplotlib, installed with apt on the cached base tree, and kvbox's
+code-interpreter server on the guest's 127.0.0.1:49999 (E2B's runCode and code
+contexts; a Python kernel and kvbox's small bash kernel). Snapshot a box of it
+once its server is ready to make the template code-interpreter-v1
+(docs/e2b.md, "Code interpreter").
+
 Building again does nothing while the image exists and was built from this
 kvbox's recipe (its packages and the files it writes); an image built from
 another recipe is built again, and --force rebuilds it anyway (downloaded
@@ -30,11 +38,19 @@ packages are kept in --cache-dir, so that is faster). Nothing is registered
 unless the whole build succeeds.`,
 		Example: `  kvbox images build debian
   kvbox images build debian --force --agent ./bin/kvbox-agent
-  kvbox images build debian --ssh --name debian-ssh`,
-		Args: exactArgs(1, "the image to build: debian"),
+  kvbox images build debian --ssh --name debian-ssh
+  kvbox images build code-interpreter`,
+		Args: exactArgs(1, "the image to build: debian or code-interpreter"),
 		RunE: func(c *cobra.Command, args []string) error {
-			if args[0] != "debian" {
-				return usage("kvbox images build knows one image, debian (got %q); bring others with kvbox images import", args[0])
+			switch args[0] {
+			case "debian":
+			case image.CodeInterpreterImage:
+				o.CodeInterpreter = true
+				if !c.Flags().Changed("name") {
+					o.Name = image.CodeInterpreterImage
+				}
+			default:
+				return usage("kvbox images build knows two images, debian and code-interpreter (got %q); bring others with kvbox images import", args[0])
 			}
 			// On standard output, as the build's lines always were.
 			o.Progress = terminal.New(terminal.Options{Term: terminal.IfTerminal(a.raw.Out), Log: a.io.Out})

@@ -42,6 +42,7 @@ func TestBadInputNeedsNoHost(t *testing.T) {
 		{[]string{"ls", "--bogus"}, "unknown flag"},
 		{[]string{"images", "import", "x"}, "an image name and a disk file"},
 		{[]string{"images", "import", "x", "d", "--agent", "maybe"}, "--agent takes yes, no or unknown"},
+		{[]string{"images", "build", "ubuntu"}, "two images, debian and code-interpreter"},
 		{[]string{"snapshots", "new", "dev"}, "a box name and a snapshot name"},
 		{[]string{"--domain-type", "xen", "ls"}, `--domain-type "xen": give auto, kvm or qemu`},
 		{[]string{"--subnet", "nonsense", "ls"}, "not an IPv4 prefix"},
