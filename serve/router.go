@@ -53,6 +53,9 @@ func (s *Server) data(w http.ResponseWriter, r *http.Request, id string, port in
 		writeJSON(w, http.StatusForbidden, map[string]any{"sandboxId": id, "code": http.StatusForbidden,
 			"message": "the sandbox's ports want its traffic access token (" + hdrTraffic + ")"})
 		return
+	} else if why := interpreterAuthorized(r, port, rec.AccessToken); why != "" {
+		unauthorized(w, r, why)
+		return
 	}
 	if b.State == Suspended {
 		if b.Labels[labelAutoResume] != "true" {
@@ -155,6 +158,27 @@ func envdAuthorized(r *http.Request, token string) string {
 		return signatureOK(r, op, token)
 	}
 	return "missing or wrong access token (" + hdrAccessToken + ")"
+}
+
+// CodeInterpreterPort is where E2B's code interpreter SDKs send their
+// cells (runCode's POST /execute) and manage contexts.
+const CodeInterpreterPort = 49999
+
+// interpreterAuthorized says why a request may not reach the code
+// interpreter's port, "" when it may: a cell (POST /execute runs code, as
+// the sandbox's user) wants the sandbox's access token, which every
+// @e2b/code-interpreter sends there; on the other paths (contexts, health)
+// a token that comes must be the sandbox's, and none may come, as the SDKs
+// before the contexts' authentication send none. Serve takes the token off
+// before the request crosses into the box, as on every port.
+func interpreterAuthorized(r *http.Request, port int, token string) string {
+	if port != CodeInterpreterPort {
+		return ""
+	}
+	if (r.URL.Path == "/execute" || r.Header.Get(hdrAccessToken) != "") && !tokenMatches(r, token) {
+		return "missing or wrong access token (" + hdrAccessToken + ") for the sandbox's code interpreter"
+	}
+	return ""
 }
 
 // tokenMatches says r carries token in X-Access-Token.

@@ -848,3 +848,48 @@ func TestWebSocketByHost(t *testing.T) {
 		}
 	}
 }
+
+// The code interpreter's port runs code as the sandbox's user: a cell
+// (POST /execute) wants the sandbox's access token, whatever else the port
+// lets through; a wrong token is refused on its other paths too; nothing
+// refused reaches the box, and the token never does.
+func TestCodeInterpreterWantsTheToken(t *testing.T) {
+	h := newFakeHost()
+	_, ts := newTestServer(t, h, "")
+	a := create(t, ts, `{"templateID":"warm"}`)
+	b := create(t, ts, `{"templateID":"warm"}`)
+	h.mu.Lock()
+	h.boxes[a.ID].openPorts["127.0.0.1:49999"] = true
+	h.mu.Unlock()
+	route := []string{"E2b-Sandbox-Id: " + a.ID, "E2b-Sandbox-Port: 49999"}
+	for _, tc := range []struct {
+		name, method, path string
+		headers            []string
+		want               int
+	}{
+		{"a cell without the token", "POST", "/execute", nil, 401},
+		{"a cell with another sandbox's token", "POST", "/execute", []string{"X-Access-Token: " + b.Token}, 401},
+		{"a context with a wrong token", "POST", "/contexts", []string{"X-Access-Token: " + b.Token}, 401},
+		{"a cell with the token", "POST", "/execute", []string{"X-Access-Token: " + a.Token}, 200},
+		{"a context without a token (SDKs before contexts' authentication)", "POST", "/contexts", nil, 200},
+		{"health", "GET", "/health", nil, 200},
+	} {
+		before := len(h.seen(a.ID))
+		status, body, _ := call(t, ts, tc.method, tc.path, `{"code":"1"}`, append(route, tc.headers...)...)
+		if status != tc.want {
+			t.Errorf("%s: %d %s, want %d", tc.name, status, body, tc.want)
+		}
+		if reached := len(h.seen(a.ID)) > before; reached != (tc.want == 200) {
+			t.Errorf("%s: reached the box %v", tc.name, reached)
+		}
+	}
+	for _, r := range h.seen(a.ID) {
+		if r.Header.Get("X-Access-Token") != "" {
+			t.Errorf("the access token reached the box on %s %s", r.Method, r.Path)
+		}
+	}
+	// Another port of the sandbox is public, as E2B's are by default.
+	if status, body, _ := call(t, ts, "POST", "/execute", "{}", "E2b-Sandbox-Id: "+a.ID, "E2b-Sandbox-Port: 8000"); status != 200 {
+		t.Errorf("port 8000's /execute: %d %s", status, body)
+	}
+}
