@@ -251,9 +251,9 @@ func (c Compiled) FiltersDNS() bool { return slices.Contains(c.DenyNets, Everyth
 // AllowsQuery says whether the resolver answers a query for name.
 func (c Compiled) AllowsQuery(name string) bool { return !c.FiltersDNS() || c.AllowsName(name) }
 
-// Blocked are the ranges a box never reaches whatever its policy
-// (network.Blocked, repeated here so that this package stands alone;
-// network's tests check they agree): an allow rule cannot open one.
+// Blocked are the ranges a box never reaches whatever its policy (the
+// host's firewall drops them: network.Blocked is this list): an allow
+// rule cannot open one.
 var Blocked = []netip.Prefix{
 	netip.MustParsePrefix("0.0.0.0/8"),
 	netip.MustParsePrefix("10.0.0.0/8"),

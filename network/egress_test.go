@@ -7,16 +7,7 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
-
-	"kvbox.dev/kvbox/egress"
 )
-
-// What no box reaches is one list: egress refuses allow rules inside it.
-func TestEgressBlockedAgrees(t *testing.T) {
-	if !slices.Equal(egress.Blocked, Blocked) {
-		t.Fatalf("egress.Blocked %v differs from network.Blocked %v", egress.Blocked, Blocked)
-	}
-}
 
 func testRules(proxy bool) EgressRules {
 	return EgressRules{Own: netip.MustParsePrefix("172.30.0.0/24"), Gateway: netip.MustParseAddr("172.30.0.1"),

@@ -10,6 +10,7 @@ import (
 	"github.com/coreos/go-iptables/iptables"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/egress"
 )
 
 // Boxes reach the internet through the NAT and nothing else. kvbox's
@@ -24,17 +25,9 @@ func (c Config) fwdChain() string { return "KVBOX-FWD-" + c.Bridge }
 // private ranges (the host's LAN, other bridges, other boxes' subnets),
 // shared address space (carrier-grade NAT), link-local (a cloud's metadata
 // service at 169.254.169.254), loopback, "this network", multicast and
-// reserved space.
-var Blocked = []netip.Prefix{
-	netip.MustParsePrefix("0.0.0.0/8"),
-	netip.MustParsePrefix("10.0.0.0/8"),
-	netip.MustParsePrefix("100.64.0.0/10"),
-	netip.MustParsePrefix("127.0.0.0/8"),
-	netip.MustParsePrefix("169.254.0.0/16"),
-	netip.MustParsePrefix("172.16.0.0/12"),
-	netip.MustParsePrefix("192.168.0.0/16"),
-	netip.MustParsePrefix("224.0.0.0/3"),
-}
+// reserved space. One list with egress's, whose allow rules cannot open
+// any of them.
+var Blocked = egress.Blocked
 
 func (c Config) jumps() []rule {
 	comment := c.comment()
