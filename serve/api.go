@@ -16,6 +16,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
@@ -94,7 +95,14 @@ func (s *Server) sandboxCall(w http.ResponseWriter, r *http.Request, id, call st
 		return
 	}
 	switch call {
-	case "metrics", "logs", "network", "cpus":
+	case "network":
+		if method(http.MethodPut) {
+			if err := s.updateNetwork(w, r, id); err != nil {
+				s.fail(w, r, err)
+			}
+		}
+		return
+	case "metrics", "logs", "cpus":
 		writeError(w, http.StatusNotImplemented, "%s %s: kvbox serve does not implement sandbox %s", r.Method, r.URL.Path, call)
 	default:
 		writeError(w, http.StatusNotFound, "%s %s: kvbox serve has no such call", r.Method, r.URL.Path)
@@ -229,6 +237,17 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request) {
 	}
 	how := startHow{noInternet: req.AllowInternetAccess != nil && !*req.AllowInternetAccess,
 		pauseAtTimeout: req.AutoPause != nil && *req.AutoPause}
+	if n := req.Network; n != nil {
+		nj := networkJSON{AllowOut: n.AllowOut, DenyOut: n.DenyOut, Rules: n.Rules, EgressProxy: n.EgressProxy}
+		if how.egress, err = nj.policy(how.noInternet); err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		if how.egress != nil {
+			// The policy's deny-all is the sandbox's way out, not none.
+			how.noInternet = false
+		}
+	}
 	t0 := time.Now()
 	b, err := s.start(r.Context(), snap, labels, rec, timeout, how)
 	if errors.Is(err, ErrNotFound) {
@@ -253,19 +272,17 @@ func refuseUnsupported(req newSandboxJSON) error {
 	case len(req.IAM) > 0 && string(req.IAM) != "null":
 		return errorf(http.StatusBadRequest, "iam: kvbox serve issues no IAM tokens")
 	}
-	if n := req.Network; n != nil {
-		if len(n.AllowOut) > 0 || len(n.DenyOut) > 0 || len(n.Rules) > 0 && string(n.Rules) != "null" || len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null" {
-			return errorf(http.StatusBadRequest, "network allowOut, denyOut, rules and egressProxy: kvbox serve has no egress rules; allow_internet_access false gives a sandbox no route out")
-		}
-	}
 	return nil
 }
 
 // startHow is what a sandbox is started with besides its template,
 // labels, secrets and timeout.
 type startHow struct {
-	noInternet     bool // allow_internet_access false
+	noInternet     bool // allow_internet_access false, with no rules
 	pauseAtTimeout bool // lifecycle onTimeout pause (autoPause)
+	// egress is the policy of network.allowOut and denyOut (nil: none, or
+	// a fork's: its snapshot's).
+	egress *egress.Policy
 }
 
 // start clones a sandbox: its secrets kept first (a serve that dies
@@ -294,7 +311,7 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 	// whatever the guest holds, every snapshot and fork of it carries.
 	cfg := &envd.Config{EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
 	if _, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
-		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout}); err != nil {
+		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout, Egress: how.egress}); err != nil {
 		s.secrets.del(rec.ID)
 		return Box{}, err
 	}

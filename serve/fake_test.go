@@ -14,6 +14,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"kvbox.dev/kvbox/egress"
 )
 
 // fakeHost is a Host in memory: boxes are records, and each box answers
@@ -42,7 +44,8 @@ type fakeBox struct {
 	seen        []seenReq // requests that reached the box, any target
 	openPorts   map[string]bool
 	resumeCalls int
-	conns       []net.Conn // its streams, which end with its QEMU
+	conns       []net.Conn     // its streams, which end with its QEMU
+	egress      *egress.Policy // as the clone or SetEgress gave it
 }
 
 // seenReq is a request as it reached a box.
@@ -97,7 +100,7 @@ func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
 		Created: time.Date(2026, 12, 5, 12, 0, h.clones, 0, time.UTC), Expires: req.Expires, CPUs: 2,
 		MemoryBytes: 4 << 30, DiskBytes: cmp.Or(h.disk, 8<<30), Labels: req.Labels, NoInternet: req.NoInternet,
 		SuspendAtExpiry: req.SuspendAtExpiry},
-		openPorts: map[string]bool{"envd": true, "127.0.0.1:8000": true}}
+		openPorts: map[string]bool{"envd": true, "127.0.0.1:8000": true}, egress: req.Egress}
 	h.boxes[req.Name] = b
 	return b.Box, nil
 }
@@ -153,6 +156,18 @@ func (h *fakeHost) Resume(ctx context.Context, name string) error {
 	}
 	b.State = Running
 	b.resumeCalls++
+	return nil
+}
+
+func (h *fakeHost) SetEgress(ctx context.Context, name string, p egress.Policy) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("egress %s allow %v deny %v", name, p.Allow, p.Deny)
+	b, err := h.get(name)
+	if err != nil {
+		return err
+	}
+	b.egress = &p
 	return nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"net"
 	"time"
 
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
@@ -37,6 +38,9 @@ type Host interface {
 	Snapshot(ctx context.Context, box, name string, expires *time.Time) (Snapshot, error)
 	Snapshots(ctx context.Context) ([]Snapshot, error)
 	RemoveSnapshot(ctx context.Context, name string) error
+	// SetEgress replaces a box's egress policy while it runs (a zero one:
+	// none), for its new connections.
+	SetEgress(ctx context.Context, name string, p egress.Policy) error
 	// Dial opens a stream to target in the box, through its agent:
 	// "envd" (agent.EnvdDialAddress) or "127.0.0.1:PORT". Streams of a
 	// box share one agent connection.
@@ -53,6 +57,8 @@ type CloneRequest struct {
 	// SuspendAtExpiry: the deadline suspends the box (and takes itself
 	// away) instead of removing it.
 	SuspendAtExpiry bool
+	// Egress is the clone's egress policy (nil: its snapshot's).
+	Egress *egress.Policy
 }
 
 // State is a box's state as serve tells them apart.

@@ -13,11 +13,13 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
 	"time"
 
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/guest-agent/envd"
 )
 
@@ -214,7 +216,9 @@ func TestErrorShapes(t *testing.T) {
 		{"negative timeout", "POST", "/sandboxes", `{"templateID":"warm","timeout":-1}`, nil, 400},
 		{"bad variable", "POST", "/sandboxes", `{"templateID":"warm","envVars":{"A=B":"x"}}`, nil, 400},
 		{"control characters in metadata", "POST", "/sandboxes", `{"templateID":"warm","metadata":{"k":"a\u0001"}}`, nil, 400},
-		{"egress rules", "POST", "/sandboxes", `{"templateID":"warm","network":{"allowOut":["1.1.1.1"]}}`, nil, 400},
+		{"header rules", "POST", "/sandboxes", `{"templateID":"warm","network":{"allowOut":["api.example.com"],"denyOut":["0.0.0.0/0"],"rules":{"api.example.com":{"transform":{"headers":{"A":"b"}}}}}}`, nil, 400},
+		{"a private range allowed", "POST", "/sandboxes", `{"templateID":"warm","network":{"allowOut":["10.0.0.0/8"],"denyOut":["0.0.0.0/0"]}}`, nil, 400},
+		{"an egress proxy", "POST", "/sandboxes", `{"templateID":"warm","network":{"egressProxy":{"address":"socks5://x:1"}}}`, nil, 400},
 		{"a clone that fails", "POST", "/sandboxes", `{"templateID":"broken"}`, nil, 500},
 		{"oversized body", "POST", "/sandboxes", `{"templateID":"warm","metadata":{"k":"` + strings.Repeat("x", maxBody) + `"}}`, nil, 413},
 		{"unknown sandbox", "GET", "/sandboxes/nosuchsandbox0000000", "", nil, 404},
@@ -891,5 +895,78 @@ func TestCodeInterpreterWantsTheToken(t *testing.T) {
 	// Another port of the sandbox is public, as E2B's are by default.
 	if status, body, _ := call(t, ts, "POST", "/execute", "{}", "E2b-Sandbox-Id: "+a.ID, "E2b-Sandbox-Port: 8000"); status != 200 {
 		t.Errorf("port 8000's /execute: %d %s", status, body)
+	}
+}
+
+// network.allowOut and denyOut are the sandbox's egress policy from its
+// clone's first frame (allowInternetAccess false with rules: deny-all plus
+// them); PUT /sandboxes/{id}/network replaces the whole policy of the
+// running sandbox; what kvbox cannot enforce is refused, nothing half done.
+func TestNetworkPolicy(t *testing.T) {
+	h := newFakeHost()
+	_, ts := newTestServer(t, h, "")
+	a := create(t, ts, `{"templateID":"warm","network":{"allowOut":["api.example.com","*.github.com"],"denyOut":["0.0.0.0/0"]}}`)
+	b := create(t, ts, `{"templateID":"warm","allow_internet_access":false,"network":{"allowOut":["198.51.100.7"]}}`)
+	c := create(t, ts, `{"templateID":"warm","allow_internet_access":false}`)
+	d := create(t, ts, `{"templateID":"warm"}`)
+	policy := func(id string) *egress.Policy {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return h.boxes[id].egress
+	}
+	box := func(id string) Box {
+		bx, err := h.Box(context.Background(), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return bx
+	}
+	if p := policy(a.ID); p == nil || !slices.Equal(p.Allow, []string{"api.example.com", "*.github.com"}) || !slices.Equal(p.Deny, []string{"0.0.0.0/0"}) || box(a.ID).NoInternet {
+		t.Errorf("a's policy %+v (no internet %v)", p, box(a.ID).NoInternet)
+	}
+	if p := policy(b.ID); p == nil || !slices.Equal(p.Allow, []string{"198.51.100.7/32"}) || !slices.Equal(p.Deny, []string{"0.0.0.0/0"}) || box(b.ID).NoInternet {
+		t.Errorf("b's policy (allowInternetAccess false with a rule) %+v", p)
+	}
+	if policy(c.ID) != nil || !box(c.ID).NoInternet || policy(d.ID) != nil || box(d.ID).NoInternet {
+		t.Errorf("c (no internet, no rule) or d (nothing): %+v %+v", policy(c.ID), policy(d.ID))
+	}
+
+	put := func(id, body string) (int, string) {
+		status, out, _ := call(t, ts, "PUT", "/sandboxes/"+id+"/network", body)
+		return status, out
+	}
+	if status, out := put(a.ID, `{"allowOut":["codeload.github.com"],"denyOut":["0.0.0.0/0"]}`); status != 204 {
+		t.Fatalf("update a: %d %s", status, out)
+	}
+	if p := policy(a.ID); p == nil || !slices.Equal(p.Allow, []string{"codeload.github.com"}) {
+		t.Errorf("a's policy after the update %+v, want only codeload.github.com allowed", p)
+	}
+	if status, out := put(d.ID, `{"allow_internet_access":false}`); status != 204 {
+		t.Fatalf("update d: %d %s", status, out)
+	}
+	if p := policy(d.ID); p == nil || !slices.Equal(p.Deny, []string{"0.0.0.0/0"}) || len(p.Allow) != 0 {
+		t.Errorf("d's policy after allowInternetAccess false %+v", p)
+	}
+	if status, out := put(d.ID, `{}`); status != 204 || policy(d.ID) == nil || !policy(d.ID).IsZero() {
+		t.Errorf("d's policy after an empty update (no rule: allow all): %d %s %+v", status, out, policy(d.ID))
+	}
+	before := *policy(a.ID)
+	for name, body := range map[string]string{
+		"a name denied (names only allow)": `{"denyOut":["evil.example.com"]}`,
+		"header rules":                     `{"rules":{"x.example.com":{"transform":{"headers":{"A":"b"}}}}}`,
+		"not JSON":                         `{`,
+	} {
+		if status, out := put(a.ID, body); status != 400 {
+			t.Errorf("update a, %s: %d %s, want 400", name, status, out)
+		}
+	}
+	if p := policy(a.ID); !slices.Equal(p.Allow, before.Allow) || !slices.Equal(p.Deny, before.Deny) {
+		t.Errorf("a refused update changed a's policy: %+v", p)
+	}
+	if status, out := put(c.ID, `{"allowOut":["198.51.100.7"],"denyOut":["0.0.0.0/0"]}`); status != 409 {
+		t.Errorf("update of a sandbox with no route out: %d %s, want 409", status, out)
+	}
+	if status, out := put("nosuchsandbox0000000", `{}`); status != 404 {
+		t.Errorf("update of an unknown sandbox: %d %s, want 404", status, out)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"kvbox.dev/kvbox/base"
+	"kvbox.dev/kvbox/egress"
 	"kvbox.dev/kvbox/kvbox"
 	"kvbox.dev/kvbox/serve"
 )
@@ -74,7 +75,7 @@ func (sh serveHost) Clone(ctx context.Context, req serve.CloneRequest) (serve.Bo
 		return serve.Box{}, notServes(req.Snapshot)
 	}
 	b, _, err := sh.k.Clone(ctx, kvbox.CloneRequest{Snapshot: req.Snapshot, Name: req.Name, Expires: req.Expires,
-		SuspendAtExpiry: req.SuspendAtExpiry, Labels: req.Labels, NoInternet: req.NoInternet, Envd: req.Envd})
+		SuspendAtExpiry: req.SuspendAtExpiry, Labels: req.Labels, NoInternet: req.NoInternet, Envd: req.Envd, Egress: req.Egress})
 	return serveBox(b), serveErr(err)
 }
 
@@ -137,6 +138,11 @@ func (sh serveHost) RemoveSnapshot(ctx context.Context, name string) error {
 		return notServes(name)
 	}
 	return serveErr(sh.k.RemoveSnapshot(ctx, name))
+}
+
+func (sh serveHost) SetEgress(ctx context.Context, name string, p egress.Policy) error {
+	_, err := sh.k.SetEgress(ctx, name, p)
+	return serveErr(err)
 }
 
 func (sh serveHost) Dial(ctx context.Context, name, target string) (net.Conn, error) {
