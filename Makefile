@@ -50,9 +50,10 @@ fuzz:
 # End-to-end tests boot real guests; they and libvirtd run inside $(NS), so
 # every packet to a guest stays in that namespace. Most boot the Debian image:
 # setup.sh images builds it, or waits for make test's background build.
+# testenv/e2e.sh: make test runs the fuzzing and kvbox-node's tests beside the suite
+# (KVBOX_E2E_BESIDE), where they take the CPU its guests leave idle.
 e2e:
-	bash testenv/setup.sh images
-	$(call guarded,ip netns exec $(NS) $(GO) test -tags e2e -count=1 -timeout 80m -v ./testenv)
+	$(call guarded,GO=$(GO) KVBOX_TESTENV_NS=$(NS) FUZZTIME=$(FUZZTIME) FUZZ_TARGETS='$(FUZZ_TARGETS)' bash testenv/e2e.sh)
 
 # kvbox-node, its own Go module (the kvbox CLI does not carry the Kubernetes
 # libraries): vet, unit tests, then its end-to-end test against the local
@@ -69,7 +70,10 @@ test-kubernetes:
 test: export KVBOX_TEST_STRICT := 1
 test: export KVBOX_TESTENV_FLEET := background
 test: export KVBOX_TESTENV_IMAGES := background
-test: testenv check unit fuzz e2e test-kubernetes
+test: export KVBOX_E2E_BESIDE := fuzz fleet
+# Beside the suite the fuzzing has only the CPU the guests leave: longer, for as many inputs.
+test: FUZZTIME = 60s
+test: testenv check unit e2e
 
 # The README's main job: set-up of what it uses alone (setup.sh demo: packages,
 # the namespace with libvirtd, the build; the demo builds the Debian image as a

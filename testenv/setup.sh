@@ -224,8 +224,10 @@ stage_import() {
 		log "bin/kvbox has no 'images import ... --kernel' yet: skipping image registration"
 		return 0
 	fi
-	local kfile=${KVBOX_TINY_KERNEL_FILE:-vmlinux} marker=$TINY_OUT/.imported want extra=()
-	want="$(cat "$TINY_OUT/.stamp") $kfile ${KVBOX_STATE_DIR:-/var/lib/kvbox}"
+	local kfile=${KVBOX_TINY_KERNEL_FILE:-vmlinux} state=${KVBOX_STATE_DIR:-/var/lib/kvbox} marker want extra=()
+	# One marker a state dir: make e2e imports it into the fleet test's state dir too.
+	marker=$TINY_OUT/.imported$(echo "$state" | tr / _)
+	want="$(cat "$TINY_OUT/.stamp") $kfile $state"
 	if [ -z "${KVBOX_TESTENV_REIMPORT:-}" ] && [ "$(cat "$marker" 2>/dev/null)" = "$want" ]; then
 		log "image tiny already registered from this build (KVBOX_TESTENV_REIMPORT=1 to force)"
 		return 0
@@ -433,8 +435,15 @@ elif [ "${1:-}" = images ]; then
 		stage "Debian images (kvbox images build debian)" stage_debian
 	fi
 	exit 0
+elif [ "${1:-}" = import-tiny ]; then
+	# The tiny image, built before, registered in KVBOX_STATE_DIR's kvbox (make e2e, for a
+	# state dir of its own beside the default one).
+	[ -f "$TINY_OUT/.stamp" ] || die "the tiny image is not built: run testenv/setup.sh first"
+	[ -x "$REPO_DIR/bin/kvbox" ] || die "bin/kvbox is not built: make build"
+	stage "register image tiny in ${KVBOX_STATE_DIR:-/var/lib/kvbox}" stage_import
+	exit 0
 elif [ -n "${1:-}" ]; then
-	die "unknown argument $1 (setup.sh [images|demo])"
+	die "unknown argument $1 (setup.sh [images|demo|import-tiny])"
 fi
 
 T0=$(now_ms)
