@@ -296,6 +296,9 @@ func ServeEgressProxy(ctx context.Context, root, upstream, upstreamCA string, re
 		UpstreamCAFile: upstreamCA, Log: newLogger(logw)}
 	started := false
 	err = p.Serve(ctx, func() { started = true; fmt.Fprintln(ready, "ok"); ready.Close() })
+	if errors.Is(err, syscall.EADDRINUSE) {
+		err = fmt.Errorf("%w: another program holds one of this state dir's egress ports (%d, %d, %d, recorded in %s); with no box of the state dir holding an egress policy, remove that file and kvbox chooses others", err, ports.HTTP, ports.TLS, ports.DNS, egress.PortsFile(root))
+	}
 	if err != nil && !started {
 		fmt.Fprintln(ready, "error: "+err.Error())
 	}
