@@ -18,7 +18,8 @@ import (
 // written (egress.WriteBox), or both removed when it has none. A box that
 // takes an address another box had gets its own rules, never the other's.
 
-// egressRules are box b's address rules (nil: it has no policy).
+// egressRules are box b's address rules (nil: it has no policy), its
+// redirects to its state dir's proxy ports.
 func egressRules(b Box) (*network.EgressRules, error) {
 	if b.Egress == nil || b.Egress.IsZero() {
 		return nil, nil
@@ -31,8 +32,15 @@ func egressRules(b Box) (*network.EgressRules, error) {
 	if err != nil {
 		return nil, fmt.Errorf("egress policy of box %q: gateway %q: %w", b.Name, b.Gateway, err)
 	}
+	if b.Dir == "" {
+		return nil, fmt.Errorf("egress policy of box %q: its definition names no folder, so no state dir whose proxy serves it", b.Name)
+	}
+	ports, err := egress.EnsurePorts(stateDirOf(b), nil)
+	if err != nil {
+		return nil, fmt.Errorf("egress policy of box %q: %w", b.Name, err)
+	}
 	own := netip.PrefixFrom(b.Addr(), b.Prefix).Masked()
-	return &network.EgressRules{Own: own, Gateway: gw, Allow: c.AllowNets, Deny: c.DenyNets, Proxy: len(c.Names) > 0}, nil
+	return &network.EgressRules{Own: own, Gateway: gw, Allow: c.AllowNets, Deny: c.DenyNets, Proxy: len(c.Names) > 0, Ports: ports}, nil
 }
 
 // stateDirOf is the state dir box b is of (its folder is STATE/boxes/NAME).

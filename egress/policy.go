@@ -140,19 +140,59 @@ func (p Policy) Validate() error {
 		if err := checkHeader(h); err != nil {
 			return err
 		}
-		if !slices.Contains(p.Allow, h.Host) {
+		hn := nameOf(h.Host)
+		if !slices.ContainsFunc(c.Names, hn.overlaps) {
 			return base.Errorf(base.Invalid, "--header %s:%s: %s is not an allowed name of the policy (--allow %s): a header is set only on requests the proxy lets through by name", h.Host, h.Name, h.Host, h.Host)
+		}
+		if !c.FiltersDNS() {
+			return base.Errorf(base.Invalid, "--header %s:%s: a header is set only where every address is denied (--egress deny-all): elsewhere a connection to %s's address would pass without the proxy, and without the header", h.Host, h.Name, h.Host)
 		}
 	}
 	return nil
 }
 
-// HeadersFor are the header transforms for requests to host.
+// nameOf is a canonical name rule (x or *.x) parsed.
+func nameOf(rule string) Name {
+	host, wild := strings.CutPrefix(rule, "*.")
+	return Name{Host: host, Wildcard: wild}
+}
+
+// overlaps says whether some host name matches both n and o.
+func (n Name) overlaps(o Name) bool {
+	switch {
+	case !n.Wildcard && !o.Wildcard:
+		return n.Host == o.Host
+	case !n.Wildcard:
+		return o.Matches(n.Host)
+	case !o.Wildcard:
+		return n.Matches(o.Host)
+	}
+	return n.Host == o.Host || n.Matches(o.Host) || o.Matches(n.Host)
+}
+
+// HeadersFor are the header transforms for requests to host, as E2B
+// picks a rule: the headers of an exact host rule, else those of the
+// longest wildcard rule that matches; never a merge of two rules. Their
+// order is the policy's (a later one of the same name wins).
 func (p Policy) HeadersFor(host string) []Header {
+	host = strings.TrimSuffix(strings.ToLower(host), ".")
+	best, bestLen := "", -1
+	for _, h := range p.Headers {
+		n := nameOf(h.Host)
+		if !n.Matches(host) {
+			continue
+		}
+		l := len(n.Host)
+		if !n.Wildcard {
+			l = len(host) + 1 // an exact rule beats every wildcard
+		}
+		if l > bestLen {
+			best, bestLen = h.Host, l
+		}
+	}
 	var out []Header
 	for _, h := range p.Headers {
-		host0, wild := strings.CutPrefix(h.Host, "*.")
-		if (Name{Host: host0, Wildcard: wild}).Matches(host) {
+		if bestLen >= 0 && h.Host == best {
 			out = append(out, h)
 		}
 	}
@@ -340,6 +380,19 @@ func parseRule(s string, allow bool) (string, error) {
 		return "*." + host, nil
 	}
 	return host, nil
+}
+
+// NameRule is the canonical form of a host name rule (a name, or *.name),
+// or one line saying why s is not one.
+func NameRule(s string) (string, error) {
+	r, err := parseRule(s, true)
+	if err != nil {
+		return "", err
+	}
+	if strings.Contains(r, "/") {
+		return "", base.Errorf(base.Invalid, "%q: an address, not a host name", s)
+	}
+	return r, nil
 }
 
 // validHost checks a DNS host name (in ASCII, an IDN in its xn-- form).

@@ -206,6 +206,37 @@ func TestHeaderRules(t *testing.T) {
 	if len(p.HeadersFor("api.openai.com")) != 1 || len(p.HeadersFor("x.api.openai.com")) != 0 {
 		t.Error("HeadersFor")
 	}
+	// E2B's choice of a rule: exact first, then the longest wildcard; never
+	// a merge. A header's host need only meet an allowed name.
+	q, err := Spec{Mode: DenyAll, Allow: []string{"*.example.com"}, Headers: []string{
+		"*.example.com:A=wide", "*.api.example.com:A=narrow", "*.api.example.com:B=narrow",
+		"v1.api.example.com:A=exact"}}.Policy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for host, want := range map[string]string{"x.example.com": "A=wide", "x.api.example.com": "A=narrow B=narrow",
+		"V1.api.example.com.": "A=exact", "example.com": "", "api.example.com": "A=wide"} {
+		var got []string
+		for _, h := range q.HeadersFor(host) {
+			got = append(got, h.Name+"="+h.Value)
+		}
+		if strings.Join(got, " ") != want {
+			t.Errorf("HeadersFor(%s): %q, want %q", host, got, want)
+		}
+	}
+	// Where not every address is denied a header would go unset: refused.
+	if _, err := (Spec{Deny: []string{"203.0.113.0/24"}, Allow: []string{"api.openai.com"}, Headers: []string{"api.openai.com:A=x"}}).Policy(); err == nil || !strings.Contains(err.Error(), "deny-all") {
+		t.Errorf("a header without deny-all: %v", err)
+	}
+	for _, c := range []struct {
+		a, b string
+		want bool
+	}{{"a.x", "a.x", true}, {"a.x", "b.x", false}, {"*.x", "a.x", true}, {"a.x", "*.x", true}, {"*.a.x", "*.x", true},
+		{"*.x", "*.a.x", true}, {"*.a.x", "*.b.x", false}, {"*.x", "x", false}} {
+		if got := nameOf(c.a).overlaps(nameOf(c.b)); got != c.want {
+			t.Errorf("%s overlaps %s: %v", c.a, c.b, got)
+		}
+	}
 	// A policy whose header's host is no longer allowed is refused.
 	p.Allow = nil
 	if err := p.Validate(); err == nil {

@@ -19,6 +19,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/miekg/dns"
 )
@@ -441,7 +442,9 @@ const refusedMax = 64 << 10
 func RefusedLog(root, name string) string { return filepath.Join(Dir(root), "refused", name+".log") }
 
 func (p *Proxy) refuse(b Box, kind, format string, a ...any) {
-	line := fmt.Sprintf("%s %s %s", time.Now().UTC().Format(time.RFC3339), kind, fmt.Sprintf(format, a...))
+	// What the box sent (a name, a Host) is one printable line here: a box
+	// writes no line of its own into its log or the proxy's.
+	line := fmt.Sprintf("%s %s %s", time.Now().UTC().Format(time.RFC3339), kind, oneLine(fmt.Sprintf(format, a...)))
 	p.logf("refused %s (%s): %s", b.Name, b.Addr, line)
 	path := RefusedLog(p.StateDir, b.Name)
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
@@ -456,6 +459,16 @@ func (p *Proxy) refuse(b Box, kind, format string, a ...any) {
 	}
 	defer f.Close()
 	fmt.Fprintln(f, line)
+}
+
+// oneLine is s with every control character (and invalid UTF-8) quoted
+// in Go's way, so that it prints as one line.
+func oneLine(s string) string {
+	if !strings.ContainsFunc(s, func(r rune) bool { return r < 0x20 || r == 0x7f || r == utf8.RuneError || (r >= 0x80 && r < 0xa0) }) {
+		return s
+	}
+	q := strconv.Quote(s)
+	return q[1 : len(q)-1]
 }
 
 // Refused are the last n lines of box name's refusal log.

@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -48,6 +49,9 @@ func servers(t *testing.T, addr string, tlsPort, httpPort int, body string) (*ht
 	t.Helper()
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, body)
+		if r.URL.Path == "/host" {
+			fmt.Fprint(w, " host="+r.Host)
+		}
 		if a := r.Header.Get("Authorization"); a != "" {
 			fmt.Fprint(w, " auth="+a)
 		}
@@ -318,7 +322,11 @@ func TestProxyHeaderTransform(t *testing.T) {
 		t.Fatalf("the CA key: %v %v", fi, err)
 	}
 	b.setPolicy(t, Spec{Mode: DenyAll, Allow: []string{"example.com", "allowed.test"}, Headers: []string{"example.com:authorization=Bearer ${secret:k1}"}})
+	var fetchAs func(sni, host, path string, roots *x509.CertPool, extra string) (string, error)
 	fetch := func(sni string, roots *x509.CertPool, extra string) (string, error) {
+		return fetchAs(sni, sni, "/", roots, extra)
+	}
+	fetchAs = func(sni, host, path string, roots *x509.CertPool, extra string) (string, error) {
 		c, err := net.DialTimeout("tcp4", b.p.Addrs().TLS.String(), 5*time.Second)
 		if err != nil {
 			return "", err
@@ -329,7 +337,7 @@ func TestProxyHeaderTransform(t *testing.T) {
 		if err := tc.Handshake(); err != nil {
 			return "", err
 		}
-		fmt.Fprintf(tc, "GET / HTTP/1.1\r\nHost: %s\r\n%sConnection: close\r\n\r\n", sni, extra)
+		fmt.Fprintf(tc, "GET %s HTTP/1.1\r\nHost: %s\r\n%sConnection: close\r\n\r\n", path, host, extra)
 		resp, err := http.ReadResponse(bufio.NewReader(tc), nil)
 		if err != nil {
 			return "", err
@@ -350,6 +358,13 @@ func TestProxyHeaderTransform(t *testing.T) {
 			t.Errorf("with the secret (%q): %q %v", extra, got, err)
 		}
 	}
+	// The secret goes to the name of the TLS session alone: a Host of the
+	// box's naming another (or an absolute URL) is sent as that name.
+	for _, c := range []struct{ host, path string }{{"other.test", "/host"}, {"example.com", "https://other.test/host"}} {
+		if got, err := fetchAs("example.com", c.host, c.path, hostCA, ""); err != nil || got != "200 allowed host=example.com auth=Bearer s3cret" {
+			t.Errorf("Host %s, %s: %q %v", c.host, c.path, got, err)
+		}
+	}
 	// Only that name is terminated: another allowed one keeps its own
 	// server's certificate.
 	if _, err := fetch("allowed.test", hostCA, ""); err == nil {
@@ -368,5 +383,21 @@ func TestProxyHeaderTransform(t *testing.T) {
 	}
 	if err := RemoveSecret(b.root, "k1"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// What a box sends (an SNI, a Host, a query name) is one printable line
+// in its refusal log, never lines of its own.
+func TestRefusalOneLine(t *testing.T) {
+	root := t.TempDir()
+	p := &Proxy{StateDir: root, Log: log.New(io.Discard, "", 0)}
+	b := Box{Name: "box1", Addr: netip.MustParseAddr("127.0.0.1")}
+	p.refuse(b, "http", "%s: not a name the policy allows", "evil.test\n2026-01-01T00:00:00Z tls forged\x1b[2J")
+	lines := Refused(root, "box1", 10)
+	if len(lines) != 1 || strings.ContainsAny(lines[0], "\n\x1b") || !strings.Contains(lines[0], `evil.test\n2026`) {
+		t.Errorf("refusal log %q", lines)
+	}
+	if oneLine("plain.test: ok") != "plain.test: ok" {
+		t.Error("oneLine changed a plain line")
 	}
 }

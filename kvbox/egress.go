@@ -285,11 +285,20 @@ func runWorker(ctx context.Context, worker func(readyFD int) *exec.Cmd, ready fu
 // roots only).
 func ServeEgressProxy(ctx context.Context, root, upstream, upstreamCA string, ready io.WriteCloser, logw io.Writer) error {
 	defer ready.Close()
-	ports := network.DefaultEgressPorts
+	// The state dir's own ports, chosen once (egress.EnsurePorts): a
+	// proxy of another state dir holds others.
+	ports, err := egress.EnsurePorts(root, nil)
+	if err != nil {
+		fmt.Fprintln(ready, "error: "+err.Error())
+		return err
+	}
 	p := &egress.Proxy{StateDir: root, HTTPPort: ports.HTTP, TLSPort: ports.TLS, DNSPort: ports.DNS, Upstream: upstream,
 		UpstreamCAFile: upstreamCA, Log: newLogger(logw)}
 	started := false
-	err := p.Serve(ctx, func() { started = true; fmt.Fprintln(ready, "ok"); ready.Close() })
+	err = p.Serve(ctx, func() { started = true; fmt.Fprintln(ready, "ok"); ready.Close() })
+	if errors.Is(err, syscall.EADDRINUSE) {
+		err = fmt.Errorf("%w: another program holds one of this state dir's egress ports (%d, %d, %d, recorded in %s); with no box of the state dir holding an egress policy, remove that file and kvbox chooses others", err, ports.HTTP, ports.TLS, ports.DNS, egress.PortsFile(root))
+	}
 	if err != nil && !started {
 		fmt.Fprintln(ready, "error: "+err.Error())
 	}

@@ -11,6 +11,8 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
+
+	"kvbox.dev/kvbox/egress"
 )
 
 // A box's egress policy (package egress) is enforced here for addresses,
@@ -33,13 +35,11 @@ import (
 
 const egressTableName = "kvbox-egress"
 
-// EgressPorts are the host ports of kvbox's egress proxy (HTTP, TLS) and
-// resolver (DNS, UDP and TCP), on every address of the namespace:
-// kvbox's input chain lets a box reach them only through the redirect.
-type EgressPorts struct{ HTTP, TLS, DNS uint16 }
-
-// DefaultEgressPorts are the ports kvbox's proxy and resolver listen on.
-var DefaultEgressPorts = EgressPorts{HTTP: 15080, TLS: 15443, DNS: 15053}
+// EgressPorts are the host ports of a state dir's egress proxy (HTTP,
+// TLS) and resolver (DNS, UDP and TCP), on every address of the
+// namespace, each state dir its own (egress.EnsurePorts): kvbox's input
+// chain lets a box reach them only through the redirect.
+type EgressPorts = egress.Ports
 
 // EgressRules are one box's address rules.
 type EgressRules struct {
@@ -265,7 +265,7 @@ func egressChainRules(r EgressRules) ([2][][]expr.Any, error) {
 		return out, fmt.Errorf("egress rules: the box's subnet and gateway are needed")
 	}
 	if r.Ports == (EgressPorts{}) {
-		r.Ports = DefaultEgressPorts
+		return out, fmt.Errorf("egress rules: the state dir's proxy ports are needed")
 	}
 	ret, accept, drop := verdict(expr.VerdictReturn), verdict(expr.VerdictAccept), verdict(expr.VerdictDrop)
 	// Forward: its own bridge is not this table's; allow beats deny.

@@ -12,7 +12,8 @@ import (
 func testRules(proxy bool) EgressRules {
 	return EgressRules{Own: netip.MustParsePrefix("172.30.0.0/24"), Gateway: netip.MustParseAddr("172.30.0.1"),
 		Allow: []netip.Prefix{netip.MustParsePrefix("203.0.113.0/24")},
-		Deny:  []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("198.51.100.0/24")}, Proxy: proxy}
+		Deny:  []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("198.51.100.0/24")}, Proxy: proxy,
+		Ports: EgressPorts{HTTP: 20000, TLS: 20001, DNS: 20002}}
 }
 
 // The chains a policy makes: its own bridge first, allow before deny, DNS
@@ -66,6 +67,11 @@ func TestEgressChainRules(t *testing.T) {
 	if _, err := egressChainRules(EgressRules{}); err == nil {
 		t.Error("rules without the box's subnet made")
 	}
+	noPorts := testRules(true)
+	noPorts.Ports = EgressPorts{}
+	if _, err := egressChainRules(noPorts); err == nil {
+		t.Error("rules without the state dir's proxy ports made")
+	}
 }
 
 // A box's rules are set, replaced whole and removed in one batch each;
@@ -113,7 +119,7 @@ func TestSetEgress(t *testing.T) {
 		t.Fatalf("after SetEgress: %d/%d rules, %d/%d elements", count(fname), count(nname), elements("fwd"), elements("nat"))
 	}
 	// Set again with other rules: replaced, not added to.
-	r2 := EgressRules{Own: r.Own, Gateway: r.Gateway, Deny: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24")}}
+	r2 := EgressRules{Own: r.Own, Gateway: r.Gateway, Deny: []netip.Prefix{netip.MustParsePrefix("198.51.100.0/24")}, Ports: r.Ports}
 	if err := SetEgress(box, &r2); err != nil {
 		t.Fatal(err)
 	}

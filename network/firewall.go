@@ -50,18 +50,21 @@ func (c Config) inRules(resolvers []netip.Addr) [][]string {
 	r := [][]string{{"-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"}}
 	// A resolver may be one of the host's own addresses (a local dnsmasq).
 	r = append(r, dnsRules(c.Bridge, c.Subnet.String(), resolvers)...)
-	r = append(r, egressInRules(DefaultEgressPorts)...)
+	r = append(r, egressInRules()...)
 	return append(r, []string{"-j", "DROP"})
 }
 
 // egressInRules let a box reach kvbox's egress proxy and resolver on the
 // host only through its egress chains' redirect (egress.go): a box without
-// a policy, or one that dials those ports itself, is dropped.
-func egressInRules(p EgressPorts) [][]string {
-	rule := func(proto string, port uint16) []string {
-		return []string{"-p", proto, "-m", "conntrack", "--ctstate", "DNAT", "-m", proto, "--dport", fmt.Sprint(port), "-j", "ACCEPT"}
+// a policy, or one that dials those ports itself, is dropped. Each state
+// dir's proxy has ports of its own in egress's range, and a box's redirect
+// names its own state dir's: the range is what a bridge's chain knows.
+func egressInRules() [][]string {
+	ports := fmt.Sprintf("%d:%d", egress.PortFirst, egress.PortLast)
+	rule := func(proto string) []string {
+		return []string{"-p", proto, "-m", "conntrack", "--ctstate", "DNAT", "-m", proto, "--dport", ports, "-j", "ACCEPT"}
 	}
-	return [][]string{rule("tcp", p.HTTP), rule("tcp", p.TLS), rule("tcp", p.DNS), rule("udp", p.DNS)}
+	return [][]string{rule("tcp"), rule("udp")}
 }
 
 func dnsRules(br, sub string, resolvers []netip.Addr) [][]string {

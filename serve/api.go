@@ -70,6 +70,8 @@ func (s *Server) control(w http.ResponseWriter, r *http.Request) {
 		if method(http.MethodGet) {
 			s.listSnapshots(w, r)
 		}
+	case (len(parts) == 1 || len(parts) == 2) && parts[0] == "secrets":
+		s.secretsCall(w, r, parts, method)
 	case len(parts) == 2 && parts[0] == "templates":
 		if method(http.MethodDelete) {
 			s.deleteTemplate(w, r, parts[1])
@@ -239,10 +241,13 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request) {
 		pauseAtTimeout: req.AutoPause != nil && *req.AutoPause}
 	if n := req.Network; n != nil {
 		nj := networkJSON{AllowOut: n.AllowOut, DenyOut: n.DenyOut, Rules: n.Rules, EgressProxy: n.EgressProxy}
-		if how.egress, err = nj.policy(how.noInternet); err != nil {
+		pl, err := s.plan(nj, how.noInternet, tenantOf(r), rec.ID)
+		if err != nil {
 			s.fail(w, r, err)
 			return
 		}
+		how.egress, how.headerSecrets = pl.policy, pl.secrets
+		rec.Egress, rec.HeaderSecrets = pl.policy, pl.secrets
 		if how.egress != nil {
 			// The policy's deny-all is the sandbox's way out, not none.
 			how.noInternet = false
@@ -280,9 +285,12 @@ func refuseUnsupported(req newSandboxJSON) error {
 type startHow struct {
 	noInternet     bool // allow_internet_access false, with no rules
 	pauseAtTimeout bool // lifecycle onTimeout pause (autoPause)
-	// egress is the policy of network.allowOut and denyOut (nil: none, or
-	// a fork's: its snapshot's).
-	egress *egress.Policy
+	// egress is the policy of network.allowOut, denyOut and rules (nil:
+	// none, or its snapshot's); headerSecrets the values of the sandbox's
+	// own header secrets it names, put in the host's store before the
+	// clone.
+	egress        *egress.Policy
+	headerSecrets map[string]string
 }
 
 // start clones a sandbox: its secrets kept first (a serve that dies
@@ -295,10 +303,14 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 	if err := s.secrets.put(rec); err != nil {
 		return Box{}, err
 	}
+	if err := s.putSecrets(how.headerSecrets); err != nil {
+		s.secrets.del(rec.ID)
+		return Box{}, err
+	}
 	select {
 	case s.clones <- struct{}{}:
 	case <-ctx.Done():
-		s.secrets.del(rec.ID)
+		s.forgetRecord(rec)
 		return Box{}, ctx.Err()
 	}
 	defer func() { <-s.clones }()
@@ -312,7 +324,7 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 	cfg := &envd.Config{EnvVars: rec.EnvVars, DefaultUser: defaultUser, SandboxID: rec.ID, TemplateID: snap}
 	if _, err := s.host.Clone(ctx, CloneRequest{Snapshot: snap, Name: rec.ID, Expires: &at, Labels: labels, Envd: cfg,
 		NoInternet: how.noInternet, SuspendAtExpiry: how.pauseAtTimeout, Egress: how.egress}); err != nil {
-		s.secrets.del(rec.ID)
+		s.forgetRecord(rec)
 		return Box{}, err
 	}
 	ready := time.Now().Add(timeout)
@@ -321,7 +333,7 @@ func (s *Server) start(ctx context.Context, snap string, labels map[string]strin
 		if rerr := s.host.Remove(context.WithoutCancel(ctx), rec.ID); rerr != nil {
 			s.logf("sandbox %s: its deadline could not be set, nor the box removed: %v", rec.ID, rerr)
 		}
-		s.secrets.del(rec.ID)
+		s.forgetRecord(rec)
 		return Box{}, fmt.Errorf("sandbox %s: set its timeout: %w", rec.ID, err)
 	}
 	s.keep(nb)
@@ -547,7 +559,9 @@ func (s *Server) kill(w http.ResponseWriter, r *http.Request, id string) {
 		return
 	}
 	s.drop(id)
-	s.secrets.del(id)
+	rec, _ := s.secrets.get(id)
+	rec.ID = id
+	s.forgetRecord(rec)
 	s.logf("sandbox %s killed", id)
 	w.WriteHeader(http.StatusNoContent)
 }
@@ -821,7 +835,11 @@ func (s *Server) forks(ctx context.Context, b Box, rec record, snap string, d ti
 			if rec.TrafficToken != "" {
 				fr.TrafficToken = newToken()
 			}
-			fb, err := s.start(ctx, snap, labels, fr, d, startHow{noInternet: b.NoInternet})
+			// The parent's rules, its own header secrets copied: they
+			// are the fork's from now on, and outlive the parent.
+			pl := forkPlan(rec, fr.ID)
+			fr.Egress, fr.HeaderSecrets = pl.policy, pl.secrets
+			fb, err := s.start(ctx, snap, labels, fr, d, startHow{noInternet: b.NoInternet, egress: pl.policy, headerSecrets: pl.secrets})
 			if err != nil {
 				status := http.StatusInternalServerError
 				if errors.Is(err, ErrBusy) || errors.Is(err, ErrExists) {

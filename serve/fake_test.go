@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -37,6 +38,8 @@ type fakeHost struct {
 	// cloneTakes is how long a clone takes: a clone whose deadline comes
 	// sooner is stopped by its reaper while it boots, and fails.
 	cloneTakes time.Duration
+	// secrets is the host's egress secret store.
+	secrets map[string]string
 }
 
 type fakeBox struct {
@@ -157,6 +160,36 @@ func (h *fakeHost) Resume(ctx context.Context, name string) error {
 	b.State = Running
 	b.resumeCalls++
 	return nil
+}
+
+func (h *fakeHost) SetSecret(name string, value []byte) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := egress.ValidSecretName(name); err != nil {
+		return fmt.Errorf("%v: %w", err, ErrInvalid)
+	}
+	if h.secrets == nil {
+		h.secrets = map[string]string{}
+	}
+	h.secrets[name] = string(value)
+	return nil
+}
+
+func (h *fakeHost) RemoveSecret(name string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.secrets[name]; !ok {
+		return fmt.Errorf("no secret %q: %w", name, ErrNotFound)
+	}
+	delete(h.secrets, name)
+	return nil
+}
+
+// storeOf is a copy of the host's secret store.
+func (h *fakeHost) storeOf() map[string]string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return maps.Clone(h.secrets)
 }
 
 func (h *fakeHost) SetEgress(ctx context.Context, name string, p egress.Policy) error {

@@ -41,6 +41,11 @@ type Host interface {
 	// SetEgress replaces a box's egress policy while it runs (a zero one:
 	// none), for its new connections.
 	SetEgress(ctx context.Context, name string, p egress.Policy) error
+	// SetSecret keeps value as secret name in the host's egress secret
+	// store (a policy's header names it, ${secret:NAME}; only the proxy
+	// reads it); RemoveSecret removes it (ErrNotFound: none).
+	SetSecret(name string, value []byte) error
+	RemoveSecret(name string) error
 	// Dial opens a stream to target in the box, through its agent:
 	// "envd" (agent.EnvdDialAddress) or "127.0.0.1:PORT". Streams of a
 	// box share one agent connection.

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+
+	"kvbox.dev/kvbox/egress"
 )
 
 // record is what serve keeps of a sandbox beside libvirt: its secrets,
@@ -23,6 +25,11 @@ type record struct {
 	// with network.allowPublicTraffic false.
 	TrafficToken string            `json:"traffic_token,omitempty"`
 	EnvVars      map[string]string `json:"env_vars,omitempty"`
+	// Egress is the policy serve gave the sandbox (references to the
+	// host's secret store only), HeaderSecrets the values of the
+	// sandbox's own header secrets it names (network.go), by store name.
+	Egress        *egress.Policy    `json:"egress,omitempty"`
+	HeaderSecrets map[string]string `json:"header_secrets,omitempty"`
 }
 
 // secrets is the folder of records, and the records read from it.
@@ -154,11 +161,11 @@ func (s *secrets) all() []record {
 
 // prune forgets the records whose id keep does not keep, and removes the
 // files nothing should hold (half-written temporaries).
-func (s *secrets) prune(keep func(id string) bool) (pruned []string) {
+func (s *secrets) prune(keep func(id string) bool) (pruned []record) {
 	for _, r := range s.all() {
 		if !keep(r.ID) {
 			s.del(r.ID)
-			pruned = append(pruned, r.ID)
+			pruned = append(pruned, r)
 		}
 	}
 	return pruned

@@ -26,6 +26,7 @@ import (
 	"log"
 	"net"
 	"net/http"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -62,6 +63,7 @@ type Server struct {
 	cfg     Config
 	host    Host
 	secrets *secrets
+	index   *secretIndex // E2B's secrets (e2bsecrets.go)
 	clones  chan struct{}
 
 	mu     sync.Mutex
@@ -103,8 +105,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, host: cfg.Host, secrets: sec, clones: make(chan struct{}, cfg.MaxClones),
-		boxes: map[string]*entry{}, locks: map[string]*idLock{}}
+	s := &Server{cfg: cfg, host: cfg.Host, secrets: sec, index: &secretIndex{path: filepath.Join(cfg.SecretsDir, "e2b-secrets", "index.json")},
+		clones: make(chan struct{}, cfg.MaxClones),
+		boxes:  map[string]*entry{}, locks: map[string]*idLock{}}
 	if err := s.start0(ctx); err != nil {
 		return nil, err
 	}
@@ -160,8 +163,9 @@ func (s *Server) forget(have map[string]bool) error {
 		have[id] = true // being made or changed now
 	}
 	s.mu.Unlock()
-	for _, id := range s.secrets.prune(func(id string) bool { return have[id] }) {
-		s.logf("sandbox %s is gone (its TTL, or kvbox rm): its secrets are removed", id)
+	for _, rec := range s.secrets.prune(func(id string) bool { return have[id] }) {
+		s.dropSecrets(rec.HeaderSecrets, nil)
+		s.logf("sandbox %s is gone (its TTL, or kvbox rm): its secrets are removed", rec.ID)
 	}
 	return nil
 }
@@ -182,6 +186,13 @@ func (s *Server) Prune(ctx context.Context, interval time.Duration) {
 			s.dropGone(ctx)
 		}
 	}
+}
+
+// forgetRecord forgets a sandbox's record and removes its own header
+// secrets from the host's store.
+func (s *Server) forgetRecord(rec record) {
+	s.secrets.del(rec.ID)
+	s.dropSecrets(rec.HeaderSecrets, nil)
 }
 
 // Close drops every box's idle streams.

@@ -145,6 +145,12 @@ func (sh serveHost) SetEgress(ctx context.Context, name string, p egress.Policy)
 	return serveErr(err)
 }
 
+func (sh serveHost) SetSecret(name string, value []byte) error {
+	return serveErr(sh.k.SetSecret(name, value))
+}
+
+func (sh serveHost) RemoveSecret(name string) error { return serveErr(sh.k.RemoveSecret(name)) }
+
 func (sh serveHost) Dial(ctx context.Context, name, target string) (net.Conn, error) {
 	c, err := sh.k.Dial(ctx, name, target)
 	return c, serveErr(err)

@@ -85,6 +85,7 @@ var sections = []section{
 	{"cp", benchCp},
 	{"lifecycle", benchLifecycle},
 	{"serve", benchServe},
+	{"egress", benchEgress},
 }
 
 func main() {
