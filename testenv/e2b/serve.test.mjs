@@ -272,7 +272,7 @@ test('refused as the SDK expects: a wrong key, a wrong token, another sandbox\'s
   const other = await create({ timeoutMs: 300_000 })
   // The SDK's own constructor, as connect builds it, with a token that is
   // not the sandbox's.
-  const as = (token) => new Sandbox({ ...opts, sandboxId: sbx.sandboxId, envdAccessToken: token, envdVersion: '0.6.1', sandboxDomain: other.sandboxDomain })
+  const as = (token) => new Sandbox({ ...opts, sandboxId: sbx.sandboxId, envdAccessToken: token, envdVersion: '0.6.4', sandboxDomain: other.sandboxDomain })
   for (const [what, token] of [['a wrong token', 'f'.repeat(64)], ['another sandbox\'s token', other.envdAccessToken]]) {
     const bad = as(token)
     await rejectsWith(bad.commands.run('true'), 'AuthenticationError', `commands.run with ${what}`)
