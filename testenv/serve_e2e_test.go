@@ -164,16 +164,21 @@ func noLeftovers(t *testing.T) {
 			t.Errorf("fork snapshot %s outlives its forks (clones now: %v)", sn.Name, sn.Clones)
 		}
 	}
-	have := map[string]bool{}
-	for _, b := range listBoxes(t) {
-		have[b.Name] = true
-	}
-	ents, _ := os.ReadDir(filepath.Join(stateDir, "boxes"))
-	for _, e := range ents {
-		if !have[e.Name()] {
-			t.Errorf("a box folder without its box: %s", filepath.Join(stateDir, "boxes", e.Name()))
+	// A removal under way (a reaper's) has its box undefined before its
+	// folder goes: the folders are looked at again for a while.
+	eventually(t, 2*time.Minute, func() error {
+		have := map[string]bool{}
+		for _, b := range listBoxes(t) {
+			have[b.Name] = true
 		}
-	}
+		ents, _ := os.ReadDir(filepath.Join(stateDir, "boxes"))
+		for _, e := range ents {
+			if !have[e.Name()] {
+				return fmt.Errorf("a box folder without its box: %s", filepath.Join(stateDir, "boxes", e.Name()))
+			}
+		}
+		return nil
+	})
 }
 
 // runNode runs a script of testenv/e2b with SDK version v against serve.
