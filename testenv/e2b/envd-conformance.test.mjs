@@ -213,12 +213,12 @@ test('watchDir sees a file made, then written in place', async () => {
   await sbx.files.write(`${d}/new.txt`, 'x')
   await until('a create event', () => events.some((e) => e.name === 'new.txt' && e.type === 'create'))
   await until('a write event of the new file', () => events.some((e) => e.name === 'new.txt' && e.type === 'write'))
-  const ino = (await sbx.commands.run(`stat -c %i ${d}/new.txt`)).stdout
+  const ino = (await sbx.commands.run(`ls -i ${d}/new.txt`)).stdout
   events.length = 0
   await sbx.files.write(`${d}/new.txt`, 'written again')
   await until('a write event of the file written again', () => events.some((e) => e.name === 'new.txt' && e.type === 'write'))
   // In place, as E2B's envd writes: the same file, no temporary beside it.
-  assert.equal((await sbx.commands.run(`stat -c %i ${d}/new.txt`)).stdout, ino)
+  assert.equal((await sbx.commands.run(`ls -i ${d}/new.txt`)).stdout, ino)
   assert.deepEqual([...new Set(events.map((e) => e.name))], ['new.txt'])
   assert.equal(await sbx.files.read(`${d}/new.txt`), 'written again')
   await h.stop()
