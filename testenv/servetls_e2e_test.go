@@ -15,15 +15,20 @@ import (
 	"kvbox.dev/kvbox/guest-agent/envd/envdtest"
 )
 
+// resolverAddr is where wildcardResolver listens: a loopback address of
+// its own, port 53 (the only one /etc/resolv.conf can name), in the
+// test's network namespace.
+const resolverAddr = "127.77.0.53"
+
 // wildcardResolver answers A queries for domain and every name under it
-// with 127.0.0.1, on 127.0.0.1:53 of the test's network namespace: what
-// a dnsmasq `address=/DOMAIN/127.0.0.1` line does for the host's resolver
+// with 127.0.0.1, on resolverAddr: what a dnsmasq
+// `address=/DOMAIN/127.0.0.1` line does for the host's resolver
 // (docs/e2b.md). Other names get no answer.
 func wildcardResolver(t *testing.T, domain string) {
 	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:53")
+	pc, err := net.ListenPacket("udp", resolverAddr+":53")
 	if err != nil {
-		t.Fatalf("a resolver on 127.0.0.1:53 in the test's namespace: %v", err)
+		t.Fatalf("a resolver on %s:53 in the test's namespace: %v", resolverAddr, err)
 	}
 	zone := dns.Fqdn(domain)
 	h := dns.HandlerFunc(func(w dns.ResponseWriter, q *dns.Msg) {
@@ -64,7 +69,7 @@ func tlsStep(t *testing.T, addr, template, page string) {
 	wildcardResolver(t, "kvbox.localhost")
 	dir := t.TempDir()
 	resolv := filepath.Join(dir, "resolv.conf")
-	if err := os.WriteFile(resolv, []byte("nameserver 127.0.0.1\noptions attempts:1\n"), 0o644); err != nil {
+	if err := os.WriteFile(resolv, []byte("nameserver "+resolverAddr+"\noptions attempts:1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	key := strings.TrimSpace(mustKvbox(t, "serve", "key"))
