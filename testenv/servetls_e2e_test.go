@@ -88,6 +88,26 @@ func tlsStep(t *testing.T, addr, template, page string) {
 	out, err := cmd.CombinedOutput()
 	t.Logf("node serve-tls.mjs (e2b@%s):\n%s", envdtest.Versions[0], out)
 	if err != nil {
-		t.Fatalf("the SDK over kvbox serve --tls: %v", err)
+		t.Errorf("the JS SDK over kvbox serve --tls: %v", err)
+	}
+
+	// The newest Python SDK, whose transport trusts the system's store
+	// (SSL_CERT_FILE) and negotiates HTTP/2.
+	vs := pyVersions(t)
+	v := vs[len(vs)-1]
+	py := exec.Command("unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+		`mount --bind "$1" /etc/resolv.conf && exec "$2" -I "$3"`, "sh", resolv, filepath.Join(pyVenv(v), "bin", "python"), filepath.Join(repo, "testenv", "e2b-py", "serve_tls.py"))
+	py.Dir = dir
+	var pyEnv []string
+	for _, kv := range cmd.Env {
+		if k, _, _ := strings.Cut(kv, "="); !strings.HasPrefix(k, "PYTHON") && k != "HOME" && k != "NODE_EXTRA_CA_CERTS" {
+			pyEnv = append(pyEnv, kv)
+		}
+	}
+	py.Env = append(pyEnv, "HOME="+t.TempDir(), "PYTHONDONTWRITEBYTECODE=1", "SSL_CERT_FILE="+ca)
+	out, err = py.CombinedOutput()
+	t.Logf("python serve_tls.py (e2b %s):\n%s", v, out)
+	if err != nil {
+		t.Errorf("the Python SDK over kvbox serve --tls: %v", err)
 	}
 }
