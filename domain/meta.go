@@ -169,6 +169,26 @@ func (h *Host) SetExpires(name string, at *time.Time, then func(Box) error) (Box
 	return b, nil
 }
 
+// SetLabels replaces the box's labels (Meta.Labels) in its libvirt
+// metadata, live and persistent, and returns the box as it is now.
+func (h *Host) SetLabels(name string, labels []Label) (Box, error) {
+	for _, l := range labels {
+		if err := ValidLabel(l.Key, l.Value); err != nil {
+			return Box{}, err
+		}
+	}
+	b, dom, release, err := h.LockedLookup(name)
+	if err != nil {
+		return Box{}, err
+	}
+	defer release()
+	b.Labels = labels
+	if err := writeMeta(dom, b.Meta); err != nil {
+		return Box{}, fmt.Errorf("set the labels of box %q: %w", name, err)
+	}
+	return b, nil
+}
+
 // writeMeta replaces a domain's kvbox metadata, in its live definition when
 // it runs and in its persistent one.
 func writeMeta(dom *libvirt.Domain, m Meta) error { return WriteMeta(dom, m, true) }

@@ -67,6 +67,20 @@ func (h *Host) box(b domain.Box) Box {
 	return Box{Box: b, Published: h.publishedPorts(b), Labels: domain.LabelMap(b.Labels)}
 }
 
+// SetLabels replaces box name's labels (what its front keeps with it:
+// facts, never secrets) and returns the box as it is now.
+func (h *Host) SetLabels(ctx context.Context, name string, m map[string]string) (Box, error) {
+	ls, err := labels(m)
+	if err != nil {
+		return Box{}, err
+	}
+	b, err := h.d.SetLabels(name, ls)
+	if err != nil {
+		return Box{}, err
+	}
+	return h.box(b), nil
+}
+
 // labels checks labels and returns them as the domain keeps them: a label
 // that could not be kept as given refuses the request before anything is
 // made.

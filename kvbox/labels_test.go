@@ -88,3 +88,35 @@ func TestCloneRequestChecked(t *testing.T) {
 		t.Errorf("Clone of a missing snapshot: %v, want NotFound", err)
 	}
 }
+
+// SetLabels replaces a box's labels in its definition (read back by Box
+// and Boxes), and refuses a label the domain could not keep, leaving the
+// old ones.
+func TestSetLabels(t *testing.T) {
+	k, d := testDriverHost(t)
+	ctx := context.Background()
+	name := "kvbox-unit-setlabels"
+	t.Cleanup(func() {
+		if dom, err := d.Conn().LookupDomainByName(name); err == nil {
+			dom.Undefine()
+			dom.Free()
+		}
+	})
+	defineLabelledBox(t, d, name, domain.Labels(map[string]string{"e2b.template": "base"}))
+	want := map[string]string{"e2b.template": "base", "e2b.paused": "filesystem"}
+	if b, err := k.SetLabels(ctx, name, want); err != nil || !reflect.DeepEqual(b.Labels, want) {
+		t.Fatalf("SetLabels: %v, %v", b.Labels, err)
+	}
+	if b, err := k.Box(ctx, name); err != nil || !reflect.DeepEqual(b.Labels, want) {
+		t.Errorf("read back: %v, %v; want %v", b.Labels, err, want)
+	}
+	if _, err := k.SetLabels(ctx, name, map[string]string{"bad": "a\x00b"}); base.KindOf(err) != base.Invalid {
+		t.Errorf("a label with a NUL: %v, want Invalid", err)
+	}
+	if b, _ := k.Box(ctx, name); !reflect.DeepEqual(b.Labels, want) {
+		t.Errorf("a refused SetLabels changed the labels: %v", b.Labels)
+	}
+	if _, err := k.SetLabels(ctx, "kvbox-unit-nosuchbox", want); base.KindOf(err) != base.NotFound {
+		t.Errorf("no such box: %v, want NotFound", err)
+	}
+}

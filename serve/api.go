@@ -276,6 +276,8 @@ func refuseUnsupported(req newSandboxJSON) error {
 		return errorf(http.StatusBadRequest, "mcp: kvbox serve starts no MCP gateway")
 	case len(req.IAM) > 0 && string(req.IAM) != "null":
 		return errorf(http.StatusBadRequest, "iam: kvbox serve issues no IAM tokens")
+	case req.AutoPauseMemory != nil && !*req.AutoPauseMemory:
+		return errorf(http.StatusBadRequest, "autoPauseMemory false (onTimeout keepMemory false): kvbox serve's pause at the timeout keeps the memory; pause with keepMemory false pauses without it")
 	}
 	return nil
 }
@@ -390,7 +392,7 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, v2 bool) {
 	var out []listedJSON
 	running := 0
 	for _, b := range boxes {
-		if !isSandbox(b) || b.State == Stopped {
+		if !isSandbox(b) || b.State == Stopped && !diskPaused(b) {
 			continue
 		}
 		if b.State == Running {
@@ -602,7 +604,7 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, id string) e
 		return err
 	}
 	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
-		if b.State == Suspended {
+		if isPaused(b) {
 			return errorf(http.StatusConflict, "sandbox %s is paused and has no timeout: connect resumes it with one", id)
 		}
 		at := time.Now().Add(d)
@@ -663,8 +665,8 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, id string) erro
 			return err
 		}
 		status := http.StatusOK
-		if b.State == Suspended {
-			if b, err = s.wake(r.Context(), b, d); err != nil {
+		if isPaused(b) {
+			if b, err = s.unpause(r.Context(), b, d, req.Memory); err != nil {
 				return err
 			}
 			status = http.StatusCreated
@@ -684,12 +686,12 @@ func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string) error
 		return e
 	}
 	return s.withSandbox(r.Context(), id, func(b Box, rec record) error {
-		if b.State != Suspended {
+		if !isPaused(b) {
 			return errorf(http.StatusConflict, "sandbox %s is already running", id)
 		}
 		d, err := seconds("timeout", req.Timeout, timeoutOf(b, defaultTimeout))
 		if err == nil {
-			b, err = s.wake(r.Context(), b, d)
+			b, err = s.unpause(r.Context(), b, d, req.Memory)
 		}
 		if err != nil {
 			return err
@@ -697,6 +699,53 @@ func (s *Server) resume(w http.ResponseWriter, r *http.Request, id string) error
 		writeJSON(w, http.StatusCreated, s.sandboxJSON(b, rec))
 		return nil
 	})
+}
+
+// unpause resumes a paused sandbox (wake, or boot for one paused without
+// its memory) with a deadline of now plus d. memory false (a connect that
+// asks for a cold boot) is refused for a sandbox whose memory was kept:
+// kvbox resumes it with it, and never drops it unasked; for one paused
+// without its memory it is what happens anyway. The caller holds its
+// opLock.
+func (s *Server) unpause(ctx context.Context, b Box, d time.Duration, memory *bool) (Box, error) {
+	if diskPaused(b) {
+		return s.boot(ctx, b, d)
+	}
+	if memory != nil && !*memory {
+		return Box{}, errorf(http.StatusBadRequest, "sandbox %s was paused with its memory, which kvbox serve resumes it with: a cold boot from its disk (memory false) is not done", b.Name)
+	}
+	return s.wake(ctx, b, d)
+}
+
+// boot resumes a sandbox paused without its memory: its box boots cold
+// from its disk (same id, address and files; nothing that ran), and it is
+// answered once its envd serves; then it loses its paused label and gets
+// a deadline of now plus d. A boot that fails leaves it paused. The
+// caller holds its opLock.
+func (s *Server) boot(ctx context.Context, b Box, d time.Duration) (Box, error) {
+	t0 := time.Now()
+	if err := s.host.Boot(ctx, b.Name); err != nil {
+		// A box whose agent did not answer is left running: shut it
+		// down again, so that it is as it was (paused, its disk kept).
+		if nb, gerr := s.host.Box(context.WithoutCancel(ctx), b.Name); gerr == nil && nb.State != Stopped {
+			if serr := s.host.Stop(context.WithoutCancel(ctx), b.Name); serr != nil {
+				err = fmt.Errorf("%w (and it could not be shut down again: %v)", err, serr)
+			}
+		}
+		return Box{}, fmt.Errorf("boot sandbox %s from its disk: %w; it stays paused", b.Name, err)
+	}
+	if _, err := s.host.SetLabels(ctx, b.Name, withLabel(b.Labels, labelPaused, "")); err != nil {
+		// It runs: a serve started again takes the label away (start0).
+		s.logf("sandbox %s: booted, but its paused label stays: %v", b.Name, err)
+	}
+	at := time.Now().Add(d)
+	nb, err := s.host.SetExpires(ctx, b.Name, &at)
+	if err != nil {
+		return Box{}, err
+	}
+	s.keep(nb)
+	s.logf("sandbox %s booted from its disk in %.2fs (timeout %s)", b.Name, time.Since(t0).Seconds(), d)
+	return nb, nil
 }
 
 // wake resumes a paused sandbox and gives it a deadline of now plus d.
@@ -725,8 +774,11 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, id string) error 
 		return e
 	}
 	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
-		if b.State == Suspended {
+		if isPaused(b) {
 			return errorf(http.StatusConflict, "sandbox %s is already paused", id)
+		}
+		if req.Memory != nil && !*req.Memory {
+			return s.pauseDisk(w, r, b)
 		}
 		t0 := time.Now()
 		// The deadline goes first: a reaper must not remove the sandbox
@@ -749,8 +801,47 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, id string) error 
 	})
 }
 
-// Template ids of fork snapshots, which serve takes for each fork and a
-// TTL reaps after their last clone: not listed as snapshots.
+// pauseDisk is a pause without memory (E2B's filesystem-only pause): the
+// box's guest is shut down and its QEMU ended; its disk is kept, nothing
+// of its memory, and connect boots it from that disk. The deadline goes
+// first and the paused label is set before the shutdown (a serve that
+// dies in between finds a running box with it, which start0 mends); both
+// are put back if the shutdown fails.
+func (s *Server) pauseDisk(w http.ResponseWriter, r *http.Request, b Box) error {
+	ctx, id := r.Context(), b.Name
+	t0 := time.Now()
+	if _, err := s.host.SetExpires(ctx, id, nil); err != nil {
+		return err
+	}
+	undo := func(err error) error {
+		bg := context.WithoutCancel(ctx)
+		if _, lerr := s.host.SetLabels(bg, id, b.Labels); lerr != nil {
+			err = fmt.Errorf("%w (and its labels could not be put back: %v)", err, lerr)
+		}
+		if _, rerr := s.host.SetExpires(bg, id, b.Expires); rerr != nil {
+			err = fmt.Errorf("%w (and its deadline could not be put back: %v)", err, rerr)
+		}
+		return fmt.Errorf("pause sandbox %s: %w", id, err)
+	}
+	if _, err := s.host.SetLabels(ctx, id, withLabel(b.Labels, labelPaused, pausedFilesystem)); err != nil {
+		return undo(err)
+	}
+	if err := s.host.Stop(ctx, id); err != nil {
+		// Shut down all the same (the error came after): paused.
+		if nb, gerr := s.host.Box(context.WithoutCancel(ctx), id); gerr != nil || nb.State != Stopped {
+			return undo(err)
+		}
+	}
+	if nb, err := s.host.Box(ctx, id); err == nil {
+		s.keep(nb)
+	}
+	s.logf("sandbox %s paused without its memory (shut down, its disk kept) in %.2fs", id, time.Since(t0).Seconds())
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+// Template ids of fork snapshots, which serve takes for each fork and
+// which go with their last clone: not listed as snapshots.
 const forkPrefix = "e2bfork-"
 
 // labelTemplateID is a fork's template id: its source's.
@@ -783,8 +874,9 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) error {
 		unlock()
 		return err
 	}
-	// The snapshot outlives this call only while forks are cloned from
-	// it: its TTL passes soon, and the last fork's removal removes it.
+	// The snapshot's TTL keeps it while the forks are cloned from it;
+	// then it is due at once (forkSnapshotDone), and goes with the last
+	// fork.
 	snap := forkPrefix + newID()[:16]
 	exp := time.Now().Add(forkSnapshotTTL)
 	t0 := time.Now()
@@ -800,9 +892,28 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, id string) error {
 			ok++
 		}
 	}
+	s.forkSnapshotDone(r.Context(), snap, ok)
 	s.logf("sandbox %s forked: %d of %d running in %.2fs", id, ok, count, time.Since(t0).Seconds())
 	writeJSON(w, http.StatusCreated, results)
 	return nil
+}
+
+// forkSnapshotDone ends the wait of fork snapshot snap, of which n forks
+// run: it is due at once, so it goes with the last of them, whoever
+// removes it (kill, its timeout, kvbox rm); with none it goes now. Should
+// this fail, its TTL still takes it once its forks are gone.
+func (s *Server) forkSnapshotDone(ctx context.Context, snap string, n int) {
+	ctx = context.WithoutCancel(ctx)
+	var err error
+	if n == 0 {
+		err = s.host.RemoveSnapshot(ctx, snap)
+	} else {
+		now := time.Now()
+		err = s.host.SetSnapshotExpires(ctx, snap, &now)
+	}
+	if err != nil && !errors.Is(err, ErrBusy) {
+		s.logf("fork snapshot %s: %v (it goes at its TTL, after its forks)", snap, err)
+	}
 }
 
 // running refuses a paused sandbox: a snapshot is of a running one.
@@ -856,8 +967,9 @@ func (s *Server) forks(ctx context.Context, b Box, rec record, snap string, d ti
 	return results
 }
 
-// forkSnapshotTTL is how long a fork's snapshot waits for its clones
-// before it is reaped (it is kept while one runs).
+// forkSnapshotTTL bounds how long a fork's snapshot waits for its clones
+// to be made (a serve that dies meanwhile leaves it to its TTL); it is
+// kept while one of them is there.
 const forkSnapshotTTL = 10 * time.Minute
 
 // createSnapshot serves POST /sandboxes/{id}/snapshots: a kvbox snapshot
@@ -872,6 +984,9 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, id strin
 		name = "snap-" + newID()[:16]
 	} else if !templateRe.MatchString(name) || strings.Contains(name, "..") || strings.HasPrefix(name, forkPrefix) {
 		return errorf(http.StatusBadRequest, "snapshot name %q: give letters, digits, '-', '_' and '.' (it becomes a template's name)", name)
+	}
+	if req.Memory != nil && !*req.Memory {
+		return errorf(http.StatusBadRequest, "a snapshot without memory: a kvbox snapshot is a running box's memory and disk, and its sandboxes start warm from it")
 	}
 	return s.withSandbox(r.Context(), id, func(b Box, _ record) error {
 		if err := running(b, id); err != nil {

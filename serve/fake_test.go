@@ -40,6 +40,44 @@ type fakeHost struct {
 	cloneTakes time.Duration
 	// secrets is the host's egress secret store.
 	secrets map[string]string
+	// gates hold the calls of an operation ("clone", "suspend", ...) in
+	// the middle (gate).
+	gates map[string]*fakeGate
+	// removes counts each box's removals that found it.
+	removes map[string]int
+	// failBoot and failStop fail the next Boot and Stop.
+	failBoot, failStop error
+}
+
+// fakeGate holds each call of an operation after it starts: entered gets
+// the box's name, and the call goes on once release is closed.
+type fakeGate struct {
+	entered chan string
+	release chan struct{}
+}
+
+// gate makes op's calls wait in the middle until the returned gate's
+// release is closed.
+func (h *fakeHost) gate(op string) *fakeGate {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.gates == nil {
+		h.gates = map[string]*fakeGate{}
+	}
+	g := &fakeGate{entered: make(chan string, 100), release: make(chan struct{})}
+	h.gates[op] = g
+	return g
+}
+
+// hold waits at op's gate, if it has one; the caller holds no lock.
+func (h *fakeHost) hold(op, name string) {
+	h.mu.Lock()
+	g := h.gates[op]
+	h.mu.Unlock()
+	if g != nil {
+		g.entered <- name
+		<-g.release
+	}
 }
 
 type fakeBox struct {
@@ -47,6 +85,7 @@ type fakeBox struct {
 	seen        []seenReq // requests that reached the box, any target
 	openPorts   map[string]bool
 	resumeCalls int
+	boots       int            // cold boots (Boot)
 	conns       []net.Conn     // its streams, which end with its QEMU
 	egress      *egress.Policy // as the clone or SetEgress gave it
 }
@@ -68,6 +107,7 @@ func (h *fakeHost) record(format string, a ...any) {
 }
 
 func (h *fakeHost) Clone(ctx context.Context, req CloneRequest) (Box, error) {
+	h.hold("clone", req.Name)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.record("clone %s %s", req.Snapshot, req.Name)
@@ -117,17 +157,103 @@ func (h *fakeHost) get(name string) (*fakeBox, error) {
 }
 
 func (h *fakeHost) Remove(ctx context.Context, name string) error {
+	h.hold("remove", name)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.record("remove %s", name)
-	if _, err := h.get(name); err != nil {
+	b, err := h.get(name)
+	if err != nil {
 		return err
 	}
+	for _, c := range b.conns {
+		c.Close()
+	}
 	delete(h.boxes, name)
+	if h.removes == nil {
+		h.removes = map[string]int{}
+	}
+	h.removes[name]++
+	return nil
+}
+
+func (h *fakeHost) Stop(ctx context.Context, name string) error {
+	h.hold("stop", name)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("stop %s", name)
+	b, err := h.get(name)
+	if err != nil {
+		return err
+	}
+	if err := h.failStop; err != nil {
+		h.failStop = nil
+		return err
+	}
+	if b.State != Running {
+		return fmt.Errorf("box %s is %s: %w", name, b.State, ErrBusy)
+	}
+	b.State = Stopped
+	for _, c := range b.conns {
+		c.Close()
+	}
+	b.conns = nil
+	return nil
+}
+
+func (h *fakeHost) Boot(ctx context.Context, name string) error {
+	h.hold("boot", name)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("boot %s", name)
+	b, err := h.get(name)
+	if err != nil {
+		return err
+	}
+	if b.State != Stopped {
+		return fmt.Errorf("box %s is %s, not stopped: %w", name, b.State, ErrBusy)
+	}
+	b.State = Running
+	b.boots++
+	if err := h.failBoot; err != nil {
+		// As kvbox start leaves a box whose agent did not answer:
+		// running.
+		h.failBoot = nil
+		return err
+	}
+	return nil
+}
+
+func (h *fakeHost) SetLabels(ctx context.Context, name string, labels map[string]string) (Box, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("labels %s", name)
+	b, err := h.get(name)
+	if err != nil {
+		return Box{}, err
+	}
+	m := map[string]string{}
+	for k, v := range labels {
+		m[k] = v
+	}
+	b.Labels = m
+	return b.Box, nil
+}
+
+func (h *fakeHost) SetSnapshotExpires(ctx context.Context, name string, at *time.Time) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.record("snapshot-expires %s", name)
+	sn, ok := h.snaps[name]
+	if !ok {
+		return fmt.Errorf("snapshot %q: %w", name, ErrNotFound)
+	}
+	sn.Expires = at
+	h.snaps[name] = sn
 	return nil
 }
 
 func (h *fakeHost) Suspend(ctx context.Context, name string) error {
+	h.hold("suspend", name)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.record("suspend %s", name)
@@ -147,6 +273,7 @@ func (h *fakeHost) Suspend(ctx context.Context, name string) error {
 }
 
 func (h *fakeHost) Resume(ctx context.Context, name string) error {
+	h.hold("resume", name)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.record("resume %s", name)
@@ -241,6 +368,7 @@ func (h *fakeHost) Box(ctx context.Context, name string) (Box, error) {
 }
 
 func (h *fakeHost) Snapshot(ctx context.Context, box, name string, expires *time.Time) (Snapshot, error) {
+	h.hold("snapshot", box)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.record("snapshot %s %s", box, name)

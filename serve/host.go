@@ -28,6 +28,14 @@ type Host interface {
 	// wakes it warm, every process running on.
 	Suspend(ctx context.Context, name string) error
 	Resume(ctx context.Context, name string) error
+	// Stop shuts a running box down (its guest first, its QEMU ended
+	// after a bound): its disk is kept, nothing of its memory. Boot
+	// cold-boots a stopped box from its disk and returns once its agent
+	// (and so its envd) answers.
+	Stop(ctx context.Context, name string) error
+	Boot(ctx context.Context, name string) error
+	// SetLabels replaces a box's labels.
+	SetLabels(ctx context.Context, name string, labels map[string]string) (Box, error)
 	// SetExpires sets the box's deadline (nil: none); a reaper removes
 	// the box then, whether or not serve runs.
 	SetExpires(ctx context.Context, name string, at *time.Time) (Box, error)
@@ -38,6 +46,9 @@ type Host interface {
 	Snapshot(ctx context.Context, box, name string, expires *time.Time) (Snapshot, error)
 	Snapshots(ctx context.Context) ([]Snapshot, error)
 	RemoveSnapshot(ctx context.Context, name string) error
+	// SetSnapshotExpires sets a snapshot's deadline: it is removed then,
+	// or, while boxes are cloned from it, with the last of them.
+	SetSnapshotExpires(ctx context.Context, name string, at *time.Time) error
 	// SetEgress replaces a box's egress policy while it runs (a zero one:
 	// none), for its new connections.
 	SetEgress(ctx context.Context, name string, p egress.Policy) error

@@ -57,6 +57,11 @@ func (s *Server) data(w http.ResponseWriter, r *http.Request, id string, port in
 		unauthorized(w, r, why)
 		return
 	}
+	if diskPaused(b) {
+		// Never resumed by traffic: a cold boot is asked for (connect).
+		paused(w, r, id, false)
+		return
+	}
 	if b.State == Suspended {
 		if b.Labels[labelAutoResume] != "true" {
 			paused(w, r, id, false)
@@ -79,8 +84,8 @@ func (s *Server) notServed(w http.ResponseWriter, r *http.Request, id string, b 
 		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "code": http.StatusBadGateway, "message": "The sandbox was not found"})
 	case errors.Is(err, errGone):
 		writeJSON(w, http.StatusBadGateway, map[string]any{"sandboxId": id, "code": http.StatusBadGateway, "message": "The sandbox is not running (its box is " + string(b.State) + ")"})
-	case b.State == Suspended:
-		paused(w, r, id, b.Labels[labelAutoResume] == "true")
+	case isPaused(b):
+		paused(w, r, id, b.State == Suspended && b.Labels[labelAutoResume] == "true")
 	case r.Context().Err() != nil:
 	default:
 		s.logf("sandbox %s: %v", id, err)

@@ -23,6 +23,11 @@ const (
 	labelTimeout = "e2b.timeout"
 	// labelAutoResume: a request to the paused sandbox resumes it.
 	labelAutoResume = "e2b.auto-resume"
+	// labelPaused is set (to pausedFilesystem) on the box of a sandbox
+	// paused without its memory (pause with memory false): its box is shut
+	// off, its disk kept, and connect cold-boots it.
+	labelPaused      = "e2b.paused"
+	pausedFilesystem = "filesystem"
 )
 
 func isSandbox(b Box) bool { return b.Labels[labelTemplate] != "" }
@@ -49,10 +54,34 @@ func templateID(b Box) string {
 
 // state is a sandbox's state in E2B's words.
 func state(b Box) string {
-	if b.State == Suspended {
+	if isPaused(b) {
 		return "paused"
 	}
 	return "running"
+}
+
+// diskPaused says b is the box of a sandbox paused without its memory: shut
+// off, its disk kept, for connect to boot.
+func diskPaused(b Box) bool {
+	return b.State == Stopped && b.Labels[labelPaused] == pausedFilesystem
+}
+
+// isPaused says the sandbox is paused, with its memory (suspended) or
+// without (diskPaused).
+func isPaused(b Box) bool { return b.State == Suspended || diskPaused(b) }
+
+// withLabel is labels with key set to value ("": without key).
+func withLabel(labels map[string]string, key, value string) map[string]string {
+	m := map[string]string{}
+	for k, v := range labels {
+		if k != key {
+			m[k] = v
+		}
+	}
+	if value != "" {
+		m[key] = value
+	}
+	return m
 }
 
 // timeoutOf is the sandbox's timeout (labelTimeout), or def.
@@ -120,7 +149,7 @@ func (s *Server) lookup(ctx context.Context, id string) (Box, error) {
 		return Box{}, err
 	}
 	s.keep(b)
-	if b.State == Stopped {
+	if b.State == Stopped && !diskPaused(b) {
 		return b, errGone
 	}
 	return b, nil

@@ -117,7 +117,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 // start0 is what a serve does first: it prunes the secrets of sandboxes
 // whose box is gone, and gives a running sandbox without a deadline (a
 // serve that died in a pause, between taking the deadline away and the
-// suspend) its timeout again.
+// suspend) its timeout again, and takes a paused label off a running box.
 func (s *Server) start0(ctx context.Context) error {
 	boxes, err := s.host.Boxes(ctx)
 	if err != nil {
@@ -129,6 +129,15 @@ func (s *Server) start0(ctx context.Context) error {
 			continue
 		}
 		have[b.Name] = true
+		if b.State == Running && b.Labels[labelPaused] != "" {
+			// A serve died in a pause without memory before the box went
+			// down, or in its boot after it came up: it runs.
+			if nb, err := s.host.SetLabels(ctx, b.Name, withLabel(b.Labels, labelPaused, "")); err != nil {
+				s.logf("sandbox %s runs with a paused label that could not be taken away: %v", b.Name, err)
+			} else {
+				b = nb
+			}
+		}
 		if b.State == Running && b.Expires == nil {
 			at := time.Now().Add(timeoutOf(b, defaultTimeout))
 			if _, err := s.host.SetExpires(ctx, b.Name, &at); err != nil {

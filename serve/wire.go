@@ -119,6 +119,9 @@ type newSandboxJSON struct {
 // pause.
 type timeoutJSON struct {
 	Timeout *int64 `json:"timeout"`
+	// Memory false on connect or resume asks for a cold boot from the
+	// disk.
+	Memory *bool `json:"memory"`
 }
 
 type durationJSON struct {
@@ -131,9 +134,12 @@ type forkJSON struct {
 }
 
 type snapshotReqJSON struct {
-	Name string `json:"name"`
+	Name   string `json:"name"`
+	Memory *bool  `json:"memory"`
 }
 
+// pauseJSON's Memory false pauses without the memory (a filesystem-only
+// pause).
 type pauseJSON struct {
 	Memory *bool `json:"memory"`
 }

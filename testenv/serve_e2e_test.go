@@ -29,14 +29,19 @@ type serveProc struct {
 	out  *bytes.Buffer
 }
 
-var serveURLRe = regexp.MustCompile(`E2B's API on http://([0-9.]+:[0-9]+)`)
+var serveURLRe = regexp.MustCompile(`E2B's API on https?://([0-9.]+:[0-9]+)`)
 
 // startServe starts kvbox serve on listen (127.0.0.1:0 for a free port)
-// with the global flags given, and waits for the line naming its address.
+// with the global flags given (then, after a "--", serve's own), and waits
+// for the line naming its address.
 func startServe(t *testing.T, listen string, flags ...string) *serveProc {
 	t.Helper()
 	var out bytes.Buffer
-	cmd := exec.Command(kvboxBin, append(flags, "serve", "--listen", listen)...)
+	var own []string
+	if i := slices.Index(flags, "--"); i >= 0 {
+		flags, own = flags[:i], flags[i+1:]
+	}
+	cmd := exec.Command(kvboxBin, append(append(flags, "serve", "--listen", listen), own...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -143,6 +148,39 @@ func cleanupSandboxes(t *testing.T, template string) {
 	})
 }
 
+// noLeftovers checks that the sandboxes an SDK's run made left nothing
+// once it killed them: no fork snapshot (each goes with its last fork),
+// no box folder without its box (a kill's removal raced by another kvbox
+// left one).
+func noLeftovers(t *testing.T) {
+	t.Helper()
+	var snaps []struct {
+		Name   string   `json:"name"`
+		Clones []string `json:"clones"`
+	}
+	json.Unmarshal([]byte(mustKvbox(t, "snapshots", "ls", "--json")), &snaps)
+	for _, sn := range snaps {
+		if strings.HasPrefix(sn.Name, "e2bfork-") {
+			t.Errorf("fork snapshot %s outlives its forks (clones now: %v)", sn.Name, sn.Clones)
+		}
+	}
+	// A removal under way (a reaper's) has its box undefined before its
+	// folder goes: the folders are looked at again for a while.
+	eventually(t, 2*time.Minute, func() error {
+		have := map[string]bool{}
+		for _, b := range listBoxes(t) {
+			have[b.Name] = true
+		}
+		ents, _ := os.ReadDir(filepath.Join(stateDir, "boxes"))
+		for _, e := range ents {
+			if !have[e.Name()] {
+				return fmt.Errorf("a box folder without its box: %s", filepath.Join(stateDir, "boxes", e.Name()))
+			}
+		}
+		return nil
+	})
+}
+
 // runNode runs a script of testenv/e2b with SDK version v against serve.
 func runNode(t *testing.T, v string, p *serveProc, template, page string, env []string, args ...string) error {
 	t.Helper()
@@ -166,7 +204,9 @@ func runNode(t *testing.T, v string, p *serveProc, template, page string, env []
 // kvbox serve, on warm clones of a Debian template with a server started
 // before its snapshot: every call the issue lists (serve.test.mjs); what a
 // snapshot copies opening nothing (secretsStep); then serve killed in the middle and started again, with nothing lost and a
-// sandbox that timed out meanwhile gone (serve-restart.mjs).
+// sandbox that timed out meanwhile gone (serve-restart.mjs); then serve
+// over TLS, the SDK with its defaults for the sandbox's traffic
+// (servetls_e2e_test.go).
 func TestServe(t *testing.T) {
 	repo, err := filepath.Abs("..")
 	if err != nil {
@@ -206,6 +246,7 @@ func TestServe(t *testing.T) {
 			if err := runNode(t, v, p, template, page, nil, "--test-reporter=spec", "--test-force-exit", filepath.Join(envdtest.Dir(repo), "serve.test.mjs")); err != nil {
 				t.Fatalf("the SDK's run against kvbox serve failed: %v", err)
 			}
+			noLeftovers(t)
 		})
 	}
 
@@ -241,5 +282,8 @@ func TestServe(t *testing.T) {
 		if err := runNode(t, v, p2, template, page, []string{"KVBOX_PHASE=after", "KVBOX_STATE_FILE=" + state}, script); err != nil {
 			t.Fatalf("after the restart: %v", err)
 		}
+		p2.kill()
 	})
+
+	t.Run("tls", func(t *testing.T) { tlsStep(t, p.addr, template, page) })
 }

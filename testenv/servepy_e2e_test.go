@@ -88,6 +88,7 @@ func TestServePython(t *testing.T) {
 			if err := runPytest(t, v, p, template, page); err != nil {
 				t.Fatalf("the Python SDK's run against kvbox serve failed: %v", err)
 			}
+			noLeftovers(t)
 		})
 	}
 }

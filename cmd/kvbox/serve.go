@@ -13,6 +13,7 @@ import (
 type serveOptions struct {
 	listen string
 	domain string
+	tls    e2b.TLS
 }
 
 func (a *app) newCmdServe() *cobra.Command {
@@ -37,7 +38,10 @@ at their timeout all the same. docs/e2b.md says what is supported.`,
 		Args: exactArgs(0, "no arguments"),
 		RunE: func(c *cobra.Command, args []string) error { return a.runServe(c.Context(), o) },
 	}
-	c.Flags().StringVar(&o.listen, "listen", "127.0.0.1:3049", "address to listen on (plain HTTP: keep it on loopback, or put a TLS proxy in front)")
+	c.Flags().StringVar(&o.listen, "listen", "127.0.0.1:3049", "address to listen on (plain HTTP unless --tls or --tls-cert: keep it on loopback, or serve TLS)")
+	c.Flags().BoolVar(&o.tls.Auto, "tls", false, "serve HTTPS with a certificate of a CA kvbox makes for this host and sandbox domain (STATE_DIR/serve/tls/DOMAIN/ca.crt: give it to the clients to trust)")
+	c.Flags().StringVar(&o.tls.CertFile, "tls-cert", "", "serve HTTPS with this certificate (PEM; for the sandbox domain and *.DOMAIN), with --tls-key")
+	c.Flags().StringVar(&o.tls.KeyFile, "tls-key", "", "the private key (PEM) of --tls-cert")
 	c.Flags().StringVar(&o.domain, "domain", "", "sandbox domain given to the SDKs: getHost(PORT) is PORT-ID.DOMAIN, routed by Host (default kvbox.localhost:LISTENPORT)")
 	c.AddCommand(&cobra.Command{
 		Use:     "key",
@@ -64,13 +68,16 @@ func (a *app) runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return err
 	}
-	err = e2b.Run(ctx, k, e2b.Options{Listen: o.listen, Domain: o.domain, Log: log.New(a.io.Err, "kvbox serve: ", log.LstdFlags),
+	err = e2b.Run(ctx, k, e2b.Options{Listen: o.listen, Domain: o.domain, TLS: o.tls, Log: log.New(a.io.Err, "kvbox serve: ", log.LstdFlags),
 		Ready: func(at e2b.Listening) {
 			if at.KeyMade {
 				fmt.Fprintf(a.io.Err, "made the API key in %s (kvbox serve key prints it)\n", e2b.KeyPath(a.layout()))
 			}
-			if !at.Addr.IP.IsLoopback() {
-				fmt.Fprintf(a.io.Err, "warning: %s is not a loopback address: the API and every sandbox's traffic go over plain HTTP; put a TLS proxy in front\n", at.Addr)
+			if !at.Addr.IP.IsLoopback() && !o.tls.On() {
+				fmt.Fprintf(a.io.Err, "warning: %s is not a loopback address: the API and every sandbox's traffic go over plain HTTP; serve TLS (--tls, --tls-cert)\n", at.Addr)
+			}
+			if at.CACert != "" {
+				fmt.Fprintf(a.io.Err, "kvbox serve: TLS with a certificate of the CA %s (clients trust it: NODE_EXTRA_CA_CERTS, SSL_CERT_FILE)\n", at.CACert)
 			}
 			fmt.Fprintf(a.io.Out, "kvbox serve: E2B's API on %s (state dir %s, sandbox domain %s)\n", at.URL, a.stateDir, at.Domain)
 			fmt.Fprintf(a.io.Out, "  E2B_API_URL=%s E2B_SANDBOX_URL=%s E2B_API_KEY=$(kvbox serve key)\n", at.URL, at.URL)

@@ -51,9 +51,10 @@ import (
 )
 
 // Version is the envd version reported to the SDKs: they turn features on
-// and off by it (0.5.7 octet-stream uploads, 0.6.2 file metadata, ...), so
-// it names exactly what this package implements.
-const Version = "0.6.1"
+// and off by it (0.5.7 octet-stream uploads, 0.6.2 file metadata, 0.6.3
+// entries in watch events, 0.6.4 watches of network mounts), so it names
+// exactly what this package implements.
+const Version = "0.6.4"
 
 // Port is the TCP port of envd in an E2B sandbox; the agent listens on it
 // on the guest's loopback only.

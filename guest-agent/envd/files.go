@@ -170,33 +170,41 @@ func acceptsGzip(v string) bool {
 	return false
 }
 
-// writtenEntry is one element of POST /files's answer.
+// writtenEntry is one element of POST /files's answer; Metadata is the
+// file's metadata as read back from it (none: left out).
 type writtenEntry struct {
-	Path string `json:"path"`
-	Name string `json:"name"`
-	Type string `json:"type"`
+	Path     string            `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata,omitempty"`
 }
 
 // postFiles answers POST /files: multipart/form-data with one part per
 // file (field "file", to ?path=, else to its filename), or the
 // bytes of one file (application/octet-stream, maybe gzip-encoded) to
-// ?path=. Each file is written next to its target and renamed over it:
-// a failed upload leaves the target as it was.
+// ?path=. Each file is written in place, as E2B's envd writes it: an
+// existing file keeps its inode and mode (a watcher sees it written, a
+// process that has it open reads the new bytes), and its metadata
+// becomes the request's X-Metadata-* headers (file metadata: xattrs).
 func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 	u, ok := s.filesCaller(w, r, "write")
 	if !ok {
+		return
+	}
+	meta, err := metadataHeaders(r.Header)
+	if err != nil {
+		httpError(w, http.StatusBadRequest, "invalid metadata: "+err.Error())
 		return
 	}
 	qpath := r.URL.Query().Get("path")
 	mt, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	var written []writtenEntry
 	var status int
-	var err error
 	switch {
 	case mt == "multipart/form-data":
-		written, status, err = s.writeParts(multipart.NewReader(r.Body, params["boundary"]), qpath, u)
+		written, status, err = s.writeParts(multipart.NewReader(r.Body, params["boundary"]), qpath, u, meta)
 	case mt == "application/octet-stream" || mt == "":
-		written, status, err = s.writeBody(r, qpath, u)
+		written, status, err = s.writeBody(r, qpath, u, meta)
 	default:
 		status, err = http.StatusBadRequest, fmt.Errorf("content type %q: send multipart/form-data or application/octet-stream", mt)
 	}
@@ -210,7 +218,7 @@ func (s *Server) postFiles(w http.ResponseWriter, r *http.Request) {
 
 // writeParts writes each part named "file" of a multipart body (gzip-
 // encoded or not) to qpath, else to the part's filename.
-func (s *Server) writeParts(mr *multipart.Reader, qpath string, u *guestexec.User) ([]writtenEntry, int, error) {
+func (s *Server) writeParts(mr *multipart.Reader, qpath string, u *guestexec.User, meta map[string]string) ([]writtenEntry, int, error) {
 	var written []writtenEntry
 	for {
 		part, err := mr.NextRawPart()
@@ -242,7 +250,7 @@ func (s *Server) writeParts(mr *multipart.Reader, qpath string, u *guestexec.Use
 			}
 			body = zr
 		}
-		e, status, err := s.writeFile(target, body, u)
+		e, status, err := s.writeFile(target, body, u, meta)
 		part.Close()
 		if err != nil {
 			return nil, status, err
@@ -256,7 +264,7 @@ func (s *Server) writeParts(mr *multipart.Reader, qpath string, u *guestexec.Use
 }
 
 // writeBody writes the request's body (gzip-encoded or not) to qpath.
-func (s *Server) writeBody(r *http.Request, qpath string, u *guestexec.User) ([]writtenEntry, int, error) {
+func (s *Server) writeBody(r *http.Request, qpath string, u *guestexec.User, meta map[string]string) ([]writtenEntry, int, error) {
 	if qpath == "" {
 		return nil, http.StatusBadRequest, errors.New("an octet-stream upload needs ?path=")
 	}
@@ -268,7 +276,7 @@ func (s *Server) writeBody(r *http.Request, qpath string, u *guestexec.User) ([]
 		}
 		body = zr
 	}
-	e, status, err := s.writeFile(qpath, body, u)
+	e, status, err := s.writeFile(qpath, body, u, meta)
 	if err != nil {
 		return nil, status, err
 	}
@@ -276,49 +284,43 @@ func (s *Server) writeBody(r *http.Request, qpath string, u *guestexec.User) ([]
 }
 
 // writeFile writes body to target (relative to u's home) as u, making the
-// missing directories.
-func (s *Server) writeFile(target string, body io.Reader, u *guestexec.User) (writtenEntry, int, error) {
+// missing directories: in place, truncated first, as E2B's envd does (a
+// watcher sees the file written, not a temporary renamed over it), so an
+// upload cut short leaves the file with what arrived. The file is u's and
+// its metadata is meta, whatever it had before.
+func (s *Server) writeFile(target string, body io.Reader, u *guestexec.User, meta map[string]string) (writtenEntry, int, error) {
 	path, err := resolvePath(target, u)
 	if err != nil {
 		return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("path: %w", err)
 	}
-	mode := os.FileMode(0o644)
-	if st, err := os.Stat(path); err == nil {
-		if st.IsDir() {
-			return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("%s is a directory", path)
-		}
-		mode = st.Mode().Perm()
+	if st, err := os.Stat(path); err == nil && st.IsDir() {
+		return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("%s is a directory", path)
 	}
-	dir := filepath.Dir(path)
-	if err := mkdirAllAs(dir, u); err != nil {
+	if err := mkdirAllAs(filepath.Dir(path), u); err != nil {
 		return writtenEntry{}, fileStatus(err), err
 	}
-	tmp, err := os.CreateTemp(dir, ".envd-upload-*")
+	// O_NONBLOCK: a FIFO at path is not waited on (it is refused below).
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NONBLOCK, 0o644)
 	if err != nil {
 		return writtenEntry{}, fileStatus(err), err
 	}
-	ok := false
-	defer func() {
-		if !ok {
-			tmp.Close()
-			os.Remove(tmp.Name())
+	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return writtenEntry{}, http.StatusBadRequest, fmt.Errorf("%s is not a plain file", path)
+	}
+	if os.Geteuid() == 0 {
+		if err := f.Chown(int(u.UID), int(u.GID)); err != nil {
+			return writtenEntry{}, fileStatus(err), err
 		}
-	}()
-	if _, err := io.Copy(tmp, body); err != nil {
+	}
+	if _, err := io.Copy(f, body); err != nil {
 		return writtenEntry{}, fileStatus(err), fmt.Errorf("write %s: %w", path, err)
 	}
-	if err := tmp.Chmod(mode); err != nil {
-		return writtenEntry{}, fileStatus(err), err
+	if err := writeMetadata(f, meta); err != nil {
+		return writtenEntry{}, fileStatus(err), fmt.Errorf("metadata of %s: %w", path, err)
 	}
-	if err := chownTo(tmp.Name(), u); err != nil {
-		return writtenEntry{}, fileStatus(err), err
-	}
-	if err := tmp.Close(); err != nil {
+	if err := f.Close(); err != nil {
 		return writtenEntry{}, fileStatus(err), fmt.Errorf("write %s: %w", path, err)
 	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return writtenEntry{}, fileStatus(err), err
-	}
-	ok = true
-	return writtenEntry{Path: path, Name: filepath.Base(path), Type: "file"}, 0, nil
+	return writtenEntry{Path: path, Name: filepath.Base(path), Type: "file", Metadata: readMetadata(path)}, 0, nil
 }

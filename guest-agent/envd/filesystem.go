@@ -168,7 +168,8 @@ func (fsv *filesystemService) Remove(ctx context.Context, req *connect.Request[f
 	return connect.NewResponse(&filesystem.RemoveResponse{}), nil
 }
 
-// entryInfo describes path without following it when it is a symlink.
+// entryInfo describes path without following it when it is a symlink,
+// with its metadata (file metadata, metadata.go).
 func entryInfo(path string) (*filesystem.EntryInfo, error) {
 	st, err := os.Lstat(path)
 	if err != nil {
@@ -181,6 +182,7 @@ func entryInfo(path string) (*filesystem.EntryInfo, error) {
 		Mode:         uint32(st.Mode().Perm()),
 		Permissions:  st.Mode().String(),
 		ModifiedTime: timestamppb.New(st.ModTime()),
+		Metadata:     readMetadata(path),
 	}
 	switch {
 	case st.Mode()&fs.ModeSymlink != 0:

@@ -9,11 +9,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/fsnotify/fsnotify"
+	"golang.org/x/sys/unix"
 
 	"kvbox.dev/kvbox/guest-agent/envd/spec/filesystem"
 )
@@ -28,12 +30,20 @@ type dirWatch struct {
 	w         *fsnotify.Watcher
 	root      string
 	recursive bool
+	// entries: each create, write and chmod event carries the entry's
+	// EntryInfo (include_entry, envd 0.6.3).
+	entries   bool
 	events    chan *filesystem.FilesystemEvent
 	done      chan struct{}
 	closeOnce sync.Once
 }
 
-func newDirWatch(root string, recursive bool) (*dirWatch, error) {
+// watchOptions are what a watch request asks besides its path.
+type watchOptions struct {
+	recursive, entries, networkMounts bool
+}
+
+func newDirWatch(root string, o watchOptions) (*dirWatch, error) {
 	st, err := os.Stat(root)
 	if err != nil {
 		return nil, fsError(err)
@@ -41,11 +51,24 @@ func newDirWatch(root string, recursive bool) (*dirWatch, error) {
 	if !st.IsDir() {
 		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("%s is not a directory", root))
 	}
+	// A network filesystem's changes made elsewhere never reach inotify:
+	// such a watch is refused unless asked for (allow_network_mounts,
+	// envd 0.6.4), as E2B's envd does.
+	if !o.networkMounts {
+		network, err := onNetworkMount(root)
+		if err != nil {
+			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("watch %s: %w", root, err))
+		}
+		if network {
+			return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("cannot watch %s: it is on a network filesystem (NFS, SMB, FUSE), whose changes inotify may never see; allowNetworkMounts watches it anyway", root))
+		}
+	}
+	recursive := o.recursive
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
 		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("watch %s: %w", root, err))
 	}
-	d := &dirWatch{w: w, root: root, recursive: recursive, events: make(chan *filesystem.FilesystemEvent, 64), done: make(chan struct{})}
+	d := &dirWatch{w: w, root: root, recursive: recursive, entries: o.entries, events: make(chan *filesystem.FilesystemEvent, 64), done: make(chan struct{})}
 	if err := d.add(root); err != nil {
 		w.Close()
 		return nil, fsError(err)
@@ -93,6 +116,37 @@ var opTypes = []struct {
 	{fsnotify.Chmod, filesystem.EventType_EVENT_TYPE_CHMOD},
 }
 
+// carriesEntry says an event of type t names an entry that is still
+// there: a remove's or a rename's path names what is gone (or a new entry
+// made there since), so those never carry one.
+func carriesEntry(t filesystem.EventType) bool {
+	switch t {
+	case filesystem.EventType_EVENT_TYPE_CREATE, filesystem.EventType_EVENT_TYPE_WRITE, filesystem.EventType_EVENT_TYPE_CHMOD:
+		return true
+	}
+	return false
+}
+
+// The magic numbers of the network filesystems (statfs(2)): NFS, CIFS,
+// SMB, SMB2 and FUSE, whose changes made elsewhere inotify never sees.
+var networkFSMagic = []int64{0x6969, 0xFF534D42, 0x517B, 0xFE534D42, 0x65735546}
+
+// onNetworkMount says whether path is on a network filesystem.
+func onNetworkMount(path string) (bool, error) {
+	t, err := fsType(path)
+	return slices.Contains(networkFSMagic, t), err
+}
+
+// fsType is the magic number of the filesystem path is on (a test gives
+// one of a network filesystem, which it cannot mount).
+var fsType = func(path string) (int64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Type), nil
+}
+
 func (d *dirWatch) loop() {
 	defer close(d.events)
 	for {
@@ -121,8 +175,13 @@ func (d *dirWatch) loop() {
 				if !ev.Has(ot.op) {
 					continue
 				}
+				fe := &filesystem.FilesystemEvent{Name: name, Type: ot.t}
+				if d.entries && carriesEntry(ot.t) {
+					// Best effort: gone by now, it has none.
+					fe.Entry, _ = entryInfo(ev.Name)
+				}
 				select {
-				case d.events <- &filesystem.FilesystemEvent{Name: name, Type: ot.t}:
+				case d.events <- fe:
 				case <-d.done:
 					return
 				}
@@ -136,7 +195,7 @@ func (fsv *filesystemService) WatchDir(ctx context.Context, req *connect.Request
 	if err != nil {
 		return err
 	}
-	d, err := newDirWatch(p, req.Msg.Recursive)
+	d, err := newDirWatch(p, watchOptions{recursive: req.Msg.Recursive, entries: req.Msg.IncludeEntry, networkMounts: req.Msg.AllowNetworkMounts})
 	if err != nil {
 		return err
 	}
@@ -187,7 +246,7 @@ func (fsv *filesystemService) CreateWatcher(ctx context.Context, req *connect.Re
 	if err != nil {
 		return nil, err
 	}
-	d, err := newDirWatch(p, req.Msg.Recursive)
+	d, err := newDirWatch(p, watchOptions{recursive: req.Msg.Recursive, entries: req.Msg.IncludeEntry, networkMounts: req.Msg.AllowNetworkMounts})
 	if err != nil {
 		return nil, err
 	}

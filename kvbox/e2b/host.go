@@ -93,6 +93,39 @@ func (sh serveHost) Resume(ctx context.Context, name string) error {
 	return serveErr(err)
 }
 
+// stopTimeout bounds a sandbox's guest's own shutdown at a filesystem-only
+// pause (kvbox stop's default); bootTimeout its agent's answer after a
+// cold boot, which under emulation takes a while.
+const (
+	stopTimeout = 30 * time.Second
+	bootTimeout = 3 * time.Minute
+)
+
+func (sh serveHost) Stop(ctx context.Context, name string) error {
+	return serveErr(sh.k.Stop(ctx, name, false, stopTimeout))
+}
+
+func (sh serveHost) Boot(ctx context.Context, name string) error {
+	_, err := sh.k.Start(ctx, name, bootTimeout)
+	return serveErr(err)
+}
+
+func (sh serveHost) SetLabels(ctx context.Context, name string, labels map[string]string) (serve.Box, error) {
+	b, err := sh.k.SetLabels(ctx, name, labels)
+	if err != nil {
+		return serve.Box{}, serveErr(err)
+	}
+	return serveBox(b), nil
+}
+
+func (sh serveHost) SetSnapshotExpires(ctx context.Context, name string, at *time.Time) error {
+	if sh.othersOwn(ctx, name) {
+		return notServes(name)
+	}
+	_, err := sh.k.SetSnapshotExpires(ctx, name, at)
+	return serveErr(err)
+}
+
 func (sh serveHost) SetExpires(ctx context.Context, name string, at *time.Time) (serve.Box, error) {
 	b, err := sh.k.SetExpires(ctx, name, at)
 	if err != nil {

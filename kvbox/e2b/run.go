@@ -2,6 +2,7 @@ package e2b
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"log"
@@ -23,6 +24,8 @@ type Options struct {
 	// Domain is the sandbox domain given to the SDKs
 	// (kvbox.localhost:LISTENPORT when empty).
 	Domain string
+	// TLS, when on, makes the listener HTTPS.
+	TLS TLS
 	// Log gets serve's line per sandbox change and per failure.
 	Log *log.Logger
 	// Ready is told, once, what Run listens on.
@@ -38,6 +41,9 @@ type Listening struct {
 	Domain string
 	// KeyMade says the API key was made now, in KeyPath.
 	KeyMade bool
+	// CACert is the certificate of the CA kvbox made for the host's TLS
+	// (Options.TLS.Auto), which clients trust; "" otherwise.
+	CACert string
 }
 
 // Run serves E2B's API for the library's host k until ctx ends (nil then:
@@ -67,6 +73,13 @@ func Run(ctx context.Context, k *kvbox.Host, o Options) error {
 	if at.Domain == "" {
 		at.Domain = fmt.Sprintf("kvbox.localhost:%d", at.Addr.Port)
 	}
+	var tc *tls.Config
+	if o.TLS.On() {
+		if tc, at.CACert, err = o.TLS.config(l, at.Domain); err != nil {
+			return err
+		}
+		at.URL = "https://" + at.Addr.String()
+	}
 	srv, err := serve.New(ctx, serve.Config{Host: Host(k), APIKey: key, Domain: at.Domain,
 		SecretsDir: filepath.Join(l.Serve(), "sandboxes"), Log: o.Log})
 	if err != nil {
@@ -76,19 +89,26 @@ func Run(ctx context.Context, k *kvbox.Host, o Options) error {
 	if o.Ready != nil {
 		o.Ready(at)
 	}
-	return serveHTTP(ctx, srv, ln)
+	return serveHTTP(ctx, srv, ln, tc)
 }
 
-// serveHTTP serves srv on ln, and prunes its sandboxes' secrets, until ctx
-// ends.
-func serveHTTP(ctx context.Context, srv *serve.Server, ln net.Listener) error {
+// serveHTTP serves srv on ln (over TLS with tc, HTTP/2 offered beside
+// HTTP/1.1 as E2B's own endpoints do), and prunes its sandboxes' secrets,
+// until ctx ends.
+func serveHTTP(ctx context.Context, srv *serve.Server, ln net.Listener, tc *tls.Config) error {
 	pctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go srv.Prune(pctx, 30*time.Second)
 	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 30 * time.Second, IdleTimeout: 640 * time.Second,
-		ErrorLog: log.New(io.Discard, "", 0)}
+		ErrorLog: log.New(io.Discard, "", 0), TLSConfig: tc}
 	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(ln) }()
+	go func() {
+		if tc != nil {
+			errc <- hs.ServeTLS(ln, "", "")
+			return
+		}
+		errc <- hs.Serve(ln)
+	}()
 	select {
 	case err := <-errc:
 		return err

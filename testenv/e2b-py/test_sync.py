@@ -183,7 +183,29 @@ def test_watch_dir(sbx):
     sbx.files.write(f"{d}/new.txt", "x")
     events = []
     until("a create event", lambda: events.extend(w.get_new_events()) or any(e.name == "new.txt" and e.type == FilesystemEventType.CREATE for e in events), 300, 0.2)
+    # Written in place, as E2B's envd writes: a write event of the file
+    # itself, then another when it is written again, and no other name.
+    until("a write event", lambda: events.extend(w.get_new_events()) or any(e.name == "new.txt" and e.type == FilesystemEventType.WRITE for e in events), 300, 0.2)
+    events.clear()
+    sbx.files.write(f"{d}/new.txt", "written again")
+    until("a write event of the file written again", lambda: events.extend(w.get_new_events()) or any(e.name == "new.txt" and e.type == FilesystemEventType.WRITE for e in events), 300, 0.2)
+    assert {e.name for e in events} == {"new.txt"}
     w.stop()
+
+
+def test_file_metadata_and_watch_entries(sbx):
+    # envd 0.6.2: file metadata; 0.6.3: each event's entry.
+    d = f"/home/user/meta-{RUN}"
+    sbx.files.make_dir(d)
+    w = sbx.files.watch_dir(d, include_entry=True)
+    info = sbx.files.write(f"{d}/m.txt", "twelve bytes", metadata={"Owner": "ci", "job": "17"})
+    assert info.metadata == {"owner": "ci", "job": "17"}
+    assert sbx.files.get_info(f"{d}/m.txt").metadata == {"owner": "ci", "job": "17"}
+    events = []
+    until("a write event with its entry", lambda: events.extend(w.get_new_events()) or any(e.type == FilesystemEventType.WRITE and e.entry is not None and e.entry.size == 12 for e in events), 300, 0.2)
+    w.stop()
+    sbx.files.write(f"{d}/m.txt", "again")
+    assert not sbx.files.get_info(f"{d}/m.txt").metadata, "a write without metadata keeps none"
 
 
 def test_signed_urls(sbx):
@@ -250,6 +272,32 @@ def test_pause_and_connect(sbx):
     resumed = int(again.files.read("/tmp/counter").strip())
     assert resumed >= before
     until("the counter counting on", lambda: int(again.files.read("/tmp/counter").strip()) > resumed + 3)
+
+
+# One cold boot per run is enough: 2.63.0's pause(mode="filesystem") sends
+# the memory false that 2.34.0's pause(keep_memory=False) sends too, and
+# each boot costs a guest's whole boot.
+@pytest.mark.skipif(not at_least(2, 60), reason="the cold boot is proven with the newer SDK (the same memory false on the wire), once per run")
+def test_pause_without_memory_boots_from_its_disk():
+    # A filesystem-only pause: the disk is kept, the memory is not; connect
+    # boots it cold, with the same id, and its envd answers.
+    s = Sandbox.create(TEMPLATE, timeout=600, metadata=META, request_timeout=REQUEST_TIMEOUT)
+    try:
+        s.files.write("/home/user/kept.txt", "on the disk")
+        s.commands.run("sync")
+        s.commands.run("sleep 100000", background=True)
+        assert s.pause(mode="filesystem") is True
+        assert s.get_info().state == SandboxState.PAUSED
+        assert s.is_running() is False
+        with pytest.raises(SandboxException, match="paused"):
+            s.commands.run("true")
+        again = Sandbox.connect(s.sandbox_id, timeout=600, request_timeout=REQUEST_TIMEOUT)
+        assert again.sandbox_id == s.sandbox_id
+        assert again.files.read("/home/user/kept.txt") == "on the disk"
+        r = again.commands.run("hostname; pgrep -xf 'sleep 100000' || echo none")
+        assert r.stdout == f"{s.sandbox_id}\nnone\n", "booted cold: nothing that ran is running"
+    finally:
+        Sandbox.kill(s.sandbox_id, request_timeout=REQUEST_TIMEOUT)
 
 
 def test_snapshot_and_a_sandbox_from_it(sbx):

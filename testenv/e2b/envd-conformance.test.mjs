@@ -16,6 +16,7 @@ import assert from 'node:assert/strict'
 import { createRequire } from 'node:module'
 import { createHash } from 'node:crypto'
 import { pathToFileURL } from 'node:url'
+import { readFileSync } from 'node:fs'
 
 const sdkDir = process.env.E2B_SDK_DIR
 const require = createRequire(sdkDir + '/package.json')
@@ -31,6 +32,11 @@ const atLeast = (...v) => {
   }
   return true
 }
+
+// sdkHas says the SDK's code names what a feature sends (its option, its
+// header): an SDK without it has no such feature to test.
+const sdkSource = readFileSync(require.resolve('e2b'), 'utf8')
+const sdkHas = (what) => sdkSource.includes(what)
 
 // until polls cond (bounded), for what arrives asynchronously.
 async function until(what, cond, tries = 200) {
@@ -199,14 +205,73 @@ test('files: list, makeDir, rename, exists, getInfo, remove', async () => {
   await assert.rejects(sbx.files.read(`${d}/a/b/two.txt`), (err) => err.name === 'NotFoundError' || /not found|no such/i.test(String(err)))
 })
 
-test('watchDir sees a file made', async () => {
+test('watchDir sees a file made, then written in place', async () => {
   const d = `${scratch}/watched`
   await sbx.files.makeDir(d)
   const events = []
   const h = await sbx.files.watchDir(d, (e) => events.push(e))
   await sbx.files.write(`${d}/new.txt`, 'x')
   await until('a create event', () => events.some((e) => e.name === 'new.txt' && e.type === 'create'))
+  await until('a write event of the new file', () => events.some((e) => e.name === 'new.txt' && e.type === 'write'))
+  const ino = (await sbx.commands.run(`ls -i ${d}/new.txt`)).stdout
+  events.length = 0
+  await sbx.files.write(`${d}/new.txt`, 'written again')
+  await until('a write event of the file written again', () => events.some((e) => e.name === 'new.txt' && e.type === 'write'))
+  // In place, as E2B's envd writes: the same file, no temporary beside it.
+  assert.equal((await sbx.commands.run(`ls -i ${d}/new.txt`)).stdout, ino)
+  assert.deepEqual([...new Set(events.map((e) => e.name))], ['new.txt'])
+  assert.equal(await sbx.files.read(`${d}/new.txt`), 'written again')
   await h.stop()
+})
+
+// envd 0.6.3: entries in watch events; 0.6.4: network mounts refused unless
+// allowed. The SDK refuses both itself for an older envd.
+test('watchDir with includeEntry: each create, write and chmod carries its entry', { skip: !sdkHas('includeEntry') && 'this SDK has no includeEntry' }, async () => {
+  const d = `${scratch}/watched-entries`
+  await sbx.files.makeDir(d)
+  const events = []
+  const h = await sbx.files.watchDir(d, (e) => events.push(e), { includeEntry: true })
+  await sbx.files.write(`${d}/e.txt`, 'twelve bytes')
+  await sbx.commands.run(`chmod 600 ${d}/e.txt`)
+  await until('a chmod event with the new mode', () => events.some((e) => e.name === 'e.txt' && e.type === 'chmod' && e.entry?.mode === 0o600))
+  await sbx.files.remove(`${d}/e.txt`)
+  await until('a remove event', () => events.some((e) => e.name === 'e.txt' && e.type === 'remove'))
+  await h.stop()
+  const write = events.findLast((e) => e.type === 'write')
+  assert.ok(write?.entry, JSON.stringify(events))
+  assert.equal(write.entry.name, 'e.txt')
+  assert.equal(write.entry.path, `${d}/e.txt`)
+  assert.equal(write.entry.type, 'file')
+  assert.equal(write.entry.size, 12)
+  assert.ok(write.entry.modifiedTime instanceof Date)
+  const chmod = events.find((e) => e.type === 'chmod' && e.entry?.mode === 0o600)
+  assert.equal(chmod.entry.permissions, '-rw-------')
+  assert.equal(events.find((e) => e.type === 'remove').entry, undefined)
+  // A watch without includeEntry carries none.
+  const plain = []
+  const h2 = await sbx.files.watchDir(d, (e) => plain.push(e))
+  await sbx.files.write(`${d}/p.txt`, 'p')
+  await until('a write event', () => plain.some((e) => e.type === 'write'))
+  await h2.stop()
+  assert.ok(plain.every((e) => e.entry === undefined), JSON.stringify(plain))
+})
+
+// envd 0.6.2: file metadata, as extended attributes.
+test('files.write with metadata: read back by getInfo, list and the write itself; replaced by the next write', { skip: !sdkHas('X-Metadata-') && 'this SDK has no file metadata' }, async () => {
+  const f = `${scratch}/meta/m.txt`
+  const info = await sbx.files.write(f, 'm', { metadata: { Owner: 'ci', job: '17' } })
+  assert.deepEqual(info.metadata, { owner: 'ci', job: '17' })
+  assert.deepEqual((await sbx.files.getInfo(f)).metadata, { owner: 'ci', job: '17' })
+  assert.deepEqual((await sbx.files.list(`${scratch}/meta`)).find((e) => e.name === 'm.txt').metadata, { owner: 'ci', job: '17' })
+  // As the file's extended attribute, where the machine has a tool to
+  // read one (a busybox guest has none).
+  const xa = await sbx.commands.run(`if command -v python3 >/dev/null; then python3 -c "import os,sys; sys.stdout.write(os.getxattr('${f}','user.e2b.job').decode())"; else echo no-tool; fi`)
+  if (xa.stdout !== 'no-tool\n') assert.equal(xa.stdout, '17')
+  await sbx.files.write(f, 'm2', { metadata: { job: '18' } })
+  assert.deepEqual((await sbx.files.getInfo(f)).metadata, { job: '18' })
+  await sbx.files.write(f, 'm3')
+  assert.equal((await sbx.files.getInfo(f)).metadata, undefined)
+  await assert.rejects(sbx.files.write(f, 'x', { metadata: { bad: 'caf\u00e9' } }), /printable/i)
 })
 
 test('pty: a shell on a terminal, resized, fed input', async () => {

@@ -13,6 +13,7 @@ import http from 'node:http'
 import { createRequire } from 'node:module'
 import { createHash } from 'node:crypto'
 import { pathToFileURL } from 'node:url'
+import { readFileSync } from 'node:fs'
 
 const require = createRequire(process.env.E2B_SDK_DIR + '/package.json')
 const e2b = await import(pathToFileURL(require.resolve('e2b')).href)
@@ -20,6 +21,10 @@ const { Sandbox, CommandExitError } = e2b
 const sdkVersion = require('e2b/package.json').version
 const [major, minor] = sdkVersion.split('.').map(Number)
 const atLeast = (ma, mi) => major > ma || (major === ma && minor >= mi)
+// sdkHas says the SDK's code names what a feature sends (an option, a
+// header): an SDK without it has no such feature to test.
+const sdkSource = readFileSync(require.resolve('e2b'), 'utf8')
+const sdkHas = (what) => sdkSource.includes(what)
 const template = process.env.KVBOX_TEMPLATE
 const [serveHost, servePort] = process.env.KVBOX_SERVE_ADDR.split(':')
 // Clones under emulation on a shared 2-core machine take seconds each; ten
@@ -162,10 +167,27 @@ test('a PTY and a directory watch through kvbox serve', async () => {
   const dir = `/home/user/watched-${sdkVersion}`
   await sbx.files.makeDir(dir)
   const events = []
-  const w = await sbx.files.watchDir(dir, (e) => events.push(e))
+  const entries = sdkHas('includeEntry') ? { includeEntry: true } : {}
+  const w = await sbx.files.watchDir(dir, (e) => events.push(e), entries)
   await sbx.files.write(`${dir}/new.txt`, 'x')
   await until('a create event', () => events.some((e) => e.name === 'new.txt' && e.type === 'create'))
+  // Written in place, as E2B's envd writes: a write of the file itself,
+  // and another when it is written again; no other name.
+  await until('a write event', () => events.some((e) => e.name === 'new.txt' && e.type === 'write'))
+  events.length = 0
+  await sbx.files.write(`${dir}/new.txt`, 'written again')
+  await until('a write event of the file written again', () => events.some((e) => e.name === 'new.txt' && e.type === 'write' && (!entries.includeEntry || e.entry?.size === 13)))
+  assert.deepEqual([...new Set(events.map((e) => e.name))], ['new.txt'])
   await w.stop()
+})
+
+test('file metadata: written with the file, read back, replaced by the next write', { skip: !sdkHas('X-Metadata-') && `e2b ${sdkVersion} has no file metadata` }, async () => {
+  const f = `/home/user/meta-${sdkVersion}.txt`
+  const info = await sbx.files.write(f, 'm', { metadata: { Owner: 'ci', job: '17' } })
+  assert.deepEqual(info.metadata, { owner: 'ci', job: '17' })
+  assert.deepEqual((await sbx.files.getInfo(f)).metadata, { owner: 'ci', job: '17' })
+  await sbx.files.write(f, 'm2')
+  assert.equal((await sbx.files.getInfo(f)).metadata, undefined)
 })
 
 test('list: by metadata and by state', async () => {
@@ -204,6 +226,40 @@ test('pause: the sandbox is paused, answers nothing, and after connect its count
   const resumed = await readCounter(again)
   assert.ok(resumed >= before, `${resumed} < ${before}`)
   await until('the counter counting on', async () => (await readCounter(again)) > resumed + 3)
+})
+
+test('pause with keepMemory false: the disk kept, not the memory; connect boots it cold with the same id', { skip: !sdkHas('keepMemory') && `e2b ${sdkVersion} has no keepMemory` }, async () => {
+  const s = await create()
+  await s.files.write('/home/user/kept.txt', 'on the disk')
+  await s.commands.run('sync')
+  await s.commands.run('sleep 100000', { background: true })
+  assert.equal((await hostGet(s, 8000)).status, 200, 'the template\'s server, before')
+  assert.equal(await s.pause({ ...opts, keepMemory: false }), true)
+  assert.equal((await s.getInfo()).state, 'paused')
+  assert.equal(await s.isRunning(), false)
+  await assert.rejects(s.commands.run('true'), /paused/i)
+  assert.equal(await s.pause({ ...opts, keepMemory: false }), false, 'pausing a paused sandbox')
+  const again = await Sandbox.connect(s.sandboxId, opts)
+  assert.equal(again.sandboxId, s.sandboxId)
+  assert.equal(await again.files.read('/home/user/kept.txt'), 'on the disk')
+  const r = await again.commands.run("hostname; pgrep -xf 'sleep 100000' || echo none")
+  assert.equal(r.stdout, `${s.sandboxId}\nnone\n`, 'booted cold: nothing that ran runs')
+  // The template's server ran in the memory only.
+  assert.equal((await hostGet(again, 8000)).status, 502)
+  await again.kill()
+})
+
+test('two kills at once: one removes the sandbox, the other finds it gone; a kill beside a pause', async () => {
+  const s = await create()
+  const both = await Promise.all([Sandbox.kill(s.sandboxId, opts), Sandbox.kill(s.sandboxId, opts)])
+  assert.deepEqual(both.sort(), [false, true])
+  const p = await create()
+  const [paused, killed] = await Promise.allSettled([p.pause(opts), Sandbox.kill(p.sandboxId, opts)])
+  assert.equal(killed.status, 'fulfilled')
+  assert.equal(killed.value, true)
+  // The pause ran first (true), or found the sandbox killed.
+  assert.ok(paused.status === 'fulfilled' ? paused.value === true : /not found/i.test(String(paused.reason)), String(paused.reason ?? paused.value))
+  assert.equal(await Sandbox.kill(p.sandboxId, opts), false)
 })
 
 test('lifecycle onTimeout pause with autoResume: paused at its timeout, resumed by the next request', async () => {
@@ -272,7 +328,7 @@ test('refused as the SDK expects: a wrong key, a wrong token, another sandbox\'s
   const other = await create({ timeoutMs: 300_000 })
   // The SDK's own constructor, as connect builds it, with a token that is
   // not the sandbox's.
-  const as = (token) => new Sandbox({ ...opts, sandboxId: sbx.sandboxId, envdAccessToken: token, envdVersion: '0.6.1', sandboxDomain: other.sandboxDomain })
+  const as = (token) => new Sandbox({ ...opts, sandboxId: sbx.sandboxId, envdAccessToken: token, envdVersion: '0.6.4', sandboxDomain: other.sandboxDomain })
   for (const [what, token] of [['a wrong token', 'f'.repeat(64)], ['another sandbox\'s token', other.envdAccessToken]]) {
     const bad = as(token)
     await rejectsWith(bad.commands.run('true'), 'AuthenticationError', `commands.run with ${what}`)
