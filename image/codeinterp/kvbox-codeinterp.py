@@ -8,9 +8,12 @@ this program only maps E2B's HTTP requests and NDJSON lines onto it.
 
 Requests come from kvbox-agent's forward (kvbox serve checked the sandbox's
 token on the host and took every credential off), so nothing here checks a
-token: the listener is on 127.0.0.1 only. The server runs as root to read the
-box's local envd token (sandbox-wide env vars come from envd's GET /envs);
-kernels run as the image's user in /home/user.
+token: the listener is on 127.0.0.1 only, and it serves a connection only
+from root (the agent) or the kernels' own user, by the owner of the peer's
+socket in /proc/net/tcp: any other guest process (nobody, a daemon's user)
+would otherwise run code as the user, who has sudo. The server runs as root
+to read the box's local envd token (sandbox-wide env vars come from envd's
+GET /envs); kernels run as the image's user in /home/user.
 
 Endpoints: GET /health, POST /execute (NDJSON stream), GET/POST /contexts,
 POST /contexts/<id>/restart, DELETE /contexts/<id>.
@@ -284,6 +287,41 @@ def emulated_cpu():
             return any(l.startswith("model name") and "QEMU Virtual CPU" in l for l in f)
     except OSError:
         return False
+
+
+def peer_uid(sock):
+    """The uid owning the other end of the loopback TCP connection sock (a
+    socket of this network namespace: its line in /proc/net/tcp has our
+    end as its remote one), None if it is not there or not IPv4."""
+    if sock.family != socket.AF_INET:
+        return None
+
+    def hexaddr(a):
+        ip, port = a[:2]
+        return "%08X:%04X" % (int.from_bytes(socket.inet_aton(ip), "little"), port)
+
+    theirs, ours = hexaddr(sock.getpeername()), hexaddr(sock.getsockname())
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours:
+                    return int(fields[7])
+    except (OSError, ValueError, StopIteration):
+        return None
+    return None
+
+
+def allowed_uids(user=USER):
+    """Who may connect: root (kvbox-agent's forward), this server's own
+    user and the kernels' user."""
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(pwd.getpwnam(user).pw_uid)
+    except KeyError:
+        pass
+    return uids
 
 
 class Lines:
@@ -659,6 +697,8 @@ class Interpreter:
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     interp = None  # set by serve()
+    uids = frozenset()  # who may connect, set by serve()
+    peer = None  # the uid of this connection's peer, once looked up
 
     def log_message(self, fmt, *a):
         pass
@@ -702,6 +742,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         parts = [p for p in path.split("/") if p]
         try:
+            if self.peer is None:
+                self.peer = peer_uid(self.connection)
+            if self.peer not in self.uids:
+                self.close_connection = True
+                who = "an unknown peer" if self.peer is None else "uid %d" % self.peer
+                raise HTTPError(403, "the code interpreter serves kvbox serve's clients (through kvbox-agent) and the user %s, not %s" % (USER, who))
             if method == "GET" and parts == ["health"]:
                 if not self.interp.ready.is_set():
                     return self._reply(503, "starting", "text/plain")
@@ -804,6 +850,7 @@ def serve(interp, addr=ADDR, port=PORT, warm=None):
     if warm is None:
         warm = WARM
     Handler.interp = interp
+    Handler.uids = frozenset(allowed_uids())
     srv = Server((addr, port), Handler)
 
     def warmup():

@@ -402,6 +402,22 @@ class TestHTTP(Base):
         self.assertEqual([l["text"] for l in self.run_code(code) if l["type"] == "stdout"], ["big\n"])
         self.assertEqual(len(FakeKernel.instances), 1, "no kernel for the refused requests")
 
+    def test_peer_uid(self):
+        c = socket.create_connection(("127.0.0.1", self.port))
+        self.addCleanup(c.close)
+        self.assertEqual(ci.peer_uid(c), os.geteuid())
+
+    def test_other_users_refused(self):
+        # The test's own uid stands for a guest process of another user.
+        uids = ci.Handler.uids
+        ci.Handler.uids = frozenset(uids - {os.geteuid()})
+        self.addCleanup(setattr, ci.Handler, "uids", uids)
+        for method, path, body in [("GET", "/health", None), ("GET", "/contexts", None), ("POST", "/execute", {"code": "print x"})]:
+            r = self.req(method, path, body)
+            self.assertEqual(r.status, 403, path)
+            self.assertIn(b"uid %d" % os.geteuid(), r.read())
+        self.assertEqual([c for c, silent in FakeKernel.instances[0].codes if not silent], [], "no cell ran")
+
     def test_one_execution_at_a_time(self):
         done = []
 
