@@ -6,8 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -19,15 +21,24 @@ import (
 // (testenv/e2b/code-interpreter-V, with the e2b it needs).
 const codeInterpSDK = "code-interpreter-2.8.0"
 
+// codeInterpPySDK is the pinned install of E2B's code-interpreter Python
+// SDK (testenv/e2b-py-code-interpreter/V, in the venv code-interpreter-V).
+const codeInterpPySDK = "2.11.5"
+
 // codeInterpTemplate is the SDK's default template.
 const codeInterpTemplate = "code-interpreter-v1"
 
-// TestCodeInterpreter: E2B's code-interpreter SDK, unmodified, against
+// TestCodeInterpreter: E2B's code-interpreter SDKs, unmodified, against
 // kvbox serve, on warm clones of code-interpreter-v1: a box of the
 // code-interpreter image snapshotted once its server said its Python
-// kernel is up with the data stack imported (code-interpreter.test.mjs:
-// state, a PNG, errors, streaming, contexts, bash, env vars, a timeout, a
-// client that goes mid-cell, a kernel that dies, five sandboxes at once).
+// kernel is up with the data stack imported. The JS SDK
+// (code-interpreter.test.mjs: state, a PNG, errors, streaming, contexts,
+// bash, env vars, a timeout, a client that goes mid-cell, a kernel that
+// dies, five sandboxes at once), then the Python SDK, sync and async, on
+// the same serve and template (testenv/e2b-py-code-interpreter: results
+// with a PNG and a DataFrame's data, callbacks, errors, contexts, env vars,
+// an endless loop cut by the SDK's timeout, a kernel that dies, 32 MiB of
+// output through serve).
 func TestCodeInterpreter(t *testing.T) {
 	repo, err := filepath.Abs("..")
 	if err != nil {
@@ -35,6 +46,11 @@ func TestCodeInterpreter(t *testing.T) {
 	}
 	if p, ok := installedPkg(repo, codeInterpSDK, "@e2b/code-interpreter"); !ok {
 		t.Fatalf("%s missing: run testenv/setup.sh (it installs the pinned E2B SDKs)", p)
+	}
+	pyVenvName := "code-interpreter-" + codeInterpPySDK
+	py := filepath.Join(pyVenv(pyVenvName), "bin", "python")
+	if out, err := exec.Command(py, "-I", "-c", "import e2b_code_interpreter, pytest").CombinedOutput(); err != nil {
+		t.Fatalf("e2b-code-interpreter %s is not installed in %s (%v: %s): run testenv/setup.sh (it installs the pinned Python SDKs)", codeInterpPySDK, pyVenv(pyVenvName), err, out)
 	}
 	var ims []struct{ Name string }
 	json.Unmarshal([]byte(mustKvbox(t, "images", "ls", "--json")), &ims)
@@ -58,6 +74,23 @@ func TestCodeInterpreter(t *testing.T) {
 		return nil
 	})
 	t.Logf("the template's kernel was up with the data stack %s after kvbox new", time.Since(start).Round(time.Second))
+	// The guest's other users cannot run cells through the server's
+	// loopback listener (the user has sudo); the user, as whom cells run,
+	// can list them. Nothing runs in the template's kernel here.
+	for _, c := range []struct{ user, method, path, want string }{
+		{"nobody", "POST", "/execute", "403"},
+		{"nobody", "GET", "/contexts", "403"},
+		{"user", "GET", "/contexts", "200"},
+	} {
+		got := inBox(t, src, fmt.Sprintf(`runuser -u %s -- curl -s -o /dev/null -w '%%{http_code}' -X %s -d '{"code": "open(\"/tmp/ran\", \"w\")"}' http://127.0.0.1:49999%s`,
+			c.user, c.method, c.path))
+		if got != c.want {
+			t.Errorf("%s's %s %s on the guest's port 49999: %s, want %s", c.user, c.method, c.path, got, c.want)
+		}
+	}
+	if r := kvbox(t, "exec", src, "--", "test", "-e", "/tmp/ran"); r.code == 0 {
+		t.Errorf("a cell of nobody's ran")
+	}
 	// What the kernel has imported, from the server's own journal.
 	t.Logf("server log:\n%s", inBox(t, src, "journalctl -u kvbox-codeinterp --no-pager | tail -n 20"))
 	mustKvbox(t, "snapshots", "new", src, codeInterpTemplate)
@@ -65,10 +98,18 @@ func TestCodeInterpreter(t *testing.T) {
 	cleanupSandboxes(t, codeInterpTemplate)
 
 	p := startServe(t, "127.0.0.1:0")
+	start = time.Now()
 	if err := runNode(t, codeInterpSDK, p, codeInterpTemplate, "", nil, "--test-reporter=spec", "--test-force-exit",
 		filepath.Join(envdtest.Dir(repo), "code-interpreter.test.mjs")); err != nil {
 		t.Fatalf("the code interpreter SDK's run against kvbox serve failed: %v", err)
 	}
+	t.Logf("the JS SDK's run took %s", time.Since(start).Round(time.Second))
+	start = time.Now()
+	if err := runPytestIn(t, "e2b-py-code-interpreter", pyVenvName, p,
+		"KVBOX_SERVE_PID="+strconv.Itoa(p.cmd.Process.Pid)); err != nil {
+		t.Fatalf("the code interpreter Python SDK's run against kvbox serve failed: %v", err)
+	}
+	t.Logf("the Python SDK's run took %s", time.Since(start).Round(time.Second))
 }
 
 // removeTemplate removes the snapshot codeInterpTemplate and the boxes

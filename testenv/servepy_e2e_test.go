@@ -39,26 +39,34 @@ func pyVenv(v string) string {
 // against serve, in a home of the test's own.
 func runPytest(t *testing.T, v string, p *serveProc, template, page string) error {
 	t.Helper()
+	return runPytestIn(t, "e2b-py", v, p, "KVBOX_TEMPLATE="+template, "KVBOX_TEMPLATE_PAGE="+page)
+}
+
+// runPytestIn runs the pytest suite in testenv's folder dir with the venv
+// named venv (pyVenv) against serve, in a home of the test's own, with
+// env added to the E2B_* variables that name serve.
+func runPytestIn(t *testing.T, dir, venv string, p *serveProc, env ...string) error {
+	t.Helper()
 	key := strings.TrimSpace(mustKvbox(t, "serve", "key"))
 	url := "http://" + p.addr
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(pyVenv(v), "bin", "python"), "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rA", ".")
-	cmd.Dir = "e2b-py"
-	var env []string
+	cmd := exec.CommandContext(ctx, filepath.Join(pyVenv(venv), "bin", "python"), "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rA", ".")
+	cmd.Dir = dir
+	var clean []string
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
 		if strings.HasPrefix(k, "E2B_") || strings.HasPrefix(k, "PYTHON") || strings.HasPrefix(strings.ToUpper(k), "HTTP") || k == "HOME" {
 			continue
 		}
-		env = append(env, kv)
+		clean = append(clean, kv)
 	}
-	cmd.Env = append(env,
+	cmd.Env = append(clean,
 		"HOME="+t.TempDir(), "PYTHONDONTWRITEBYTECODE=1", "PYTHONNOUSERSITE=1", "NO_PROXY=*",
-		"E2B_API_URL="+url, "E2B_SANDBOX_URL="+url, "E2B_API_KEY="+key,
-		"KVBOX_TEMPLATE="+template, "KVBOX_TEMPLATE_PAGE="+page, "KVBOX_SERVE_ADDR="+p.addr)
+		"E2B_API_URL="+url, "E2B_SANDBOX_URL="+url, "E2B_API_KEY="+key, "KVBOX_SERVE_ADDR="+p.addr)
+	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.CombinedOutput()
-	t.Logf("pytest (e2b %s):\n%s", v, out)
+	t.Logf("pytest (%s, %s):\n%s", dir, venv, out)
 	return err
 }
 

@@ -307,7 +307,9 @@ stage_e2b_sdk() {
 }
 
 # The E2B Python SDK, pinned with hashes (testenv/e2b-py/VERSION/requirements.txt: e2b, its
-# dependencies and pytest), for TestServePython. Each version gets a virtualenv of its own under
+# dependencies and pytest), for TestServePython; and E2B's code-interpreter SDK the same way
+# (testenv/e2b-py-code-interpreter/VERSION/requirements.txt, venv code-interpreter-VERSION), for
+# TestCodeInterpreter. Each version gets a virtualenv of its own under
 # the test env's cache, made from Debian's python3 (python3-venv; KVBOX_TESTENV_PYTHON names
 # another), never the system Python's packages. pip runs here, in the root namespace (it
 # downloads from PyPI), with no configuration file and its cache in the test env's; the tests
@@ -345,9 +347,11 @@ stage_e2b_py() {
 	local pipenv=(env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_REQUIRE_VIRTUALENV
 		PIP_CONFIG_FILE=/dev/null PIP_CACHE_DIR="$KVBOX_TESTENV_CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1
 		PIP_NO_INPUT=1 PYTHONNOUSERSITE=1)
-	for req in "$TESTENV_DIR"/e2b-py/*/requirements.txt; do
+	for req in "$TESTENV_DIR"/e2b-py/*/requirements.txt "$TESTENV_DIR"/e2b-py-code-interpreter/*/requirements.txt; do
 		[ -f "$req" ] || continue
-		dir=${req%/requirements.txt}; v=${dir##*/}; venv=$E2B_PY_VENVS/$v
+		dir=${req%/requirements.txt}; v=${dir##*/}
+		case $dir in */e2b-py-code-interpreter/*) v=code-interpreter-$v ;; esac
+		venv=$E2B_PY_VENVS/$v
 		if [ -x "$venv/bin/python" ] && e2b_py_exact "$venv/bin/python" "$req"; then
 			log "e2b $v: installed in $venv"
 			continue
@@ -459,7 +463,7 @@ if [ "$profile" = demo ]; then
 fi
 stage "OCI registry on 127.0.0.1:5000 in $KVBOX_TESTENV_NS" stage_registry
 stage "E2B JS SDK (testenv/e2b)" stage_e2b_sdk
-stage "E2B Python SDK (testenv/e2b-py, venvs in $E2B_PY_VENVS)" stage_e2b_py
+stage "E2B Python SDKs (testenv/e2b-py, testenv/e2b-py-code-interpreter; venvs in $E2B_PY_VENVS)" stage_e2b_py
 if [ -n "${KVBOX_TESTENV_SKIP_IMAGE:-}" ]; then
 	log "KVBOX_TESTENV_SKIP_IMAGE set: skipping the tiny image"
 else

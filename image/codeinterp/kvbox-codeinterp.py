@@ -8,9 +8,12 @@ this program only maps E2B's HTTP requests and NDJSON lines onto it.
 
 Requests come from kvbox-agent's forward (kvbox serve checked the sandbox's
 token on the host and took every credential off), so nothing here checks a
-token: the listener is on 127.0.0.1 only. The server runs as root to read the
-box's local envd token (sandbox-wide env vars come from envd's GET /envs);
-kernels run as the image's user in /home/user.
+token: the listener is on 127.0.0.1 only, and it serves a connection only
+from root (the agent) or the kernels' own user, by the owner of the peer's
+socket in /proc/net/tcp: any other guest process (nobody, a daemon's user)
+would otherwise run code as the user, who has sudo. The server runs as root
+to read the box's local envd token (sandbox-wide env vars come from envd's
+GET /envs); kernels run as the image's user in /home/user.
 
 Endpoints: GET /health, POST /execute (NDJSON stream), GET/POST /contexts,
 POST /contexts/<id>/restart, DELETE /contexts/<id>.
@@ -20,10 +23,12 @@ import base64
 import datetime
 import http.server
 import json
+import math
 import os
 import pwd
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -38,14 +43,73 @@ DEFAULT_CWD = "/home/user"
 RUN_DIR = os.environ.get("KVBOX_CODEINTERP_RUN", "/run/kvbox-codeinterp")
 ENVD_URL = os.environ.get("KVBOX_CODEINTERP_ENVD", "http://127.0.0.1:49983/envs")
 ENVD_TOKEN_FILE = os.environ.get("KVBOX_CODEINTERP_ENVD_TOKEN", "/var/lib/kvbox-agent/envd-token")
+# "0": no kernel at start; the first call starts its context's (a lean
+# template, or one whose kernels start cold).
+WARM = os.environ.get("KVBOX_CODEINTERP_WARM", "1") != "0"
 KEEPALIVE = 5.0  # seconds without a line before a keepalive line
 POLL = 0.2  # seconds between looks at the client and the kernel
 REINTERRUPT = 2.0  # seconds between interrupts of a cell whose client went
+STOP_GRACE = 60.0  # seconds of interrupts before a cell that ignores them is killed
+# Request bodies: a cell's code, and the small JSON of the other calls.
+MAX_EXECUTE_BODY = 64 << 20
+MAX_BODY = 64 << 10
+# The e2b/data form of a DataFrame result (column -> values, as E2B's
+# template gives it) for frames of at most this many cells; a larger one
+# has its text and HTML forms alone (pandas truncates those).
+MAX_DATA_CELLS = 100000
 
 # What each kernel runs when it starts: the template's warm state. The
 # inline backend is matplotlib's Agg with a PNG per figure on plt.show().
+# A DataFrame also gets the MIME type e2b/data (the SDKs' Result.data):
+# column -> list of values, as E2B's template gives it, in JSON's types
+# (NaN, NaT and NA as null, timestamps in ISO 8601, anything else its str).
 PRELUDE = {
-    "python": "%matplotlib inline\nimport numpy, pandas, matplotlib, matplotlib.pyplot\n",
+    "python": """%matplotlib inline
+import numpy, pandas, matplotlib, matplotlib.pyplot
+def _kvbox_formatters():
+    import datetime, math
+    import numpy, pandas
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter
+    from traitlets import ObjectName, Unicode
+
+    class DataFormatter(BaseFormatter):
+        format_type = Unicode("e2b/data")
+        print_method = ObjectName("_repr_e2b_data_")
+        _return_type = (dict,)
+
+    def value(v):
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, numpy.generic):
+            v = v.item()
+        if v is pandas.NaT or v is pandas.NA:
+            return None
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, int):
+            return v
+        if isinstance(v, (datetime.date, datetime.time)):
+            return v.isoformat()
+        return str(v)
+
+    def frame(df):
+        if df.size > MAX_DATA_CELLS:
+            return None
+        try:
+            return {str(c): [value(v) for v in df.iloc[:, i].tolist()] for i, c in enumerate(df.columns)}
+        except Exception:
+            return None
+
+    ip = get_ipython()
+    f = DataFormatter(parent=ip.display_formatter)
+    f.for_type(pandas.DataFrame, frame)
+    ip.display_formatter.formatters["e2b/data"] = f
+    if "e2b/data" not in ip.display_formatter.active_types:
+        ip.display_formatter.active_types = list(ip.display_formatter.active_types) + ["e2b/data"]
+_kvbox_formatters()
+del _kvbox_formatters
+""".replace("MAX_DATA_CELLS", str(MAX_DATA_CELLS)),
 }
 
 # MIME type -> field of E2B's result line. Anything else goes into "extra".
@@ -140,7 +204,24 @@ def error_line(name, value, traceback):
 
 
 def encode(line):
-    return (json.dumps(line, separators=(",", ":"), default=str) + "\n").encode()
+    """One NDJSON line. JSON has no NaN or Infinity (JSON.parse, the JS
+    SDK's, refuses them): a kernel's float that is neither goes as null."""
+    try:
+        s = json.dumps(line, separators=(",", ":"), default=str, allow_nan=False)
+    except ValueError:
+        s = json.dumps(finite(line), separators=(",", ":"), default=str, allow_nan=False)
+    return (s + "\n").encode()
+
+
+def finite(v):
+    """v with every float that is not finite as None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x) for x in v]
+    return v
 
 
 def env_code(lang, set_vars, unset=()):
@@ -208,6 +289,41 @@ def emulated_cpu():
         return False
 
 
+def peer_uid(sock):
+    """The uid owning the other end of the loopback TCP connection sock (a
+    socket of this network namespace: its line in /proc/net/tcp has our
+    end as its remote one), None if it is not there or not IPv4."""
+    if sock.family != socket.AF_INET:
+        return None
+
+    def hexaddr(a):
+        ip, port = a[:2]
+        return "%08X:%04X" % (int.from_bytes(socket.inet_aton(ip), "little"), port)
+
+    theirs, ours = hexaddr(sock.getpeername()), hexaddr(sock.getsockname())
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == theirs and fields[2] == ours:
+                    return int(fields[7])
+    except (OSError, ValueError, StopIteration):
+        return None
+    return None
+
+
+def allowed_uids(user=USER):
+    """Who may connect: root (kvbox-agent's forward), this server's own
+    user and the kernels' user."""
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(pwd.getpwnam(user).pw_uid)
+    except KeyError:
+        pass
+    return uids
+
+
 class Lines:
     """Where an execution's lines go: the client's stream, which says when
     its client has gone."""
@@ -238,7 +354,7 @@ class Lines:
 class Kernel:
     """One Jupyter kernel through jupyter_client (a real one in the image; a
     fake in the unit tests). Methods: start, stop, restart, alive,
-    interrupt, execute(code, silent) -> msg_id, iopub(timeout) -> msg or
+    interrupt, kill, execute(code, silent) -> msg_id, iopub(timeout) -> msg or
     None, shell(timeout) -> msg or None, exit_code."""
 
     def __init__(self, name, cwd, run_dir=RUN_DIR, user=USER):
@@ -314,6 +430,9 @@ class Kernel:
 
     def interrupt(self):
         self.km.interrupt_kernel()
+
+    def kill(self):
+        self.km.signal_kernel(signal.SIGKILL)
 
     def execute(self, code, silent=False):
         return self.kc.execute(code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=True)
@@ -542,8 +661,18 @@ class Interpreter:
                 if now - last >= REINTERRUPT:
                     k.interrupt()
                     last = now
-                if now - interrupted > 60:
-                    log("context", ctx.id, "did not stop after an interrupt")
+                if now - interrupted > STOP_GRACE:
+                    # A cell that catches or ignores SIGINT: left running,
+                    # it would hold the kernel, and every next cell of the
+                    # context would wait behind it. The kernel goes; the
+                    # context says why until it is restarted.
+                    log("context", ctx.id, "ran on through %.0f s of interrupts: killing its kernel" % STOP_GRACE)
+                    try:
+                        k.kill()
+                    except Exception as e:
+                        log("kill kernel", ctx.id, e)
+                    ctx.dead = ("the %s kernel of context %s was killed: its cell ran on through %.0f s of interrupts after its client went; "
+                                "restart the context (restartCodeContext) to run code in it again" % (ctx.language, ctx.id, STOP_GRACE))
                     return
             msg = k.iopub(POLL)
             if msg is None:
@@ -568,12 +697,27 @@ class Interpreter:
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     interp = None  # set by serve()
+    uids = frozenset()  # who may connect, set by serve()
+    peer = None  # the uid of this connection's peer, once looked up
 
     def log_message(self, fmt, *a):
         pass
 
-    def _body(self):
-        n = int(self.headers.get("Content-Length") or 0)
+    def _body(self, limit=MAX_BODY):
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise HTTPError(411, "a body with a Content-Length, not chunked")
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            raise HTTPError(400, "a bad Content-Length")
+        if n > limit:
+            # Not read: the connection goes with the answer.
+            self.close_connection = True
+            raise HTTPError(413, "a body of %d bytes: at most %d here" % (n, limit))
         raw = self.rfile.read(n) if n else b""
         if not raw.strip():
             return {}
@@ -598,12 +742,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         parts = [p for p in path.split("/") if p]
         try:
+            if self.peer is None:
+                self.peer = peer_uid(self.connection)
+            if self.peer not in self.uids:
+                self.close_connection = True
+                who = "an unknown peer" if self.peer is None else "uid %d" % self.peer
+                raise HTTPError(403, "the code interpreter serves kvbox serve's clients (through kvbox-agent) and the user %s, not %s" % (USER, who))
             if method == "GET" and parts == ["health"]:
                 if not self.interp.ready.is_set():
                     return self._reply(503, "starting", "text/plain")
                 return self._reply(200, "OK")
             if method == "POST" and parts == ["execute"]:
-                return self._execute(self._body())
+                return self._execute(self._body(MAX_EXECUTE_BODY))
             if parts[:1] == ["contexts"]:
                 if method == "GET" and len(parts) == 1:
                     return self._reply(200, self.interp.list())
@@ -694,8 +844,13 @@ class Server(http.server.ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def serve(interp, addr=ADDR, port=PORT, warm=True):
+def serve(interp, addr=ADDR, port=PORT, warm=None):
+    """The server, its Python context started in the background unless
+    warm (WARM by default) is false."""
+    if warm is None:
+        warm = WARM
     Handler.interp = interp
+    Handler.uids = frozenset(allowed_uids())
     srv = Server((addr, port), Handler)
 
     def warmup():

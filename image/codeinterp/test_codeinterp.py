@@ -36,6 +36,7 @@ class FakeKernel:
         self.codes = []
         self.interrupts = 0
         self.release = threading.Event()
+        self.killed = False
         FakeKernel.instances.append(self)
 
     def start(self):
@@ -59,6 +60,11 @@ class FakeKernel:
     def interrupt(self):
         self.interrupts += 1
         self.interrupted.set()
+
+    def kill(self):
+        self.killed = True
+        self.running = False
+        self.release.set()
 
     def _msg(self, pid, t, content):
         return {"msg_type": t, "parent_header": {"msg_id": pid}, "header": {"msg_type": t, "date": "2026-01-01T00:00:00Z"}, "content": content}
@@ -109,6 +115,13 @@ class FakeKernel:
                 self._put(self._msg(pid, "stream", {"name": "stdout", "text": "slept\n"}))
             elif op == "block":
                 self.release.wait()
+            elif op == "stubborn":
+                # A cell that catches every KeyboardInterrupt: only a kill
+                # ends it.
+                self._put(self._msg(pid, "stream", {"name": "stdout", "text": "stubborn\n"}))
+                self.release.wait()
+                if self.killed:
+                    return
             elif op == "die":
                 self.running = False
                 return
@@ -192,6 +205,20 @@ class TestLines(unittest.TestCase):
         b = ci.encode({"type": "stdout", "text": "a\nb"})
         self.assertTrue(b.endswith(b"\n"))
         self.assertEqual(b.count(b"\n"), 1)
+
+    def test_encode_no_nan(self):
+        # JSON.parse (the JS SDK's) refuses NaN and Infinity.
+        b = ci.encode({"type": "result", "json": {"a": float("nan"), "b": [1.5, float("inf"), {"c": float("-inf")}]}})
+        self.assertEqual(json.loads(b, parse_constant=lambda c: self.fail("non-JSON constant " + c)),
+                         {"type": "result", "json": {"a": None, "b": [1.5, None, {"c": None}]}})
+
+    def test_prelude_gives_frames_data(self):
+        # What the Python prelude registers for DataFrames (run for real in
+        # a kernel by TestCodeInterpreter).
+        p = ci.PRELUDE["python"]
+        self.assertIn('"e2b/data"', p)
+        self.assertIn("df.size > %d" % ci.MAX_DATA_CELLS, p)
+        compile(p.replace("%matplotlib inline", ""), "prelude", "exec")
 
     def test_languages(self):
         for given, want in [(None, "python"), (" Python ", "python"), ("js", "javascript"), ("ts", "javascript"), ("bash", "bash"), ("R", "r")]:
@@ -329,6 +356,68 @@ class TestHTTP(Base):
         out = self.run_code("print x")
         self.assertEqual([l["text"] for l in out if l["type"] == "stdout"], ["x\n"])
 
+    def test_stubborn_cell_killed_after_its_grace(self):
+        grace = ci.STOP_GRACE
+        ci.STOP_GRACE = 0.5
+        self.addCleanup(setattr, ci, "STOP_GRACE", grace)
+        s = socket.create_connection(("127.0.0.1", self.port))
+        body = json.dumps({"code": "stubborn"}).encode()
+        s.sendall(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        k = FakeKernel.instances[0]
+        wait_for(lambda: ("stubborn", False) in k.codes)
+        s.close()
+        wait_for(lambda: k.killed)
+        self.assertGreaterEqual(k.interrupts, 1)
+        out = self.run_code("print x")
+        err = [l for l in out if l["type"] == "error"][0]
+        self.assertEqual(err["name"], "DeadKernelError")
+        self.assertIn("interrupts", err["value"])
+        self.assertIn("restart", err["value"])
+        cid = json.loads(self.req("GET", "/contexts").read())[0]["id"]
+        self.assertEqual(self.req("POST", "/contexts/%s/restart" % cid).status, 200)
+        self.assertEqual([l["text"] for l in self.run_code("print x") if l["type"] == "stdout"], ["x\n"])
+
+    def raw(self, head, body=b""):
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        s.sendall(head + b"\r\n\r\n" + body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        out = (r.status, r.read())
+        s.close()
+        return out
+
+    def test_bodies_bounded(self):
+        st, text = self.raw(b"POST /contexts HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % (ci.MAX_BODY + 1))
+        self.assertEqual(st, 413, text)
+        st, _ = self.raw(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: %d" % (ci.MAX_EXECUTE_BODY + 1))
+        self.assertEqual(st, 413)
+        st, _ = self.raw(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: -5")
+        self.assertEqual(st, 400)
+        st, _ = self.raw(b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: five")
+        self.assertEqual(st, 400)
+        st, _ = self.raw(b"POST /execute HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked", b"5\r\nhello\r\n0\r\n\r\n")
+        self.assertEqual(st, 411)
+        # A cell's code may be larger than the other calls' bodies.
+        code = "print big" + "\n" * (2 * ci.MAX_BODY)
+        self.assertEqual([l["text"] for l in self.run_code(code) if l["type"] == "stdout"], ["big\n"])
+        self.assertEqual(len(FakeKernel.instances), 1, "no kernel for the refused requests")
+
+    def test_peer_uid(self):
+        c = socket.create_connection(("127.0.0.1", self.port))
+        self.addCleanup(c.close)
+        self.assertEqual(ci.peer_uid(c), os.geteuid())
+
+    def test_other_users_refused(self):
+        # The test's own uid stands for a guest process of another user.
+        uids = ci.Handler.uids
+        ci.Handler.uids = frozenset(uids - {os.geteuid()})
+        self.addCleanup(setattr, ci.Handler, "uids", uids)
+        for method, path, body in [("GET", "/health", None), ("GET", "/contexts", None), ("POST", "/execute", {"code": "print x"})]:
+            r = self.req(method, path, body)
+            self.assertEqual(r.status, 403, path)
+            self.assertIn(b"uid %d" % os.geteuid(), r.read())
+        self.assertEqual([c for c, silent in FakeKernel.instances[0].codes if not silent], [], "no cell ran")
+
     def test_one_execution_at_a_time(self):
         done = []
 
@@ -344,6 +433,26 @@ class TestHTTP(Base):
         done.append("fast")
         t.join()
         self.assertEqual(done, ["slow", "fast"])
+
+
+class TestCold(Base):
+    """A server started with KVBOX_CODEINTERP_WARM=0: healthy at once, the
+    default context's kernel started by the first call."""
+
+    def setUp(self):
+        warm = ci.WARM
+        ci.WARM = False
+        try:
+            super().setUp()
+        finally:
+            ci.WARM = warm
+
+    def test_kernel_on_first_call(self):
+        self.assertEqual(self.req("GET", "/health").status, 200)
+        self.assertEqual(FakeKernel.instances, [])
+        self.assertEqual(json.loads(self.req("GET", "/contexts").read()), [])
+        self.assertEqual([l["text"] for l in self.run_code("print hi") if l["type"] == "stdout"], ["hi\n"])
+        self.assertEqual(len(FakeKernel.instances), 1)
 
 
 if __name__ == "__main__":
