@@ -237,7 +237,13 @@ func setupEgressNet(t *testing.T) []byte {
 	json.Unmarshal([]byte(mustKvbox(t, "network", "show", "--json")), &before)
 	if !before.NAT {
 		t.Cleanup(func() {
-			if r := kvbox(t, "network", "rm"); r.code != 0 {
+			r := kvbox(t, "network", "rm")
+			switch {
+			case r.code != 0 && strings.Contains(r.stderr, "remove them first"):
+				// Boxes that are not the tests' (a demo's, say) are on it:
+				// it stays, with the NAT this test asked for.
+				t.Logf("network rm after the egress test refused, boxes not the tests' on it: %s", strings.TrimSpace(r.stderr))
+			case r.code != 0:
 				t.Errorf("network rm after the egress test (its NAT stays otherwise): %s", r)
 			}
 		})

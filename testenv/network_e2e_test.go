@@ -66,8 +66,14 @@ func TestNetworkNATWithUplink(t *testing.T) {
 	if out, err := exec.Command("ip", "netns", "exec", ns, "ip", "link", "show", "kvnat0").CombinedOutput(); err == nil {
 		t.Errorf("bridge left after network rm: %s", out)
 	}
-	// Without an uplink (the test namespace) there is no NAT.
-	out, err := exec.Command(kvboxBin, "network", "show", "--json").Output()
+	// Without an uplink (the test namespace) there is no NAT: on a network
+	// of this test's own, since the default one may carry NAT that an
+	// earlier --nat asked for (it stays until network rm) and boxes that are
+	// not the tests'.
+	own := []string{"--bridge", "kvnat1", "--subnet", "172.31.251.0/24"}
+	mustKvbox(t, append(own, "network", "up")...)
+	t.Cleanup(func() { kvbox(t, append(own, "network", "rm")...) })
+	out, err := exec.Command(kvboxBin, append(own, "network", "show", "--json")...).Output()
 	if err != nil || !strings.Contains(string(out), `"nat": false`) {
 		t.Errorf("network show in %s: %v %s", testNetns, err, out)
 	}
