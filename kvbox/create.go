@@ -182,7 +182,7 @@ func (h *Host) finish(ctx context.Context, b domain.Box, expires *time.Time, por
 	case b.Expires != nil:
 		// A clone's deadline is in its definition: its reaper starts
 		// now (a kvbox killed before leaves it to the next sweep).
-		if err := h.startBoxReaper(b.Name, b.UUID, true); err != nil {
+		if err := h.startReaper(ReapBox, b.Name, b.UUID); err != nil {
 			return Box{}, h.undo(ctx, b.Name, fmt.Errorf("box %q could not get its TTL's reaper, so it is removed: %w", b.Name, err))
 		}
 	case expires != nil:

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"kvbox.dev/kvbox/base"
-	"kvbox.dev/kvbox/domain"
 )
 
 // The reaper processes: started detached with Config.ReaperCommand, told
@@ -42,20 +41,15 @@ func (h *Host) reaperAlive(kind, name string) bool {
 // snapshot from a later one of the same name: a box's UUID, a snapshot's
 // creation time). It returns at once; the reaper runs detached, in its own
 // session, logging to reaperLog. Without Config.ReaperCommand nothing is
-// started. A box's reaper is started under the box's lock (SetExpires,
-// startBoxReaper): its log is made in the box's folder, which is never
-// made again for it, so a box being removed is never given a file (its
-// removal would find its folder not empty) nor a folder back.
+// started.
 func (h *Host) startReaper(kind, name, id string) error {
 	if h.cfg.ReaperCommand == nil {
 		return nil
 	}
 	cmd := h.cfg.ReaperCommand(kind, name, id)
 	logPath := h.reaperLog(kind, name)
-	if kind != ReapBox {
-		if err := os.MkdirAll(filepath.Dir(logPath), 0o750); err != nil {
-			return err
-		}
+	if err := os.MkdirAll(filepath.Dir(logPath), 0o750); err != nil {
+		return err
 	}
 	// A box's folder is writable by QEMU: never follow a link planted
 	// there, and never block on a FIFO.
@@ -77,38 +71,6 @@ func (h *Host) startReaper(kind, name, id string) error {
 	// it to init.
 	go cmd.Wait()
 	return nil
-}
-
-// startBoxReaper starts the reaper of box name if it is still the box with
-// uuid, has a deadline and no reaper runs, under the box's lock: waiting
-// for it with wait, else leaving a box another kvbox holds to that kvbox
-// (which changes its deadline, and its reaper with it, or removes it).
-func (h *Host) startBoxReaper(name, uuid string, wait bool) error {
-	var b domain.Box
-	if wait {
-		cur, _, release, err := h.d.LockedLookup(name)
-		if err != nil {
-			return err
-		}
-		defer release()
-		b = cur
-	} else {
-		l, err := h.d.TryLockBox(name)
-		if err != nil {
-			return nil
-		}
-		cur, err := h.d.Get(name)
-		if err != nil {
-			l.RemoveAndUnlock() // no such box: its lock guards nothing
-			return err
-		}
-		defer l.Unlock()
-		b = cur
-	}
-	if b.UUID != uuid || b.Expires == nil || h.reaperAlive(ReapBox, name) {
-		return nil
-	}
-	return h.startReaper(ReapBox, name, uuid)
 }
 
 // stopReaper ends the reaper of KIND NAME, if one runs (and is not the

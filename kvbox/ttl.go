@@ -127,48 +127,40 @@ func (h *Host) Sweep(ctx context.Context) {
 		return
 	}
 	for _, b := range boxes {
-		h.sweepBox(ctx, b)
-	}
-	h.sweepSnapshots(ctx)
-}
-
-// sweepBox is Sweep of one box b, as it was listed: removed (or
-// suspended) when its deadline has passed, given its reaper otherwise.
-func (h *Host) sweepBox(ctx context.Context, b domain.Box) {
-	if b.Expires == nil {
-		return
-	}
-	if time.Now().Before(*b.Expires) {
-		// Under the box's lock, as the box is then: one removed since
-		// it was listed (by a kvbox that stopped its reaper) gets none.
-		if !h.reaperAlive(ReapBox, b.Name) {
-			h.startBoxReaper(b.Name, b.UUID, false)
+		if b.Expires == nil {
+			continue
 		}
-		return
-	}
-	if b.OnExpiry == domain.ExpirySuspend {
-		if b.State != domain.StateRunning {
-			return // its reaper, or Resume, deals with it
+		if time.Now().Before(*b.Expires) {
+			if !h.reaperAlive(ReapBox, b.Name) {
+				h.startReaper(ReapBox, b.Name, b.UUID)
+			}
+			continue
 		}
-		err := h.suspendDue(ctx, b.Name, b.UUID)
+		if b.OnExpiry == domain.ExpirySuspend {
+			if b.State != domain.StateRunning {
+				continue // its reaper, or Resume, deals with it
+			}
+			err := h.suspendDue(ctx, b.Name, b.UUID)
+			switch {
+			case err == nil:
+				h.notify(false, "suspended box %s, whose TTL ended at %s", b.Name, b.Expires.Format(time.RFC3339))
+			case !errors.Is(err, base.ErrNotFound) && !errors.Is(err, base.ErrNotDue):
+				h.notify(true, "suspending expired box %s: %v", b.Name, err)
+			}
+			continue
+		}
+		step.KillPoint("sweep-expired-box")
+		// By identity: a box removed meanwhile may have a successor of
+		// the same name, which this deadline is not.
+		err := h.removeIf(ctx, b.Name, true, dueBox(b.UUID))
 		switch {
 		case err == nil:
-			h.notify(false, "suspended box %s, whose TTL ended at %s", b.Name, b.Expires.Format(time.RFC3339))
+			h.notify(false, "removed box %s, whose TTL ended at %s", b.Name, b.Expires.Format(time.RFC3339))
 		case !errors.Is(err, base.ErrNotFound) && !errors.Is(err, base.ErrNotDue):
-			h.notify(true, "suspending expired box %s: %v", b.Name, err)
+			h.notify(true, "removing expired box %s: %v", b.Name, err)
 		}
-		return
 	}
-	step.KillPoint("sweep-expired-box")
-	// By identity: a box removed meanwhile may have a successor of
-	// the same name, which this deadline is not.
-	err := h.removeIf(ctx, b.Name, true, dueBox(b.UUID))
-	switch {
-	case err == nil:
-		h.notify(false, "removed box %s, whose TTL ended at %s", b.Name, b.Expires.Format(time.RFC3339))
-	case !errors.Is(err, base.ErrNotFound) && !errors.Is(err, base.ErrNotDue):
-		h.notify(true, "removing expired box %s: %v", b.Name, err)
-	}
+	h.sweepSnapshots(ctx)
 }
 
 func (h *Host) sweepSnapshots(ctx context.Context) {

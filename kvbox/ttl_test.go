@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -204,66 +203,5 @@ func TestTTLSuspendsNeverRemoves(t *testing.T) {
 	}
 	if b.Expires == nil || b.OnExpiry != domain.ExpirySuspend {
 		t.Errorf("the box lost its deadline (%v) or what it does (%q) without being suspended", b.Expires, b.OnExpiry)
-	}
-}
-
-// A sweep that listed a box just before another kvbox removed it (its
-// reaper stopped by that removal) starts no reaper for it and makes no
-// file in its folder: the removal found its folder not empty, and the
-// folder was made again and left, when the sweep started a reaper for
-// what it had listed without the box's lock.
-func TestSweepOfARemovedBoxLeavesNothing(t *testing.T) {
-	a, h := testDriverHost(t)
-	ctx := context.Background()
-	started := 0
-	a.cfg.ReaperCommand = func(kind, name, id string) *exec.Cmd {
-		started++
-		return exec.Command("true")
-	}
-	name := "kvbox-unit-sweep-removed"
-	t.Cleanup(func() {
-		if d, err := h.Conn().LookupDomainByName(name); err == nil {
-			d.Undefine()
-			d.Free()
-		}
-	})
-	at := time.Now().Add(time.Hour)
-	defineTestBox(t, h, name, &at)
-	dir := h.Layout().Box(name)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
-		t.Fatal(err)
-	}
-	listed, err := h.Boxes()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Remove(ctx, name, true); err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range listed {
-		if b.Name == name {
-			a.sweepBox(ctx, b)
-		}
-	}
-	if _, err := os.Stat(dir); !os.IsNotExist(err) {
-		t.Errorf("the removed box's folder is there again: %v", err)
-	}
-	if started != 0 {
-		t.Errorf("%d reapers started for a removed box", started)
-	}
-	// A box that is there gets its reaper.
-	defineTestBox(t, h, name, &at)
-	os.MkdirAll(dir, 0o750)
-	listed, _ = h.Boxes()
-	for _, b := range listed {
-		if b.Name == name {
-			a.sweepBox(ctx, b)
-		}
-	}
-	if started != 1 {
-		t.Errorf("the sweep started %d reapers for a box with a deadline, want 1", started)
-	}
-	if _, err := os.Stat(filepath.Join(dir, "reaper.log")); err != nil {
-		t.Errorf("the reaper's log: %v", err)
 	}
 }
