@@ -86,6 +86,7 @@ var sections = []section{
 	{"lifecycle", benchLifecycle},
 	{"serve", benchServe},
 	{"egress", benchEgress},
+	{"codeinterp", benchCodeInterp},
 }
 
 func main() {

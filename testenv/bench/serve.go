@@ -259,18 +259,27 @@ type sdkProc struct {
 }
 
 func startSDK(ctx context.Context, e *env, sdk, addr, tmpl string) (*sdkProc, error) {
-	key, err := exec.CommandContext(ctx, "bin/kvbox", "--state-dir", e.stateDir, "serve", "key").Output()
-	if err != nil {
-		return nil, fmt.Errorf("kvbox serve key: %w", err)
-	}
 	abs, err := filepath.Abs(sdk)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, "node", filepath.Join("testenv", "e2b", "bench.mjs"))
-	cmd.Env = append(os.Environ(), "E2B_SDK_DIR="+abs, "E2B_API_URL=http://"+addr, "E2B_SANDBOX_URL=http://"+addr,
-		"E2B_API_KEY="+strings.TrimSpace(string(key)), "KVBOX_TEMPLATE="+tmpl,
+	return startDriver(ctx, e, addr, []string{"node", filepath.Join("testenv", "e2b", "bench.mjs")},
+		"E2B_SDK_DIR="+abs, "KVBOX_TEMPLATE="+tmpl)
+}
+
+// startDriver starts argv, an SDK's side of a section that answers a JSON
+// line to each line it reads, pointed at kvbox serve on addr, with env
+// added.
+func startDriver(ctx context.Context, e *env, addr string, argv []string, env ...string) (*sdkProc, error) {
+	key, err := exec.CommandContext(ctx, "bin/kvbox", "--state-dir", e.stateDir, "serve", "key").Output()
+	if err != nil {
+		return nil, fmt.Errorf("kvbox serve key: %w", err)
+	}
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	cmd.Env = append(os.Environ(), "E2B_API_URL=http://"+addr, "E2B_SANDBOX_URL=http://"+addr,
+		"E2B_API_KEY="+strings.TrimSpace(string(key)),
 		"NO_PROXY=*", "HTTP_PROXY=", "HTTPS_PROXY=", "http_proxy=", "https_proxy=")
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
