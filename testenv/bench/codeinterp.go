@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"kvbox.dev/kvbox/image"
@@ -101,7 +102,7 @@ func benchCodeInterp(ctx context.Context, e *env) error {
 		fmt.Printf("  %-58s %7.0f ms %7.0f ms\n", what, ms(pct(ds, 50)), ms(pct(ds, 90)))
 	}
 	fmt.Printf("code-interpreter image (%s), 2 vCPU, 1 GiB; %d of each, warm and cold alternated; @e2b/code-interpreter %s over kvbox serve\n",
-		im.Name, e.n, codeInterpJS)
+		im.Name, e.n, strings.TrimPrefix(codeInterpJS, "code-interpreter-"))
 	fmt.Printf("first cell: a pandas DataFrame of 1000 rows and its describe()\n")
 	fmt.Printf("  %-58s %10s %10s\n", "", "p50", "p90")
 	row("warm template: Sandbox.create", wCreate)
