@@ -99,8 +99,9 @@ func (s *Server) currentToken() []byte {
 	return tok
 }
 
-// setToken replaces the agent's token, on disk first (root's only) when
-// there is a StateDir, so a reboot keeps it, and returns its generation.
+// setToken replaces the agent's token, on disk first (root's only, and
+// synced: the host keeps the new one once the agent answers) when there is
+// a StateDir, so a reboot keeps it, and returns its generation.
 func (s *Server) setToken(b []byte, snapshot bool) (uint64, error) {
 	if len(b) != TokenSize {
 		return 0, fmt.Errorf("a token is %d bytes, not %d", TokenSize, len(b))
@@ -114,7 +115,7 @@ func (s *Server) setToken(b []byte, snapshot bool) (uint64, error) {
 		if snapshot {
 			onDisk = append(append([]byte(nil), b...), 1)
 		}
-		if err := writeFileAtomic(filepath.Join(s.StateDir, tokenFile), onDisk, 0o600); err != nil {
+		if err := writeFileDurable(filepath.Join(s.StateDir, tokenFile), onDisk, 0o600); err != nil {
 			return 0, err
 		}
 	}

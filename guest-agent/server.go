@@ -10,6 +10,7 @@ import (
 	"log"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -463,7 +464,7 @@ func SaveIdentity(dir string, id Identity) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	return writeFileAtomic(dir+"/"+identityFile, append(b, '\n'), 0o644)
+	return writeFileDurable(dir+"/"+identityFile, append(b, '\n'), 0o644)
 }
 
 // LoadIdentity reads the identity SaveIdentity wrote; ok is false when
@@ -483,12 +484,52 @@ func LoadIdentity(dir string) (id Identity, ok bool, err error) {
 }
 
 func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
+	return writeFile(path, data, perm, false)
+}
+
+// writeFileDurable is writeFileAtomic whose file is on the disk when it
+// returns: the data before the rename, the rename after it. For what the
+// host acts on once the agent answered (its token, the box's identity): a
+// box powered off right after, its guest's page cache lost, boots with
+// them, not with whatever the disk held before.
+func writeFileDurable(path string, data []byte, perm os.FileMode) error {
+	return writeFile(path, data, perm, true)
+}
+
+func writeFile(path string, data []byte, perm os.FileMode, durable bool) error {
 	tmp := path + ".kvbox-tmp"
-	if err := os.WriteFile(tmp, data, perm); err != nil {
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, perm)
+	if err != nil {
 		return err
 	}
-	if err := os.Rename(tmp, path); err != nil {
+	_, err = f.Write(data)
+	if err == nil && durable {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
 		os.Remove(tmp)
+		return err
+	}
+	if durable {
+		return syncDir(filepath.Dir(path))
+	}
+	return nil
+}
+
+// syncDir makes the entries of the folder dir durable (a rename in it).
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil && !errors.Is(err, unix.EINVAL) {
 		return err
 	}
 	return nil
