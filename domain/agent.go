@@ -54,7 +54,7 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 	var c *agent.Client
 	var took agentToken
 	for _, t := range tokens {
-		c, err = h.dialToken(ctx, b, t.tok, true, t.kind == tokenSnapshot)
+		c, err = h.dialToken(ctx, b, t.tok, true, t.kind == tokenSnapshot || t.kind == tokenOld)
 		took = t
 		if !errors.Is(err, agent.ErrUnauthorized) {
 			break
@@ -62,7 +62,7 @@ func (h *Host) Dial(ctx context.Context, b Box) (*agent.Client, error) {
 		// The agent has another of them: a kvbox died while it gave the
 		// agent a new token, or during a snapshot of the box.
 	}
-	if err == nil && (len(tokens) > 1 || took.kind != tokenCurrent) {
+	if err == nil && (unsettled(tokens) || took.kind != tokenCurrent) {
 		h.settleAgentToken(ctx, b, c, took.kind)
 	}
 	return c, err
@@ -257,7 +257,11 @@ func (h *Host) Reidentify(ctx context.Context, c *agent.Client, b Box, newToken 
 // the agent has from just before the snapshot's memory is copied until
 // kvbox gives it a new one of its own right after. Each is one the agent
 // may have when a kvbox died in between; a box whose agent has the
-// snapshot's token gets a new one at its next contact.
+// snapshot's token gets a new one at its next contact. agent.token.old is
+// the token the agent had before its current one, which it may find on its
+// disk again when the box lost power before the guest wrote its new one
+// (an agent older than its synced token file): tried last, on the serial
+// port only, and replaced at once.
 const AgentTokenFile = "agent.token"
 
 func agentTokenPath(dir string) string { return filepath.Join(dir, AgentTokenFile) }
@@ -266,12 +270,13 @@ const (
 	tokenNew      = ".new"
 	tokenSnapshot = ".snapshot"
 	tokenCurrent  = ""
+	tokenOld      = ".old"
 )
 
 // agentToken is a token the agent may have and which file it is in.
 type agentToken struct {
 	tok  []byte
-	kind string // tokenNew, tokenSnapshot or tokenCurrent
+	kind string // tokenNew, tokenSnapshot, tokenCurrent or tokenOld
 }
 
 // ReadAgentToken is the token of the agent of the box (or snapshot) in dir;
@@ -288,7 +293,7 @@ func AgentTokens(dir string) [][]byte {
 	ts, _ := readAgentTokens(dir)
 	var out [][]byte
 	for _, t := range ts {
-		if t.tok != nil {
+		if t.tok != nil && t.kind != tokenOld {
 			out = append(out, t.tok)
 		}
 	}
@@ -296,11 +301,11 @@ func AgentTokens(dir string) [][]byte {
 }
 
 // readAgentTokens are the tokens the agent may have: a new one a kvbox
-// was giving it, a snapshot's, then the box's. Never empty: [nil] without
-// any.
+// was giving it, a snapshot's, the box's, then its previous one. Never
+// empty: [nil] without any.
 func readAgentTokens(dir string) ([]agentToken, error) {
 	var out []agentToken
-	for _, kind := range []string{tokenNew, tokenSnapshot, tokenCurrent} {
+	for _, kind := range []string{tokenNew, tokenSnapshot, tokenCurrent, tokenOld} {
 		p := agentTokenPath(dir) + kind
 		b, err := readNoFollow(p)
 		if errors.Is(err, os.ErrNotExist) {
@@ -314,10 +319,25 @@ func readAgentTokens(dir string) ([]agentToken, error) {
 		}
 		out = append(out, agentToken{b, kind})
 	}
+	if len(out) == 1 && out[0].kind == tokenOld {
+		// A previous token alone is a folder kvbox never leaves.
+		out = nil
+	}
 	if len(out) == 0 {
 		out = append(out, agentToken{kind: tokenCurrent})
 	}
 	return out, nil
+}
+
+// unsettled reports whether the box's folder holds a new or a snapshot's
+// token beside its own: a kvbox died while it changed them.
+func unsettled(tokens []agentToken) bool {
+	for _, t := range tokens {
+		if t.kind == tokenNew || t.kind == tokenSnapshot {
+			return true
+		}
+	}
+	return false
 }
 
 // isSnapshotToken reports whether tok is the snapshot's token kept in the
@@ -341,8 +361,13 @@ func newAgentToken(b Box) ([]byte, error) {
 }
 
 // keepNewToken makes the token the agent took (agent.token.new) the box's,
-// and drops a snapshot's.
+// keeps the one it replaces as the previous one, and drops a snapshot's.
 func keepNewToken(b Box) error {
+	p := agentTokenPath(b.Dir)
+	os.Remove(p + tokenOld)
+	if err := os.Link(p, p+tokenOld); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("box %q: keep its previous agent token: %w", b.Name, err)
+	}
 	if err := os.Rename(agentTokenPath(b.Dir)+tokenNew, agentTokenPath(b.Dir)); err != nil {
 		return fmt.Errorf("box %q: keep its agent token: %w", b.Name, err)
 	}
@@ -382,7 +407,7 @@ func (h *Host) settleAgentToken(ctx context.Context, b Box, c *agent.Client, kin
 	switch kind {
 	case tokenNew:
 		keepNewToken(b)
-	case tokenSnapshot:
+	case tokenSnapshot, tokenOld:
 		renewAgentToken(ctx, c, b)
 	default:
 		os.Remove(agentTokenPath(b.Dir) + tokenNew)
