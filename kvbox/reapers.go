@@ -51,9 +51,13 @@ func (h *Host) startReaper(kind, name, id string) error {
 	if err := os.MkdirAll(filepath.Dir(logPath), 0o750); err != nil {
 		return err
 	}
-	// A box's folder is writable by QEMU: never follow a link planted
-	// there, and never block on a FIFO.
-	log, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o600)
+	// Never follow a link, never block on a FIFO; a log that grew past
+	// maxReaperLog (a name used again and again) starts over.
+	flags := os.O_WRONLY | os.O_CREATE | os.O_APPEND | syscall.O_NOFOLLOW | syscall.O_NONBLOCK
+	if fi, err := os.Lstat(logPath); err == nil && fi.Size() > maxReaperLog {
+		flags |= os.O_TRUNC
+	}
+	log, err := os.OpenFile(logPath, flags, 0o600)
 	if err != nil {
 		return fmt.Errorf("reaper log of %s %q: %w", kind, name, err)
 	}
@@ -72,6 +76,10 @@ func (h *Host) startReaper(kind, name, id string) error {
 	go cmd.Wait()
 	return nil
 }
+
+// maxReaperLog bounds a reaper log: past it, the next reaper of that name
+// starts it over.
+const maxReaperLog = 1 << 20
 
 // stopReaper ends the reaper of KIND NAME, if one runs (and is not the
 // calling process), and waits until it is gone.

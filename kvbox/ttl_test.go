@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -203,5 +204,47 @@ func TestTTLSuspendsNeverRemoves(t *testing.T) {
 	}
 	if b.Expires == nil || b.OnExpiry != domain.ExpirySuspend {
 		t.Errorf("the box lost its deadline (%v) or what it does (%q) without being suspended", b.Expires, b.OnExpiry)
+	}
+}
+
+// A reaper started for a box another kvbox has just removed (a sweep that
+// listed it before) makes nothing in the box's folder: its log is beside
+// the other logs, the folder is not made again, and the reaper finds no
+// box to reap.
+func TestReaperOfARemovedBoxMakesNoFolder(t *testing.T) {
+	a, h := testDriverHost(t)
+	ctx := context.Background()
+	started := 0
+	a.cfg.ReaperCommand = func(kind, name, id string) *exec.Cmd {
+		started++
+		return exec.Command("true")
+	}
+	name := "kvbox-unit-reaper-removed"
+	t.Cleanup(func() {
+		if d, err := h.Conn().LookupDomainByName(name); err == nil {
+			d.Undefine()
+			d.Free()
+		}
+	})
+	at := time.Now().Add(time.Hour)
+	uuid := defineTestBox(t, h, name, &at)
+	dir := h.Layout().Box(name)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Remove(ctx, name, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.startReaper(ReapBox, name, uuid); err != nil {
+		t.Fatal(err)
+	}
+	if started != 1 {
+		t.Fatalf("%d reapers started", started)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("the removed box's folder is there again: %v", err)
+	}
+	if fi, err := os.Lstat(h.Layout().BoxReaperLog(name)); err != nil || !fi.Mode().IsRegular() || filepath.Dir(h.Layout().BoxReaperLog(name)) != h.Layout().Logs() {
+		t.Errorf("the reaper's log %s: %v %v", h.Layout().BoxReaperLog(name), fi, err)
 	}
 }

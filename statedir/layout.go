@@ -78,9 +78,11 @@ func (l Layout) SnapshotReaperLog(name string) string {
 	return l.join("logs", name+".snapshot-reaper.log")
 }
 
-// BoxReaperLog is where the reaper of box name writes what it did: the
-// box's folder, so that it goes with the box.
-func (l Layout) BoxReaperLog(name string) string { return l.join("boxes", name, "reaper.log") }
+// BoxReaperLog is where the reaper of box name writes what it did: beside
+// the other logs, not in the box's folder, which a reaper started for a
+// box being removed would otherwise make again (and whose removal would
+// take what the reaper said it did).
+func (l Layout) BoxReaperLog(name string) string { return l.join("logs", name+".reaper.log") }
 
 // The files kvbox keeps, root's alone, for a suspended box (SuspendFile):
 // its live domain XML at the suspend (what resume starts it from), its
