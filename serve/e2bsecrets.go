@@ -219,19 +219,26 @@ type newSecretJSON struct {
 	Metadata map[string]string `json:"metadata"`
 }
 
-func (s *Server) createSecret(w http.ResponseWriter, r *http.Request) error {
+// decodeSecret reads a secret's creation or update (what names it in
+// errors) and checks its value and metadata.
+func decodeSecret(w http.ResponseWriter, r *http.Request, what func(newSecretJSON) (string, error)) (newSecretJSON, string, error) {
 	var req newSecretJSON
 	if e := decodeBody(w, r, &req, false); e != nil {
-		return e
+		return req, "", e
 	}
-	name, err := checkSecretName(req.Name)
+	name, err := what(req)
 	if err != nil {
-		return err
+		return req, "", err
 	}
 	if req.Value == nil {
-		return errorf(http.StatusBadRequest, "secret %s: no value", name)
+		return req, "", errorf(http.StatusBadRequest, "secret %s: no value", name)
 	}
-	if err := errors.Join(checkSecretValue(*req.Value), checkSecretMetadata(req.Metadata)); err != nil {
+	return req, name, errors.Join(checkSecretValue(*req.Value), checkSecretMetadata(req.Metadata))
+}
+
+func (s *Server) createSecret(w http.ResponseWriter, r *http.Request) error {
+	req, name, err := decodeSecret(w, r, func(req newSecretJSON) (string, error) { return checkSecretName(req.Name) })
+	if err != nil {
 		return err
 	}
 	t := tenantOf(r)
@@ -280,14 +287,8 @@ func (s *Server) getSecret(w http.ResponseWriter, r *http.Request, id string) er
 }
 
 func (s *Server) updateSecret(w http.ResponseWriter, r *http.Request, id string) error {
-	var req newSecretJSON
-	if e := decodeBody(w, r, &req, false); e != nil {
-		return e
-	}
-	if req.Value == nil {
-		return errorf(http.StatusBadRequest, "secret %s: no value", id)
-	}
-	if err := errors.Join(checkSecretValue(*req.Value), checkSecretMetadata(req.Metadata)); err != nil {
+	req, _, err := decodeSecret(w, r, func(newSecretJSON) (string, error) { return id, nil })
+	if err != nil {
 		return err
 	}
 	t := tenantOf(r)
