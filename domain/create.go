@@ -90,7 +90,7 @@ func (c *Creation) Run(ctx context.Context, p step.Plan) (Box, step.Timings, err
 }
 
 func (c *Creation) define(ctx context.Context, define DefineFunc) error {
-	unlock, err := c.Host.Lock()
+	unlock, err := c.Host.Lock(ctx)
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -93,7 +94,7 @@ func (h *Host) forgetEgress(b Box) error {
 // definition, live and persistent, and at once in its rules: new
 // connections meet the new policy; the box is neither paused nor
 // restarted.
-func (h *Host) SetEgress(name string, p *egress.Policy) (Box, error) {
+func (h *Host) SetEgress(ctx context.Context, name string, p *egress.Policy) (Box, error) {
 	if p != nil {
 		if err := p.Validate(); err != nil {
 			return Box{}, err
@@ -102,7 +103,7 @@ func (h *Host) SetEgress(name string, p *egress.Policy) (Box, error) {
 			p = nil
 		}
 	}
-	b, dom, release, err := h.LockedLookup(name)
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}

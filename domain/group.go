@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"path/filepath"
@@ -133,8 +134,8 @@ func (h *Host) EnsureBoxNetwork(b Box) error {
 
 // PruneGroups removes the networks of this state dir's groups no box is in
 // any more: a group's bridge, firewall and NAT go with its last box.
-func (h *Host) PruneGroups() error {
-	boxes, unlock, err := h.lockedBoxes()
+func (h *Host) PruneGroups(ctx context.Context) error {
+	boxes, unlock, err := h.lockedBoxes(ctx)
 	if err != nil {
 		return err
 	}

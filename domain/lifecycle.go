@@ -330,12 +330,12 @@ const removingMarker = ".removing"
 // kvbox left half-done (the domain undefined, the folder still there), and
 // returns their names. A folder without the marker is left alone even with
 // no domain: an operator may have undefined the domain to define it again.
-func (h *Host) RemoveOrphanFolders() []string {
+func (h *Host) RemoveOrphanFolders(ctx context.Context) []string {
 	ents, _ := os.ReadDir(h.Layout().Boxes())
 	var removed []string
 	for _, e := range ents {
 		dir := filepath.Join(h.Layout().Boxes(), e.Name())
-		if fi, err := os.Lstat(filepath.Join(dir, removingMarker)); e.IsDir() && err == nil && fi.Mode().IsRegular() && h.removeOrphan(e.Name(), dir) {
+		if fi, err := os.Lstat(filepath.Join(dir, removingMarker)); e.IsDir() && err == nil && fi.Mode().IsRegular() && h.removeOrphan(ctx, e.Name(), dir) {
 			removed = append(removed, e.Name())
 		}
 	}
@@ -345,7 +345,7 @@ func (h *Host) RemoveOrphanFolders() []string {
 // removeOrphan removes one such folder, checking again under the host
 // lock, which every creation holds from making its folder to defining its
 // domain.
-func (h *Host) removeOrphan(name, dir string) bool {
+func (h *Host) removeOrphan(ctx context.Context, name, dir string) bool {
 	owned := func() bool {
 		d, err := h.Conn().LookupDomainByName(name)
 		if err != nil {
@@ -357,7 +357,7 @@ func (h *Host) removeOrphan(name, dir string) bool {
 	if owned() {
 		return false
 	}
-	unlock, err := h.Lock()
+	unlock, err := h.Lock(ctx)
 	if err != nil {
 		return false
 	}
@@ -406,8 +406,8 @@ func Transport() string {
 
 // LockedLookup takes the box's lock and looks the box up; release frees the
 // domain and drops the lock.
-func (h *Host) LockedLookup(name string) (b Box, dom *libvirt.Domain, release func(), err error) {
-	l, err := h.lockBox(name)
+func (h *Host) LockedLookup(ctx context.Context, name string) (b Box, dom *libvirt.Domain, release func(), err error) {
+	l, err := h.lockBox(ctx, name)
 	if err != nil {
 		return Box{}, nil, nil, err
 	}
@@ -468,7 +468,7 @@ func killQEMU(name string) {
 
 // Start boots a stopped box and waits until its agent answers.
 func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (Box, error) {
-	b, dom, release, err := h.LockedLookup(name)
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}
@@ -496,7 +496,7 @@ func (h *Host) Start(ctx context.Context, name string, timeout time.Duration) (B
 // Stop shuts a box down through ACPI, and pulls the plug after timeout (or
 // at once with force).
 func (h *Host) Stop(ctx context.Context, name string, timeout time.Duration, force bool) error {
-	b, dom, release, err := h.LockedLookup(name)
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return err
 	}
@@ -526,7 +526,7 @@ func (h *Host) Remove(ctx context.Context, name string, force bool) error {
 // the box as it is. A TTL removes the box that expired, not whatever box
 // has its name by then (IsBox).
 func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func(Box) error) error {
-	b, dom, release, err := h.LockedLookup(name)
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return err
 	}
@@ -568,7 +568,7 @@ func (h *Host) RemoveIf(ctx context.Context, name string, force bool, check func
 	os.Remove(h.Layout().QMPLog(name) + ".1")
 	if b.Group != "" && portErr == nil {
 		// A group's network goes with its last box.
-		portErr = h.PruneGroups()
+		portErr = h.PruneGroups(ctx)
 	}
 	if portErr != nil {
 		return fmt.Errorf("box %q is removed, but: %w", name, portErr)
@@ -625,8 +625,8 @@ func RemoveSuspendStates(dir string, keep func(path string) bool) {
 
 // Unpause continues a paused box (one a failed or interrupted snapshot left
 // paused): the guest carries on where it stopped.
-func (h *Host) Unpause(name string) (Box, error) {
-	b, dom, release, err := h.LockedLookup(name)
+func (h *Host) Unpause(ctx context.Context, name string) (Box, error) {
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}
@@ -644,8 +644,8 @@ func (h *Host) Unpause(name string) (Box, error) {
 // Wake wakes a box whose guest put itself to sleep (ACPI S3, libvirt's
 // pmsuspended): its QEMU runs on, and the guest continues from where it
 // slept.
-func (h *Host) Wake(name string) (Box, error) {
-	b, dom, release, err := h.LockedLookup(name)
+func (h *Host) Wake(ctx context.Context, name string) (Box, error) {
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}

@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"context"
 	"encoding/xml"
 	"fmt"
 	"os"
@@ -147,8 +148,8 @@ func MarshalMeta(m Meta) (string, error) {
 // metadata, live and persistent (`virsh dumpxml` shows <expires>), and
 // then, still under the box's lock, calls then (nil: nothing) with the box
 // as it is now: the TTL's reaper is started there (package kvbox).
-func (h *Host) SetExpires(name string, at *time.Time, then func(Box) error) (Box, error) {
-	b, dom, release, err := h.LockedLookup(name)
+func (h *Host) SetExpires(ctx context.Context, name string, at *time.Time, then func(Box) error) (Box, error) {
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}
@@ -171,13 +172,13 @@ func (h *Host) SetExpires(name string, at *time.Time, then func(Box) error) (Box
 
 // SetLabels replaces the box's labels (Meta.Labels) in its libvirt
 // metadata, live and persistent, and returns the box as it is now.
-func (h *Host) SetLabels(name string, labels []Label) (Box, error) {
+func (h *Host) SetLabels(ctx context.Context, name string, labels []Label) (Box, error) {
 	for _, l := range labels {
 		if err := ValidLabel(l.Key, l.Value); err != nil {
 			return Box{}, err
 		}
 	}
-	b, dom, release, err := h.LockedLookup(name)
+	b, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return Box{}, err
 	}

@@ -1,6 +1,7 @@
 package domain
 
 import (
+	"context"
 	"strings"
 
 	"kvbox.dev/kvbox/base"
@@ -9,8 +10,8 @@ import (
 // RemoveNetwork removes the bridge boxes are put on and kvbox's firewall
 // rules for it, refusing (Busy, naming them) while boxes are on it. It
 // holds the host lock, so no box is defined on the bridge meanwhile.
-func (h *Host) RemoveNetwork() error {
-	unlock, err := h.Lock()
+func (h *Host) RemoveNetwork(ctx context.Context) error {
+	unlock, err := h.Lock(ctx)
 	if err != nil {
 		return err
 	}
@@ -33,8 +34,8 @@ func (h *Host) RemoveNetwork() error {
 
 // lockedBoxes takes the host lock and lists the boxes: none is defined or
 // removed until unlock.
-func (h *Host) lockedBoxes() ([]Box, func(), error) {
-	unlock, err := h.Lock()
+func (h *Host) lockedBoxes(ctx context.Context) ([]Box, func(), error) {
+	unlock, err := h.Lock(ctx)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -74,7 +74,7 @@ func (h *Host) SetLabels(ctx context.Context, name string, m map[string]string) 
 	if err != nil {
 		return Box{}, err
 	}
-	b, err := h.d.SetLabels(name, ls)
+	b, err := h.d.SetLabels(ctx, name, ls)
 	if err != nil {
 		return Box{}, err
 	}

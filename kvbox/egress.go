@@ -87,7 +87,7 @@ func (h *Host) SetEgress(ctx context.Context, name string, p egress.Policy) (Egr
 			return EgressStatus{}, err
 		}
 	}
-	b, err := h.d.SetEgress(name, &p)
+	b, err := h.d.SetEgress(ctx, name, &p)
 	if err != nil {
 		return EgressStatus{}, err
 	}

@@ -1,6 +1,10 @@
 package kvbox
 
-import "kvbox.dev/kvbox/network"
+import (
+	"context"
+
+	"kvbox.dev/kvbox/network"
+)
 
 // NetworkUp sets up the Host's bridge and its firewall, with NAT where
 // the host has a default route (always with nat), and kvbox's port filter;
@@ -21,4 +25,4 @@ func (h *Host) NetworkUp(nat bool) (network.Status, error) {
 
 // RemoveNetwork removes the Host's bridge and kvbox's firewall rules for
 // it, refusing (Busy, naming them) while boxes of any state dir are on it.
-func (h *Host) RemoveNetwork() error { return h.d.RemoveNetwork() }
+func (h *Host) RemoveNetwork(ctx context.Context) error { return h.d.RemoveNetwork(ctx) }

@@ -23,7 +23,7 @@ func (h *Host) recover(ctx context.Context) {
 	if err != nil {
 		h.notify(true, "cleaning up an interrupted box creation: %v", err)
 	}
-	for _, n := range h.d.RemoveOrphanFolders() {
+	for _, n := range h.d.RemoveOrphanFolders(ctx) {
 		h.notify(false, "removed the folder of box %s, which no domain has any more", n)
 	}
 	if err := suspend.RecoverSuspends(ctx, h.d); err != nil {

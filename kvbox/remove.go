@@ -81,7 +81,7 @@ func (h *Host) reapSnapshotIfDue(ctx context.Context, name, id string) (removed 
 	if err != nil || s.Expires == nil || time.Now().Before(*s.Expires) {
 		return false, nil, nil
 	}
-	err = snapshot.RemoveIf(h.d, h.snaps, name, dueSnapshot(id))
+	err = snapshot.RemoveIf(ctx, h.d, h.snaps, name, dueSnapshot(id))
 	switch {
 	case errors.Is(err, base.ErrNotDue), errors.Is(err, base.ErrNotFound):
 		return false, nil, nil
@@ -103,7 +103,7 @@ func (h *Host) RemoveSnapshot(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	if err := snapshot.Remove(h.d, h.snaps, s.Name); err != nil {
+	if err := snapshot.Remove(ctx, h.d, h.snaps, s.Name); err != nil {
 		return err
 	}
 	h.stopReaper(ReapSnapshot, s.Name)

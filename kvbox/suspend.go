@@ -49,10 +49,10 @@ func (h *Host) Resume(ctx context.Context, name string, agentTimeout time.Durati
 	}
 	switch b.State {
 	case domain.StatePaused:
-		b, err := h.d.Unpause(name)
+		b, err := h.d.Unpause(ctx, name)
 		return Resumed{Box: h.box(b), How: Unpaused}, err
 	case domain.StatePMSuspended:
-		b, err := h.d.Wake(name)
+		b, err := h.d.Wake(ctx, name)
 		return Resumed{Box: h.box(b), How: Woken}, err
 	case domain.StateSuspended:
 	default:

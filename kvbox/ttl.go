@@ -47,7 +47,7 @@ const ReaperRecheck = 30 * time.Second
 // SetExpires gives box name a deadline (nil: none) and restarts its
 // reaper; it returns the box as it is now.
 func (h *Host) SetExpires(ctx context.Context, name string, at *time.Time) (Box, error) {
-	b, err := h.d.SetExpires(name, at, func(b domain.Box) error {
+	b, err := h.d.SetExpires(ctx, name, at, func(b domain.Box) error {
 		h.stopReaper(ReapBox, name)
 		if b.Expires == nil {
 			return nil

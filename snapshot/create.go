@@ -96,7 +96,7 @@ func create(ctx context.Context, h *domain.Host, st Store, boxName, name string,
 	if err := base.ValidName(name); err != nil {
 		return Result{}, err
 	}
-	box, dom, release, err := h.LockedLookup(boxName)
+	box, dom, release, err := h.LockedLookup(ctx, boxName)
 	if err != nil {
 		return Result{}, err
 	}

@@ -91,7 +91,7 @@ func PruneImage(ctx context.Context, h *domain.Host, st Store, images image.Stor
 // lockedUsers takes the host lock and returns ImageUsers under it; the
 // caller unlocks once it has acted on them.
 func lockedUsers(ctx context.Context, h *domain.Host, st Store) (map[string][]string, func(), error) {
-	unlock, err := h.Lock()
+	unlock, err := h.Lock(ctx)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -100,16 +100,16 @@ func undoOnBox(ctx context.Context, h *domain.Host, p partial) error {
 
 // Remove deletes a snapshot. It refuses while boxes depend on it: clones
 // map its state file and their disks are overlays on its disk.
-func Remove(h *domain.Host, st Store, name string) error {
-	return RemoveIf(h, st, name, nil)
+func Remove(ctx context.Context, h *domain.Host, st Store, name string) error {
+	return RemoveIf(ctx, h, st, name, nil)
 }
 
 // RemoveIf is Remove of the snapshot called name as it is under the host
 // lock: check (nil: none) gets it first, and an error from it leaves it.
-func RemoveIf(h *domain.Host, st Store, name string, check func(Snapshot) error) error {
+func RemoveIf(ctx context.Context, h *domain.Host, st Store, name string, check func(Snapshot) error) error {
 	// Under the host lock: a clone being defined right now holds it, so
 	// it is either listed below or sees the snapshot gone.
-	unlock, err := h.Lock()
+	unlock, err := h.Lock(ctx)
 	if err != nil {
 		return err
 	}

@@ -54,7 +54,7 @@ type SuspendOptions struct {
 // SuspendWith is Suspend with o.
 func SuspendWith(ctx context.Context, h *domain.Host, name string, o SuspendOptions) (SuspendResult, error) {
 	t0 := time.Now()
-	box, dom, release, err := h.LockedLookup(name)
+	box, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return SuspendResult{}, err
 	}

@@ -31,7 +31,7 @@ type ResumeResult struct {
 // box (never suspended again with an older state than its disk's).
 func Resume(ctx context.Context, h *domain.Host, name string, agentTimeout time.Duration) (ResumeResult, error) {
 	t0 := time.Now()
-	box, dom, release, err := h.LockedLookup(name)
+	box, dom, release, err := h.LockedLookup(ctx, name)
 	if err != nil {
 		return ResumeResult{}, err
 	}

@@ -48,7 +48,7 @@ func (a *app) newCmdNetwork() *cobra.Command {
 		Example: "  kvbox network rm",
 		Args:    exactArgs(0, "no arguments"),
 		RunE: a.withHost(func(c *cobra.Command, k *kvbox.Host, args []string) error {
-			if err := k.RemoveNetwork(); err != nil {
+			if err := k.RemoveNetwork(c.Context()); err != nil {
 				return err
 			}
 			fmt.Fprintf(a.io.Out, "✓ network %s removed\n", k.Network().Bridge)
