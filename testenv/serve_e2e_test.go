@@ -251,6 +251,7 @@ func TestServe(t *testing.T) {
 	}
 
 	t.Run("secrets", func(t *testing.T) { secretsStep(t, p, template, page) })
+	t.Run("busy box", func(t *testing.T) { busyBoxStep(t, p, template) })
 
 	t.Run("restart", func(t *testing.T) {
 		v := envdtest.Versions[0]
