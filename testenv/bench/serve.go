@@ -16,8 +16,13 @@ import (
 	"kvbox.dev/kvbox/image"
 )
 
-// serveSDK is the version of the E2B SDK the serve section drives.
-const serveSDK = "2.51.0"
+// serveSDK is the version of the E2B SDK the serve section drives, and
+// servePySDK that of the Python SDK (testenv/e2b-py/V, its virtualenv in
+// the test environment's cache).
+const (
+	serveSDK   = "2.51.0"
+	servePySDK = "2.63.0"
+)
 
 // firstCommand is what the SDK's commands.run('true') runs in the guest:
 // every command it runs is an argument of a login shell. The CLI runs the
@@ -59,9 +64,18 @@ func benchServe(ctx context.Context, e *env) error {
 		return err
 	}
 	defer node.stop()
+	py := filepath.Join(envOr("KVBOX_TESTENV_CACHE", "/var/cache/kvbox-testenv"), "e2b-py", servePySDK, "bin", "python")
+	if _, err := os.Stat(py); err != nil {
+		return fmt.Errorf("the E2B Python SDK %s: %w (make testenv installs it)", servePySDK, err)
+	}
+	pyd, err := startDriver(ctx, e, addr, []string{py, "-I", filepath.Join("testenv", "e2b-py", "bench.py")}, "KVBOX_TEMPLATE="+tmpl)
+	if err != nil {
+		return err
+	}
+	defer pyd.stop()
 
 	var t serveTimes
-	if err := t.sdkAndCLI(ctx, e, node, tmpl); err != nil {
+	if err := t.sdkAndCLI(ctx, e, node, pyd, tmpl); err != nil {
 		return err
 	}
 	if err := t.coldBoots(ctx, e, im.Name); err != nil {
@@ -100,6 +114,7 @@ func serveTemplate(ctx context.Context, e *env, img string) (string, error) {
 // serveTimes is what the serve section measured.
 type serveTimes struct {
 	sdkCreate, sdkFirst, cliClone, cliFirst []time.Duration
+	pyCreate, pyFirst                       []time.Duration
 	cold                                    []time.Duration
 	many                                    sdkMany
 	cliMany                                 time.Duration
@@ -124,11 +139,14 @@ func cliWarm(ctx context.Context, e *env, tmpl string, i int) (cliTimes, error) 
 	return cliTimes{clone, clone + exec}, err
 }
 
-// sdkAndCLI times e.n sandboxes through the SDK, each followed by a warm
-// clone through the CLI, after a first of each that is not counted (page
-// cache, the SDK's connections).
-func (t *serveTimes) sdkAndCLI(ctx context.Context, e *env, node *sdkProc, tmpl string) error {
+// sdkAndCLI times e.n sandboxes through the JS SDK, each followed by one
+// through the Python SDK and a warm clone through the CLI, after a first
+// of each that is not counted (page cache, the SDKs' connections).
+func (t *serveTimes) sdkAndCLI(ctx context.Context, e *env, node, pyd *sdkProc, tmpl string) error {
 	if _, err := node.one(); err != nil {
+		return err
+	}
+	if _, err := pyd.one(); err != nil {
 		return err
 	}
 	if _, err := cliWarm(ctx, e, tmpl, -1); err != nil {
@@ -140,6 +158,11 @@ func (t *serveTimes) sdkAndCLI(ctx context.Context, e *env, node *sdkProc, tmpl 
 			return err
 		}
 		t.sdkCreate, t.sdkFirst = append(t.sdkCreate, r.create), append(t.sdkFirst, r.first)
+		p, err := pyd.one()
+		if err != nil {
+			return err
+		}
+		t.pyCreate, t.pyFirst = append(t.pyCreate, p.create), append(t.pyFirst, p.first)
 		c, err := cliWarm(ctx, e, tmpl, i)
 		if err != nil {
 			return err
@@ -195,16 +218,20 @@ func (t *serveTimes) print(e *env, img string) {
 	row := func(what string, ds []time.Duration) {
 		fmt.Printf("  %-44s %7.0f ms %7.0f ms\n", what, ms(pct(ds, 50)), ms(pct(ds, 90)))
 	}
-	fmt.Printf("Debian template (%s), a server running; %d of each, SDK and CLI alternated; e2b %s over kvbox serve\n", img, e.n, serveSDK)
+	fmt.Printf("Debian template (%s), a server running; %d of each, the SDKs and the CLI alternated; e2b %s (JS) and %s (Python) over kvbox serve\n", img, e.n, serveSDK, servePySDK)
 	fmt.Printf("  %-44s %10s %10s\n", "", "p50", "p90")
 	row("SDK Sandbox.create", sdkCreate)
 	row("SDK create to the first command's end", sdkFirst)
+	row("Python SDK Sandbox.create", t.pyCreate)
+	row("Python SDK create to the first command's end", t.pyFirst)
 	row("CLI kvbox new --from --ttl 10m", cliClone)
 	row("CLI new --from, then exec bash -l -c true", cliFirst)
 	row(fmt.Sprintf("cold boot: new --image, then the same (%d)", len(cold)), cold)
 	d := pct(sdkFirst, 50) - pct(cliFirst, 50)
 	fmt.Printf("SDK create to first command minus CLI clone + exec, p50: %+.0f ms (target: at most +150 ms); p90: %+.0f ms\n",
 		ms(d), ms(pct(sdkFirst, 90)-pct(cliFirst, 90)))
+	fmt.Printf("Python SDK create to first command minus CLI clone + exec, p50: %+.0f ms; p90: %+.0f ms\n",
+		ms(pct(t.pyFirst, 50)-pct(cliFirst, 50)), ms(pct(t.pyFirst, 90)-pct(cliFirst, 90)))
 	fmt.Printf("ratio cold boot / SDK create to first command (p50): %.1fx\n", float64(pct(cold, 50))/float64(pct(sdkFirst, 50)))
 	fmt.Printf("10 creates at once through the SDK: all ten at their first command's end in %.0f ms; each create p50 %.0f ms, p90 %.0f ms\n",
 		ms(many.wall), ms(pct(many.creates, 50)), ms(pct(many.creates, 90)))
@@ -251,7 +278,7 @@ func startServe(ctx context.Context, e *env) (*serveProc, string, error) {
 	return nil, "", fmt.Errorf("kvbox serve ended before it listened")
 }
 
-// sdkProc is testenv/e2b/bench.mjs, driven a line at a time.
+// sdkProc is an SDK's side of a section (testenv/e2b/bench.mjs, a bench.py), driven a line at a time.
 type sdkProc struct {
 	cmd *exec.Cmd
 	in  io.WriteCloser
